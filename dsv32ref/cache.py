@@ -1,0 +1,174 @@
+"""Paged caches and the per-step metadata that addresses them (vLLM's names).
+
+Layout, per layer:
+    latent cache     [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]   rows [c_kv | k_pe]
+    indexer-key cache [num_blocks, block_size, index_head_dim]                   only "full" indexer layers
+
+A sequence owns a list of blocks (its row of `block_table`); its token at position p lives in slot
+block_table[b, p // block_size] * block_size + p % block_size. A step writes its new tokens through
+`slot_mapping` [T] and reads a sequence's first seq_lens[b] tokens back through its block-table row.
+
+Top-k indices are *logical token positions* within the query's own sequence (0..seq_len-1, -1 = none):
+the kernel, not the indexer, translates them through the block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv32ref.checks import check_tensor
+from dsv32ref.config import ModelConfig
+
+__all__ = ["AttentionMetadata", "BlockAllocator", "PagedKVCache", "gather_tokens"]
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything one forward step needs to find its tokens in the paged caches.
+
+    Requests are packed back to back: request b's query tokens are rows
+    query_start_loc[b] : query_start_loc[b+1] of the flattened [T, ...] activations.
+
+    Device tensors (what kernels read):
+        positions       int64 [T]           position of each query token in its sequence
+        slot_mapping    int64 [T]           cache slot each new token is written to
+        query_start_loc int32 [B + 1]
+        seq_lens        int32 [B]           tokens in the cache after this step (context + new)
+        block_table     int32 [B, max_blocks_per_seq]  (unused entries -1)
+    Host copies (what host-side code branches on): query_start_loc_cpu, seq_lens_cpu (lists).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    block_size: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    def query_lens(self) -> list[int]:
+        q = self.query_start_loc_cpu
+        return [q[i + 1] - q[i] for i in range(self.num_reqs)]
+
+    def context_lens(self) -> list[int]:
+        return [s - n for s, n in zip(self.seq_lens_cpu, self.query_lens())]
+
+    @classmethod
+    def build(
+        cls,
+        context_lens: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Metadata for B requests, request b adding query_lens[b] tokens after context_lens[b] cached ones."""
+        if not (len(context_lens) == len(query_lens) == len(block_tables)) or not query_lens:
+            raise ValueError(
+                f"AttentionMetadata.build: context_lens ({len(context_lens)}), query_lens ({len(query_lens)}) "
+                f"and block_tables ({len(block_tables)}) must have one equal, non-zero length"
+            )
+        positions, slots, qsl = [], [], [0]
+        for b, (ctx, n, blocks) in enumerate(zip(context_lens, query_lens, block_tables)):
+            if ctx < 0 or n < 1:
+                raise ValueError(f"request {b}: context_len {ctx} must be >= 0 and query_len {n} >= 1")
+            if len(blocks) * block_size < ctx + n:
+                raise ValueError(
+                    f"request {b}: block_tables[{b}] has {len(blocks)} blocks of {block_size} for "
+                    f"{ctx + n} tokens"
+                )
+            for p in range(ctx, ctx + n):
+                positions.append(p)
+                slots.append(blocks[p // block_size] * block_size + p % block_size)
+            qsl.append(qsl[-1] + n)
+        width = max(len(bt) for bt in block_tables)
+        table = torch.full((len(block_tables), width), -1, dtype=torch.int32)
+        for b, bt in enumerate(block_tables):
+            table[b, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+        seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+        return cls(
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=table.to(device),
+            block_size=block_size,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+
+
+class BlockAllocator:
+    """A free list of cache blocks; each sequence id owns a growing list of block ids."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.tables: dict[int, list[int]] = {}
+
+    def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Grow sequence `seq_id` to hold num_tokens tokens; returns its block list."""
+        table = self.tables.setdefault(seq_id, [])
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need > len(self.free):
+            raise RuntimeError(
+                f"BlockAllocator: sequence {seq_id} needs {need} more blocks, {len(self.free)} free"
+            )
+        table.extend(self.free.pop() for _ in range(max(need, 0)))
+        return table
+
+    def release(self, seq_id: int) -> None:
+        self.free.extend(reversed(self.tables.pop(seq_id, [])))
+
+
+class PagedKVCache:
+    """Per-layer latent and indexer-key caches. Shared (IndexShare) layers have no indexer cache."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"PagedKVCache: num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
+        self.latent = [
+            torch.zeros(num_blocks, block_size, config.latent_dim, dtype=dtype, device=device)
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.indexer_k = [
+            torch.zeros(num_blocks, block_size, config.index_head_dim, dtype=dtype, device=device)
+            if config.runs_indexer(i) else None
+            for i in range(config.num_hidden_layers)
+        ]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.latent + self.indexer_k if t is not None)
+
+
+def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache [NB, BS, D] <- rows [T, D] at slot_mapping [T] (flattened slot ids)."""
+    nb, bs, d = cache.shape
+    check_tensor("rows", rows, shape=(slot_mapping.shape[0], d))
+    if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= nb * bs):
+        raise ValueError(f"slot_mapping: slots must lie in [0, {nb * bs}), got "
+                         f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
+    cache.view(nb * bs, d).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+
+
+def gather_tokens(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len token rows [seq_len, D] of one sequence, read through its block-table row."""
+    nb, bs, d = cache.shape
+    pos = torch.arange(seq_len, device=cache.device)
+    blocks = block_table_row.to(cache.device).long()[pos // bs]
+    if seq_len and (int(blocks.min()) < 0 or int(blocks.max()) >= nb):
+        raise ValueError(f"block_table: sequence of {seq_len} tokens reads blocks outside [0, {nb})")
+    return cache.view(nb * bs, d)[blocks * bs + pos % bs]

@@ -1,0 +1,218 @@
+"""HF-format checkpoints: load (fp8 128x128-block weights dequantised, MTP layers skipped), save, dummy init.
+
+A released checkpoint stores most linear weights as float8_e4m3fn [out, in] with a `weight_scale_inv`
+fp32 [ceil(out/128), ceil(in/128)]: W = fp8 * scale_inv, block by block. The embedding, lm_head, norms,
+the router (`mlp.gate`) and `indexer.weights_proj` stay in bf16/fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+
+import torch
+
+from dsv32ref.config import ModelConfig
+from dsv32ref.hf_config import to_hf
+from dsv32ref.reference.model import DeepseekV32ForCausalLM
+from dsv32ref.reference.rope import rope_inv_freq
+
+__all__ = ["load_pretrained", "save_pretrained", "init_dummy_weights", "quantize_fp8_blocks",
+           "dequantize_fp8_blocks"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_BF16_LINEARS = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "indexer.weights_proj.weight")
+
+
+def _is_fp8_weight(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith(".weight") and not name.endswith(_BF16_LINEARS) and "norm" not in name
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (float8_e4m3fn [out, in], weight_scale_inv fp32 [ceil(out/bo), ceil(in/bi)])."""
+    bo, bi = block
+    out_f, in_f = w.shape
+    nbo, nbi = -(-out_f // bo), -(-in_f // bi)
+    padded = torch.zeros(nbo * bo, nbi * bi, dtype=torch.float32, device=w.device)
+    padded[:out_f, :in_f] = w.float()
+    blocks = padded.view(nbo, bo, nbi, bi)  # (row blocks, bo, col blocks, bi)
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # (nbo, nbi)
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(nbo * bo, nbi * bi)[:out_f, :in_f].contiguous(), scale_inv
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """float8 [out, in] * scale_inv [ceil(out/bo), ceil(in/bi)] broadcast over each block -> fp32 [out, in]."""
+    bo, bi = block
+    out_f, in_f = q.shape
+    expected = (-(-out_f // bo), -(-in_f // bi))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"weight_scale_inv: expected shape {list(expected)} for a weight of {[out_f, in_f]}, "
+                         f"got {list(scale_inv.shape)}")
+    s = scale_inv.float().repeat_interleave(bo, 0)[:out_f].repeat_interleave(bi, 1)[:, :in_f]
+    return q.float() * s
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+def _open_shards(path: str) -> dict[str, str]:
+    """tensor name -> shard file, from the index json or the single file."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{INDEX_FILE}: no readable weight_map ({e!r})") from None
+        missing_files = sorted({fn for fn in weight_map.values() if not os.path.exists(os.path.join(path, fn))})
+        if missing_files:
+            raise ValueError(f"{INDEX_FILE}: shards listed but absent: {missing_files}")
+        return {name: os.path.join(path, fn) for name, fn in weight_map.items()}
+    single = os.path.join(path, SINGLE_FILE)
+    if not os.path.exists(single):
+        raise ValueError(f"checkpoint {path!r}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                    device: torch.device | str = "cpu", form: str = "absorbed",
+                    deployed_numerics: bool = False) -> DeepseekV32ForCausalLM:
+    """Build the model from an HF-format directory (config.json + safetensors, single or sharded).
+
+    Raises ValueError naming every missing, unexpected or mis-shaped tensor at once.
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    config = ModelConfig.from_hf(path)
+    block = tuple((config.extra.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+    where = _open_shards(path)
+    with torch.device("meta"):
+        model = DeepseekV32ForCausalLM(config, form, deployed_numerics)
+    model = model.to(dtype).to_empty(device=device)
+    # to_empty leaves buffers uninitialised; the RoPE frequencies are not in checkpoints: recompute.
+    model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
+    expected = model.state_dict()
+
+    names = set()
+    for name in where:
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= config.num_hidden_layers:
+            continue  # MTP (next-token prediction) layers: not part of the causal LM
+        if not name.endswith("_scale_inv"):
+            names.add(name)
+    problems = []
+    problems += [f"missing: {n}" for n in sorted(set(expected) - names)]
+    problems += [f"unexpected: {n}" for n in sorted(names - set(expected))]
+    handles: dict[str, object] = {}
+
+    def read(name: str) -> torch.Tensor:
+        file = where[name]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt")
+        return handles[file].get_tensor(name)
+
+    loaded = {}
+    for name in sorted(names & set(expected)):
+        t = read(name)
+        if t.dtype == torch.float8_e4m3fn:
+            scale_name = name + "_scale_inv"
+            if scale_name not in where:
+                problems.append(f"missing: {scale_name} (for fp8 tensor {name})")
+                continue
+            try:
+                t = dequantize_fp8_blocks(t, read(scale_name), block)
+            except ValueError as e:
+                problems.append(f"mis-shaped: {scale_name}: {e}")
+                continue
+        if tuple(t.shape) != tuple(expected[name].shape):
+            problems.append(f"mis-shaped: {name}: expected {list(expected[name].shape)}, got {list(t.shape)}")
+            continue
+        loaded[name] = t
+    if problems:
+        raise ValueError(f"checkpoint {path!r} does not match config ({config.model_type}, "
+                         f"{config.num_hidden_layers} layers):\n  " + "\n  ".join(problems))
+    with torch.no_grad():
+        for name, t in loaded.items():
+            expected[name].copy_(t)
+    return model.eval()
+
+
+# ---- saving ----------------------------------------------------------------------------------------
+
+def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, fp8: bool = False,
+                    max_shard_bytes: int | None = None, config_form: str = "released") -> None:
+    """Write config.json and safetensors (fp8 128x128 blocks if fp8; several shards past max_shard_bytes)."""
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    config_json = to_hf(model.config, form=config_form)
+    if fp8:
+        config_json["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                              "quant_method": "fp8", "weight_block_size": [128, 128]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_json, f, indent=2)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu()
+        if fp8 and _is_fp8_weight(name, t):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(t)
+        else:
+            tensors[name] = t.contiguous()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, SINGLE_FILE))
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fn))
+        weight_map.update({name: fn for name in shard})
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                   "weight_map": weight_map}, f, indent=2)
+
+
+# ---- dummy weights ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Reproducible weights whose attention and top-k selection are not degenerate.
+
+    Each tensor draws from its own generator seeded by (seed, name), on the CPU, so a tensor's values
+    do not depend on the order or the device. Linear weights ~ N(0, 1/fan_in) keep every activation
+    O(1); norm weights ~ 1 + N(0, 0.05^2), biases ~ N(0, 0.05^2), embeddings ~ N(0, 1). With these, the
+    attention logits have a spread of order 1 (softmax neither uniform nor one-hot) and indexer scores
+    differ between queries; `tests/test_checkpoint.py` checks both.
+    """
+    for name, p in model.named_parameters():
+        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        x = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        if name.endswith("e_score_correction_bias"):
+            x = 0.01 * x
+        elif name.endswith("bias"):
+            x = 0.05 * x
+        elif "norm" in name:
+            x = 1.0 + 0.05 * x
+        elif name.endswith("embed_tokens.weight"):
+            pass
+        else:  # a linear [out, in]
+            x = x / p.shape[-1] ** 0.5
+        p.copy_(x.to(device=p.device, dtype=p.dtype))
+    return model

@@ -1,0 +1,188 @@
+"""config.json (HF) -> ModelConfig keyword arguments, for both released and current transformers forms.
+
+Every key is either consumed, checked against the only value the reference implements, or listed as
+having no effect on the math. Anything else is an error: a silently ignored key is how a reference drifts
+from the model it claims to describe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv32ref.config import indexer_types_from_schedule
+
+MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+# Copied straight into ModelConfig.
+_DIRECT = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "first_k_dense_replace", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+    "routed_scaling_factor", "norm_topk_prob", "rms_norm_eps", "max_position_embeddings",
+    "num_nextn_predict_layers", "indexer_rope_interleave",
+)
+_REQUIRED = _DIRECT[:21]  # every size and the router's constants; the rest have defaults
+
+# Keys whose value is fixed by the architecture: any other value is an error.
+_FIXED: dict[str, Any] = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "moe_layer_freq": 1,
+    "mlp_bias": False,
+}
+# Keys with no effect on the forward pass (bookkeeping, training-only, or derived elsewhere).
+_IGNORED = {
+    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "quantization_config", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
+    "initializer_range", "attention_dropout", "ep_size", "aux_loss_alpha", "seq_aux", "pretraining_tp",
+    "rope_interleave", "num_key_value_heads", "head_dim", "qk_head_dim", "layer_types",
+    "mlp_layer_types", "rope_theta", "rope_scaling", "rope_parameters", "indexer_types",
+    "index_topk_freq", "index_skip_topk_offset", "index_topk_pattern", "output_router_logits",
+    "router_aux_loss_coef", "partial_rotary_factor", "use_sliding_window", "sliding_window",
+}
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim")
+
+
+def parse(raw: dict) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"config.json: expected a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"config.json: model_type expected one of {MODEL_TYPES}, got {model_type!r}")
+    unknown = sorted(set(raw) - set(_DIRECT) - set(_FIXED) - _IGNORED)
+    if unknown:
+        raise ValueError(f"config.json: unknown fields {unknown} (model_type {model_type})")
+    for key, expected in _FIXED.items():
+        if key in raw and raw[key] != expected:
+            raise ValueError(f"config.json: {key}={raw[key]!r} is not supported; expected {expected!r}")
+
+    kw: dict[str, Any] = {"model_type": model_type}
+    for key in _DIRECT:
+        if key in raw:
+            kw[key] = raw[key]
+    _check_mlp_layer_types(raw, kw)  # may supply first_k_dense_replace
+    missing = [k for k in _REQUIRED if k not in kw]
+    if missing:
+        raise ValueError(f"config.json: missing required fields {missing}")
+    kw.setdefault("indexer_rope_interleave", model_type == "glm_moe_dsa")
+
+    heads = raw.get("num_key_value_heads", kw["num_attention_heads"])
+    if heads != kw["num_attention_heads"]:
+        raise ValueError(
+            f"config.json: num_key_value_heads={heads} != num_attention_heads={kw['num_attention_heads']}"
+        )
+    if "head_dim" in raw and model_type == "glm_moe_dsa" and raw["head_dim"] != kw["qk_rope_head_dim"]:
+        raise ValueError(
+            f"config.json: head_dim={raw['head_dim']} must equal qk_rope_head_dim={kw['qk_rope_head_dim']}"
+        )
+    kw["rope_theta"], kw["rope_scaling"] = _rope(raw)
+    kw["indexer_types"] = _indexer_types(raw, kw["num_hidden_layers"])
+    kw["extra"] = {k: raw[k] for k in raw if k in _IGNORED}
+    return kw
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    """(theta, yarn dict or None) from `rope_parameters` and/or `rope_theta` + `rope_scaling`."""
+    forms = []
+    if "rope_parameters" in raw and raw["rope_parameters"] is not None:
+        params = dict(raw["rope_parameters"])
+        if "rope_theta" not in params:
+            raise ValueError("config.json: rope_parameters has no rope_theta")
+        forms.append(("rope_parameters", float(params["rope_theta"]), params))
+    if "rope_theta" in raw:
+        forms.append(("rope_theta/rope_scaling", float(raw["rope_theta"]), dict(raw.get("rope_scaling") or {})))
+    if not forms:
+        raise ValueError("config.json: neither rope_parameters nor rope_theta is given")
+    parsed = []
+    for where, theta, params in forms:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type in ("default", None) or not params:
+            parsed.append((where, theta, None))
+        elif rope_type == "yarn":
+            missing = [k for k in _YARN_KEYS[:4] if k not in params]
+            if missing:
+                raise ValueError(f"config.json: {where} of type yarn misses {missing}")
+            yarn = {"type": "yarn", **{k: params[k] for k in _YARN_KEYS if k in params}}
+            parsed.append((where, theta, yarn))
+        else:
+            raise ValueError(f"config.json: {where}: rope type {rope_type!r} is not supported (default, yarn)")
+    if len(parsed) == 2 and parsed[0][1:] != parsed[1][1:]:
+        raise ValueError(f"config.json: rope_parameters and rope_theta/rope_scaling disagree: {parsed}")
+    return parsed[0][1], parsed[0][2]
+
+
+def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
+    if raw.get("indexer_types") is not None:
+        types = tuple(raw["indexer_types"])
+    elif raw.get("index_topk_pattern") is not None:
+        pattern = raw["index_topk_pattern"]
+        letters = {"F": "full", "S": "shared"}
+        if isinstance(pattern, str):
+            if set(pattern) - set(letters):
+                raise ValueError(f"config.json: index_topk_pattern {pattern!r} has letters other than F/S")
+            types = tuple(letters[c] for c in pattern)
+        else:
+            types = tuple(pattern)
+    elif "index_topk_freq" in raw or "index_skip_topk_offset" in raw:
+        types = indexer_types_from_schedule(
+            num_layers, raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2)
+        )
+    else:
+        return None
+    if "index_topk_freq" in raw and raw.get("indexer_types") is not None:
+        derived = indexer_types_from_schedule(
+            num_layers, raw["index_topk_freq"], raw.get("index_skip_topk_offset", 2)
+        )
+        if derived != types:
+            raise ValueError("config.json: indexer_types disagrees with index_topk_freq/index_skip_topk_offset")
+    return types
+
+
+def _check_mlp_layer_types(raw: dict, kw: dict) -> None:
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        return
+    n = kw.get("num_hidden_layers", len(types))
+    if len(types) != n or set(types) - {"dense", "sparse"}:
+        raise ValueError(f"config.json: mlp_layer_types must be {n} entries of 'dense'/'sparse'")
+    k = types.index("sparse") if "sparse" in types else n
+    if any(t != "sparse" for t in types[k:]):
+        raise ValueError("config.json: mlp_layer_types must be dense layers first, then sparse ones")
+    if "first_k_dense_replace" in kw and kw["first_k_dense_replace"] != k:
+        raise ValueError(
+            f"config.json: mlp_layer_types has {k} dense layers but first_k_dense_replace="
+            f"{kw['first_k_dense_replace']}"
+        )
+    kw["first_k_dense_replace"] = k
+
+
+def to_hf(config, form: str = "released") -> dict[str, Any]:
+    """ModelConfig -> config.json dict. form "released": rope_theta + rope_scaling, IndexShare as
+    index_topk_freq-free `indexer_types`; form "current": transformers' rope_parameters."""
+    if form not in ("released", "current"):
+        raise ValueError(f"form: expected 'released' or 'current', got {form!r}")
+    raw: dict[str, Any] = {"model_type": config.model_type, "architectures": [
+        "DeepseekV32ForCausalLM" if config.model_type == "deepseek_v32" else "GlmMoeDsaForCausalLM"]}
+    for key in _DIRECT:
+        raw[key] = getattr(config, key)
+    raw["num_key_value_heads"] = config.num_attention_heads
+    raw.update({k: v for k, v in _FIXED.items() if k in ("hidden_act", "attention_bias", "tie_word_embeddings")})
+    if form == "released":
+        raw["rope_theta"] = config.rope_theta
+        if config.rope_scaling is not None:
+            raw["rope_scaling"] = dict(config.rope_scaling)
+    else:
+        params = {"rope_theta": config.rope_theta, "rope_type": "default"}
+        if config.rope_scaling is not None:
+            params.update({k: v for k, v in config.rope_scaling.items() if k != "type"}, rope_type="yarn")
+        raw["rope_parameters"] = params
+        raw["mlp_layer_types"] = ["dense" if not config.is_moe_layer(i) else "sparse"
+                                  for i in range(config.num_hidden_layers)]
+    if config.indexer_types is not None:
+        raw["indexer_types"] = list(config.indexer_types)
+    return raw

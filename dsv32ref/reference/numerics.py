@@ -1,0 +1,62 @@
+"""The "deployed numerics" of DeepSeek-V3.2's inference code, as round trips on ordinary tensors.
+
+- The indexer rotates q and k by a Hadamard transform (scale n^-1/2, orthogonal: dot products unchanged)
+  so that outliers spread across the 128 values before fp8 quantisation.
+- fp8 e4m3 with ue8m0 scales: one power-of-two scale per 128 values, s = 2^ceil(log2(max(amax, 1e-4)/448)).
+- The latent cache stores c_kv in that fp8 format (k_pe stays bf16).
+
+The reference stores dequantised values, which is numerically what a kernel reading fp8 + scale sees.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+QUANT_BLOCK = 128
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard(n: int) -> torch.Tensor:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard_transform: size must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:  # Sylvester: H_2n = [[H, H], [H, -H]]
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h * n ** -0.5
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """x @ H_n (orthonormal Sylvester Hadamard) over the last dim, computed in >= fp32."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    h = _hadamard(x.shape[-1]).to(device=x.device, dtype=dt)
+    return (x.to(dt) @ h).to(x.dtype)
+
+
+def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scale so that amax / s <= 448: s = 2^ceil(log2(max(amax, 1e-4) / 448))."""
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-4) / FP8_E4M3_MAX)))
+
+
+def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> (fp8 e4m3 values [..., n], fp32 scales [..., n/block]) with ue8m0 scales."""
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"fp8_quantize: last dim {n} is not a multiple of the block {block}")
+    xb = x.float().reshape(*x.shape[:-1], n // block, block)  # (..., blocks, block)
+    scale = ue8m0_scale(xb.abs().amax(-1))
+    q = (xb / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(x.shape), scale
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
+    n = q.shape[-1]
+    qb = q.float().reshape(*q.shape[:-1], n // block, block)
+    return (qb * scale[..., None]).reshape(q.shape)
+
+
+def fp8_round_trip(x: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
+    """What a kernel reading the fp8 copy of x sees, in x's dtype."""
+    return fp8_dequantize(*fp8_quantize(x, block), block=block).to(x.dtype)
