@@ -17,7 +17,6 @@ import torch
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
-from dsv32ref.reference.rope import rope_inv_freq
 
 __all__ = ["load_pretrained", "save_pretrained", "init_dummy_weights", "quantize_fp8_blocks",
            "dequantize_fp8_blocks"]
@@ -96,9 +95,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     where = _open_shards(path)
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config, form, deployed_numerics)
-    model = model.to(dtype).to_empty(device=device)
-    # to_empty leaves buffers uninitialised; the RoPE frequencies are not in checkpoints: recompute.
-    model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
+    model = model.to(dtype).to_empty(device=device)  # RotaryEmbedding recomputes its frequencies here
     expected = model.state_dict()
 
     names = set()

@@ -75,6 +75,22 @@ class DeepseekV32Attention(nn.Module):
         """[H, v_head_dim, kv_lora_rank]: v_h = W_UV[h] @ c_kv."""
         return self._kv_b()[:, self.qk_nope_head_dim:]
 
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The graph-safe projections: x [T, hidden] -> q_c [T, q_lora], q_nope [T, H, nope],
+        q_pe [T, H, rope] (roped), c_kv [T, kv_lora] (normed; fp8 round trip under deployed numerics),
+        k_pe [T, rope] (roped)."""
+        T = x.shape[0]
+        q_c = self.q_a_layernorm(self.q_a_proj(x))  # (T, q_lora_rank)
+        q = self.q_b_proj(q_c).view(T, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)  # (T, H, nope+rope)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=True)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)  # (T, kv_lora_rank)
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=True)  # (T, qk_rope)
+        if self.deployed_numerics:
+            c_kv = fp8_round_trip(c_kv, block=min(QUANT_BLOCK, self.kv_lora_rank))
+        return q_c, q_nope, q_pe, c_kv, k_pe
+
     def forward(
         self,
         x: torch.Tensor,
@@ -90,16 +106,7 @@ class DeepseekV32Attention(nn.Module):
         attends over each request's cached tokens. `prev_topk` is required on IndexShare layers.
         """
         T, H = x.shape[0], self.num_heads
-        # ---- query and latent projections (graph-safe in a serving engine) ----
-        q_c = self.q_a_layernorm(self.q_a_proj(x))  # (T, q_lora_rank)
-        q = self.q_b_proj(q_c).view(T, H, self.qk_nope_head_dim + self.qk_rope_head_dim)  # (T, H, nope+rope)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_pe = apply_rope(q_pe, cos, sin, interleaved=True)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)  # (T, kv_lora_rank)
-        k_pe = apply_rope(k_pe, cos, sin, interleaved=True)  # (T, qk_rope)
-        if self.deployed_numerics:
-            c_kv = fp8_round_trip(c_kv, block=min(QUANT_BLOCK, self.kv_lora_rank))
+        q_c, q_nope, q_pe, c_kv, k_pe = self.project(x, cos, sin)
         write_tokens(cache.latent, meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1))  # (T, 576)
 
         # ---- indexer: this layer's own top-k, or the shared one ----

@@ -52,7 +52,15 @@ class RotaryEmbedding(nn.Module):
         if float(ys.get("mscale", 1.0)) != float(ys.get("mscale_all_dim", ys.get("mscale", 1.0))):
             # HF would scale cos/sin by the ratio of the two mscales; no released DSA model needs it.
             raise ValueError(f"rope_scaling: mscale != mscale_all_dim is not supported, got {ys}")
+        self.config = config
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # Frequencies stay float64 and are recomputed after any move or cast (`model.to(bf16)` would round
+        # them; `to_empty` would leave them uninitialised): they are a function of the config alone.
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
         """positions [T] int -> (cos, sin), each [T, rope_dim/2] in `dtype` (fp32 unless float64)."""

@@ -1,0 +1,86 @@
+import math
+
+import pytest
+import torch
+
+from dsv32ref import ModelConfig
+from dsv32ref.reference.moe import MoE
+from dsv32ref.reference.numerics import fp8_quantize, fp8_round_trip, hadamard_transform, ue8m0_scale
+from helpers import rel_err
+
+
+def route_one_token(s, bias, c):
+    """DeepSeek-V3 noaux_tc routing of one token, with Python lists."""
+    E, G = len(s), c.n_group
+    choice = [s[e] + bias[e] for e in range(E)]
+    per = E // G
+    if G > 1:
+        gscore = [sum(sorted(choice[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(G)]
+        keep = sorted(range(G), key=lambda g: -gscore[g])[: c.topk_group]
+        allowed = [e for e in range(E) if e // per in keep]
+    else:
+        allowed = list(range(E))
+    chosen = sorted(allowed, key=lambda e: -choice[e])[: c.num_experts_per_tok]
+    total = sum(s[e] for e in chosen)
+    return {e: s[e] / total * c.routed_scaling_factor for e in chosen}
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3.2", "tiny-glm-5.2"])
+def test_moe_matches_per_token_routing(preset, seed):
+    c = ModelConfig.preset(preset)
+    moe = MoE(c).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(9, c.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        got = moe(x)
+        want = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            s = torch.sigmoid(moe.gate.weight @ x[t]).tolist()
+            for e, w in route_one_token(s, moe.gate.e_score_correction_bias.tolist(), c).items():
+                want[t] += w * moe.experts[e](x[t: t + 1])[0]
+            want[t] += moe.shared_experts(x[t: t + 1])[0]
+    assert rel_err(got, want) <= 1e-12
+
+
+def test_group_limit_excludes_experts_outside_kept_groups(seed):
+    c = ModelConfig.preset("tiny-deepseek-v3.2")  # 8 experts, 4 groups of 2, keep 2 groups, top-2
+    moe = MoE(c).double()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        # bias makes groups 1 and 3 win, but expert 0 alone has the single highest choice
+        moe.gate.e_score_correction_bias.copy_(torch.tensor([5.0, -9, 1, 1, -1, -1, 2, 2], dtype=torch.float64))
+        ids, w = moe.gate(torch.randn(3, c.hidden_size, dtype=torch.float64))
+    assert all(sorted(r) == [6, 7] for r in ids.tolist())
+    assert torch.allclose(w.sum(-1), torch.full((3,), c.routed_scaling_factor, dtype=torch.float64))
+
+
+def test_router_bias_stays_fp32_in_bf16_model():
+    moe = MoE(ModelConfig.preset("tiny-deepseek-v3.2")).to(torch.bfloat16)
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert moe.experts[0].gate_proj.weight.dtype == torch.bfloat16
+
+
+def test_hadamard_is_orthogonal_and_preserves_dots(seed):
+    x, y = torch.randn(5, 128, dtype=torch.float64), torch.randn(5, 128, dtype=torch.float64)
+    hx, hy = hadamard_transform(x), hadamard_transform(y)
+    assert torch.allclose((hx * hy).sum(-1), (x * y).sum(-1), atol=1e-10)
+    assert torch.allclose(hadamard_transform(hx), x, atol=1e-12)  # H is symmetric and orthonormal
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_transform(torch.zeros(3, 96))
+
+
+def test_fp8_ue8m0_round_trip(seed):
+    x = torch.randn(6, 256) * torch.logspace(-3, 3, 6)[:, None]
+    q, s = fp8_quantize(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (6, 2)
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two (ue8m0)
+    amax = x.view(6, 2, 128).abs().amax(-1)
+    assert (amax / s <= 448).all() and (amax / s > 224).all()  # the smallest power of two that fits
+    err = (fp8_round_trip(x) - x).abs()
+    # e4m3: 3 mantissa bits, so a normal value is off by at most 2^-4 of itself; subnormals by s * 2^-10
+    bound = torch.maximum(x.abs() * 2.0 ** -4, s.repeat_interleave(128, 1) * 2.0 ** -10)
+    assert (err <= bound * (1 + 1e-6)).all()
+    assert ue8m0_scale(torch.tensor([0.0])).item() == 2.0 ** math.ceil(math.log2(1e-4 / 448))
+    with pytest.raises(ValueError, match="not a multiple of the block 128"):
+        fp8_quantize(torch.zeros(2, 100))
