@@ -37,6 +37,7 @@ class AttentionMetadata:
         query_start_loc int32 [B + 1]
         seq_lens        int32 [B]           tokens in the cache after this step (context + new)
         block_table     int32 [B, max_blocks_per_seq]  (unused entries -1)
+        req_indices     int32 [T]           request of each query token (lets kernels stay graph-safe)
     Host copies (what host-side code branches on): query_start_loc_cpu, seq_lens_cpu (lists).
     """
 
@@ -45,6 +46,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
+    req_indices: torch.Tensor
     block_size: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
@@ -79,7 +81,7 @@ class AttentionMetadata:
                 f"AttentionMetadata.build: context_lens ({len(context_lens)}), query_lens ({len(query_lens)}) "
                 f"and block_tables ({len(block_tables)}) must have one equal, non-zero length"
             )
-        positions, slots, qsl = [], [], [0]
+        positions, slots, qsl, reqs = [], [], [0], []
         for b, (ctx, n, blocks) in enumerate(zip(context_lens, query_lens, block_tables)):
             if ctx < 0 or n < 1:
                 raise ValueError(f"request {b}: context_len {ctx} must be >= 0 and query_len {n} >= 1")
@@ -90,6 +92,7 @@ class AttentionMetadata:
                 )
             for p in range(ctx, ctx + n):
                 positions.append(p)
+                reqs.append(b)
                 slots.append(blocks[p // block_size] * block_size + p % block_size)
             qsl.append(qsl[-1] + n)
         width = max(len(bt) for bt in block_tables)
@@ -103,6 +106,7 @@ class AttentionMetadata:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_table=table.to(device),
+            req_indices=torch.tensor(reqs, dtype=torch.int32, device=device),
             block_size=block_size,
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,

@@ -1,0 +1,102 @@
+"""Assemble the two queries the sparse path consumes, one launch per layer.
+
+Motivation. After q_b_proj, the W_UK BMM and the indexer's wq_b / weights_proj GEMMs, the query side still
+needs: RoPE (interleaved) on each head's q_pe; the MQA query [q~ | q_pe] that sparse attention reads
+(q~ = W_UK^T q_nope, from the BMM); RoPE on the first qk_rope values of each indexer head (half-split on
+DeepSeek-V3.2, interleaved on GLM-5.x); the indexer weights scaled by index_n_heads^-1/2. One program per
+(token, head) does the MLA head, and, for head < index_n_heads, that indexer head and its weight.
+Memory-bound: per token, 2 (H (D_LAT + 2 D_ROPE) + 2 H_I D_I) bytes of bf16 plus 8 H_I of fp32 weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv32ref.checks import check_same_device, check_tensor
+from dsv32ref.kernels.fused_norm_rope import _rope_pairs
+
+__all__ = ["fused_q"]
+
+
+@triton.jit
+def _fused_q_kernel(
+    q_lat_ptr, stride_lt, stride_lh,  # q~ [T, H, D_LAT] (W_UK BMM output)
+    q_ptr, stride_qt, stride_qh,  # q [T, H, NOPE + ROPE] (q_b_proj output); q_pe at offset NOPE
+    q_mqa_ptr, stride_mt, stride_mh,  # out [T, H, D_LAT + ROPE]
+    qi_ptr, stride_it, stride_ih,  # indexer q [T, H_I, D_I] (wq_b output)
+    qi_out_ptr, stride_ot, stride_oh,  # out [T, H_I, D_I]
+    w_ptr, stride_wt, w_out_ptr, stride_wo,  # weights_proj output [T, H_I] fp32 -> scaled
+    pos_ptr, cos_ptr, sin_ptr, stride_cs, weight_scale, H_I,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, D_LAT: tl.constexpr, D_I: tl.constexpr,
+    INDEXER_INTERLEAVED: tl.constexpr, HAS_INDEXER: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    cos = cos_ptr + pos * stride_cs
+    sin = sin_ptr + pos * stride_cs
+    o = tl.arange(0, D_LAT)
+    dst = q_mqa_ptr + t * stride_mt + h * stride_mh
+    tl.store(dst + o, tl.load(q_lat_ptr + t * stride_lt + h * stride_lh + o).to(q_mqa_ptr.dtype.element_ty))
+    _rope_pairs(q_ptr + t * stride_qt + h * stride_qh + NOPE, dst + D_LAT, cos, sin, ROPE // 2, True)
+    if HAS_INDEXER:
+        if h < H_I:
+            src = qi_ptr + t * stride_it + h * stride_ih
+            out = qi_out_ptr + t * stride_ot + h * stride_oh
+            oi = tl.arange(0, D_I)
+            nope = oi >= ROPE
+            tl.store(out + oi, tl.load(src + oi, mask=nope).to(qi_out_ptr.dtype.element_ty), mask=nope)
+            _rope_pairs(src, out, cos, sin, ROPE // 2, INDEXER_INTERLEAVED)
+            w = tl.load(w_ptr + t * stride_wt + h)
+            tl.store(w_out_ptr + t * stride_wo + h, w * weight_scale)
+
+
+def fused_q(
+    q_lat: torch.Tensor, q: torch.Tensor, q_mqa: torch.Tensor, positions: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor,
+    q_idx: torch.Tensor | None = None, q_idx_out: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None, weights_out: torch.Tensor | None = None,
+    indexer_interleaved: bool = False,
+) -> None:
+    """q_mqa[t, h] = [q_lat[t, h] | RoPE(q[t, h, nope:])]; q_idx_out = q_idx with RoPE on its first rope values;
+    weights_out = weights * index_n_heads^-1/2.
+
+    q_lat [T, H, D_LAT]; q [T, H, nope + rope]; q_mqa [T, H, D_LAT + rope]; cos/sin fp32 [max_pos, rope/2];
+    q_idx / q_idx_out [T, H_I, D_I] with H_I <= H; weights / weights_out fp32 [T, H_I].
+    """
+    T, H, d_lat = check_tensor("q_lat", q_lat, shape=(None, None, None)).shape
+    rope = 2 * check_tensor("cos", cos, shape=(None, None), dtype=torch.float32).shape[1]
+    check_tensor("sin", sin, shape=tuple(cos.shape), dtype=torch.float32)
+    nope = check_tensor("q", q, shape=(T, H, None)).shape[2] - rope
+    check_tensor("q_mqa", q_mqa, shape=(T, H, d_lat + rope))
+    check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32))
+    has_indexer = q_idx is not None
+    h_i, d_i = 1, 16
+    if has_indexer:
+        _, h_i, d_i = check_tensor("q_idx", q_idx, shape=(T, None, None)).shape
+        if h_i > H:
+            raise ValueError(f"fused_q: index_n_heads ({h_i}) > num_attention_heads ({H}) is not supported")
+        check_tensor("q_idx_out", q_idx_out, shape=(T, h_i, d_i))
+        check_tensor("weights", weights, shape=(T, h_i), dtype=torch.float32)
+        check_tensor("weights_out", weights_out, shape=(T, h_i), dtype=torch.float32)
+    for name, v in (("kv_lora_rank", d_lat), ("qk_rope_head_dim", rope), ("index_head_dim", d_i)):
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"fused_q: {name} must be a power of two, got {v}")
+    for name, x in (("q_lat", q_lat), ("q", q), ("q_mqa", q_mqa), ("q_idx", q_idx), ("q_idx_out", q_idx_out)):
+        if x is not None and x.stride(-1) != 1:
+            raise ValueError(f"fused_q: {name} must have a contiguous last dim, got strides {x.stride()}")
+    check_same_device(q_lat=q_lat, q=q, q_mqa=q_mqa, positions=positions, cos=cos, q_idx=q_idx, weights=weights)
+    if T == 0:
+        return
+    qi, qo, w, wo = (q_idx, q_idx_out, weights, weights_out) if has_indexer else (q, q, cos, cos)
+    _fused_q_kernel[(T, H)](
+        q_lat, q_lat.stride(0), q_lat.stride(1), q, q.stride(0), q.stride(1),
+        q_mqa, q_mqa.stride(0), q_mqa.stride(1),
+        qi, qi.stride(0), qi.stride(1), qo, qo.stride(0), qo.stride(1),
+        w, w.stride(0), wo, wo.stride(0),
+        positions, cos, sin, cos.stride(0), h_i ** -0.5, h_i,
+        NOPE=nope, ROPE=rope, D_LAT=d_lat, D_I=d_i, INDEXER_INTERLEAVED=indexer_interleaved,
+        HAS_INDEXER=has_indexer, num_warps=4,
+    )

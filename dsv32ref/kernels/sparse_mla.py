@@ -1,0 +1,162 @@
+"""Sparse MLA attention over top-k indices on the paged latent cache (absorbed MQA form). Graph-safe.
+
+Motivation. After the indexer, each query token attends to index_topk = 2048 of its sequence's tokens.
+In the absorbed form all H heads share one latent row per key, [c_kv (D_LAT) | k_pe (D_ROPE)], and V is
+c_kv itself: a program loads a tile of gathered latent rows once and uses it for a block of heads, twice
+(QK^T, then PV). Nothing on the host depends on the data: the grid is (tokens, head blocks, d_v blocks),
+sequence lengths and block tables are read on the device, so the launch can be captured in a CUDA graph.
+
+Work per query token (DeepSeek-V3.2: H = 128, k = 2048, D_LAT = 512, D_ROPE = 64):
+    FLOPs  = 2 H k (D_LAT + D_ROPE) [QK] + 2 H k D_LAT [PV]          = 570 MFLOP
+    bytes >= k (D_LAT + D_ROPE) * 2 [gathered rows, bf16] + H (D_LAT + D_ROPE + D_LAT) * 2 [q, out]
+           = 2.36 MB + 0.28 MB
+so about 216 FLOP/byte at H = 128: past the H200's ridge (~185 FLOP/B measured): compute-bound. At GLM-5.2's
+H = 64, half the FLOPs over the same rows: memory-bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv32ref.checks import check_same_device, check_tensor
+
+__all__ = ["sparse_mla_paged", "SparseMLAConfig", "DEFAULT_CONFIG"]
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr, stride_qt, stride_qh,  # q [T, H, D_LAT + D_ROPE]
+    cache_ptr, stride_cb, stride_cs,  # latent cache [NB, BS, D_LAT + D_ROPE]
+    block_table_ptr, stride_bt,  # [B, max_blocks]
+    req_ptr, seq_lens_ptr,  # [T], [B]
+    idx_ptr, stride_it,  # top-k [T, K] int32 (token positions, -1 = none)
+    out_ptr, stride_ot, stride_oh,  # out [T, H, D_LAT]
+    lse_ptr, stride_lt,  # lse [T, H] fp32
+    sm_scale_log2,  # sm_scale * log2(e): softmax in base 2
+    H, K, block_size,
+    D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dv0 = tl.program_id(2) * BLOCK_DV
+    h_mask = offs_h < H
+    req = tl.load(req_ptr + t)
+    seq_len = tl.load(seq_lens_ptr + req)
+    offs_lat = tl.arange(0, D_LAT)
+    offs_rope = tl.arange(0, D_ROPE)
+    offs_dv = dv0 + tl.arange(0, BLOCK_DV)
+
+    q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    q_lat = tl.load(q_row + offs_lat[None, :], mask=h_mask[:, None], other=0.0)  # (BLOCK_H, D_LAT)
+    q_pe = tl.load(q_row + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0)  # (BLOCK_H, D_ROPE)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    num_iters = tl.cdiv(K, BLOCK_N)
+    for it in range(num_iters):
+        offs_n = it * BLOCK_N + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < K, other=-1)
+        valid = (idx >= 0) & (idx < seq_len)
+        pos = tl.where(valid, idx, 0)
+        blk = tl.load(block_table_ptr + req * stride_bt + pos // block_size, mask=valid, other=0)
+        row = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs  # (BLOCK_N,) row starts
+        k_lat = tl.load(row[:, None] + offs_lat[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT)
+        k_pe = tl.load(row[:, None] + D_LAT + offs_rope[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_ROPE)
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)  # (BLOCK_H, BLOCK_N)
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no valid key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if BLOCK_DV == D_LAT:
+            v = k_lat  # V is c_kv: reuse the tile already loaded
+        else:
+            v = tl.load(row[:, None] + offs_dv[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, BLOCK_DV)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    if tl.program_id(2) == 0:
+        lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+        tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_mask)
+
+
+class SparseMLAConfig(dict):
+    """Tile sizes: BLOCK_H heads x BLOCK_N keys per step, BLOCK_DV output columns per program."""
+
+
+DEFAULT_CONFIG = SparseMLAConfig(BLOCK_H=64, BLOCK_N=32, BLOCK_DV=256, num_warps=8, num_stages=2)
+
+
+def sparse_mla_paged(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk_indices: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out[t, h] = softmax_j(sm_scale q[t, h] . kv_j) @ c_kv_j over the valid top-k keys of token t.
+
+    q             [T, H, D_LAT + D_ROPE]   bf16 / fp16 / fp32 (the absorbed query [q~ | q_pe])
+    latent_cache  [NB, BS, D_LAT + D_ROPE] same dtype, last dim contiguous
+    block_table   int32 [B, max_blocks]; req_indices int32 [T]; seq_lens int32 [B]
+    topk_indices  int32 [T, K]             token positions in the sequence; < 0 or >= seq_len: skipped
+    out           [T, H, D_LAT]            written in place (caller-owned: graph-safe)
+    lse           fp32 [T, H] or None      natural-log logsumexp; +inf where no key is valid
+    D_LAT is taken as out.shape[-1] (kv_lora_rank); both it and D_ROPE must be powers of two.
+    """
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    T, H, D = check_tensor("q", q, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32)).shape
+    d_lat = check_tensor("out", out, shape=(T, H, None), dtype=q.dtype).shape[-1]
+    d_rope = D - d_lat
+    for name, v in (("kv_lora_rank (out.shape[-1])", d_lat), ("qk_rope_head_dim (q.shape[-1] - out.shape[-1])", d_rope)):
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"sparse_mla_paged: {name} must be a power of two, got {v}")
+    check_tensor("latent_cache", latent_cache, shape=(None, None, D), dtype=q.dtype)
+    B = check_tensor("seq_lens", seq_lens, shape=(None,), dtype=torch.int32).shape[0]
+    check_tensor("block_table", block_table, shape=(B, None), dtype=torch.int32)
+    check_tensor("req_indices", req_indices, shape=(T,), dtype=torch.int32)
+    check_tensor("topk_indices", topk_indices, shape=(T, None), dtype=torch.int32)
+    if lse is not None:
+        check_tensor("lse", lse, shape=(T, H), dtype=torch.float32)
+    check_same_device(q=q, latent_cache=latent_cache, block_table=block_table, req_indices=req_indices,
+                      seq_lens=seq_lens, topk_indices=topk_indices, out=out, lse=lse)
+    for name, t in (("q", q), ("latent_cache", latent_cache), ("out", out), ("topk_indices", topk_indices)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"sparse_mla_paged: {name} must have a contiguous last dim, got strides {t.stride()}")
+    if T == 0:
+        return out, lse
+    block_dv = min(cfg["BLOCK_DV"], d_lat)
+    block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(H)))
+    lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
+    grid = (T, triton.cdiv(H, block_h), d_lat // block_dv)
+    _sparse_mla_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        latent_cache, latent_cache.stride(0), latent_cache.stride(1),
+        block_table, block_table.stride(0), req_indices, seq_lens,
+        topk_indices, topk_indices.stride(0),
+        out, out.stride(0), out.stride(1),
+        lse_arg, lse_arg.stride(0),
+        sm_scale * math.log2(math.e), H, topk_indices.shape[1], latent_cache.shape[1],
+        D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse

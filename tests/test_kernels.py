@@ -1,0 +1,207 @@
+"""Triton kernels against the PyTorch reference: interpreted on CPU (small shapes), compiled on a GPU.
+
+Outputs are poisoned (NaN / sentinel) before each launch, so an element the kernel fails to write fails.
+"""
+
+import pytest
+import torch
+
+from dsv32ref import AttentionMetadata, ModelConfig
+from dsv32ref.cache import gather_tokens
+from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
+from dsv32ref.kernels.fused_q import fused_q
+from dsv32ref.kernels.indexer_topk import indexer_topk_paged, topk_from_scores
+from dsv32ref.kernels.sparse_mla import sparse_mla_paged
+from dsv32ref.reference import apply_rope, indexer_scores, layer_norm, rms_norm, sparse_mla, topk_indices
+from dsv32ref.reference.rope import RotaryEmbedding
+from helpers import rel_err
+
+# (device, dtype, tolerance on relative error): fp32 paths are exact to 1e-5, bf16 to 1e-2
+CASES = [
+    pytest.param("cpu", torch.float32, 1e-5, id="cpu-fp32"),
+    pytest.param("cuda", torch.float32, 1e-5, id="cuda-fp32", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.bfloat16, 1e-2, id="cuda-bf16", marks=pytest.mark.gpu),
+]
+
+
+def _sizes(device):
+    # Interpreted kernels run slowly: tiny sizes on the CPU, DeepSeek-V3.2-like ones on the GPU.
+    if device == "cpu":
+        return dict(H=4, d_lat=32, rope=8, q_lora=48, nope=16, h_i=4, d_i=16, k=8, block=4)
+    return dict(H=128, d_lat=512, rope=64, q_lora=1536, nope=128, h_i=64, d_i=128, k=2048, block=64)
+
+
+def _meta(device, ctx, qlens, block):
+    """Requests with scrambled, interleaved blocks."""
+    tables, nxt = [], 0
+    for c, n in zip(ctx, qlens):
+        need = -(-(c + n) // block)
+        tables.append(list(range(nxt, nxt + 2 * need, 2)))
+        nxt += 2 * need
+    tables = [t[::-1] if i % 2 else t for i, t in enumerate(tables)]
+    return AttentionMetadata.build(ctx, qlens, tables, block, device), nxt
+
+
+def _shape_for(device, cpu, gpu):
+    return cpu if device == "cpu" else gpu
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fused_norm_rope(device, dtype, tol, interleaved, seed):
+    z = _sizes(device)
+    meta, nb = _meta(device, *_shape_for(device, ([3, 0], [2, 5]), ([100, 0], [7, 300])), z["block"])
+    T = meta.num_tokens
+    slot = meta.slot_mapping.clone()
+    slot[1] = -1  # a padding token: nothing written for it
+    f = dict(device=device, dtype=dtype)
+    q_c, kv, ik = torch.randn(T, z["q_lora"], **f), torch.randn(T, z["d_lat"] + z["rope"], **f), torch.randn(T, z["d_i"], **f)
+    wq, wkv = 1 + 0.1 * torch.randn(z["q_lora"], **f), 1 + 0.1 * torch.randn(z["d_lat"], **f)
+    kw, kb = 1 + 0.1 * torch.randn(z["d_i"], **f), 0.1 * torch.randn(z["d_i"], **f)
+    cfg = ModelConfig.preset("deepseek-v3.2").replace(qk_rope_head_dim=z["rope"], index_head_dim=max(z["d_i"], z["rope"]))
+    cos, sin = RotaryEmbedding(cfg).to(device)(torch.arange(4096, device=device))
+    q_out = torch.full_like(q_c, float("nan"))
+    latent = torch.full((nb, z["block"], z["d_lat"] + z["rope"]), float("nan"), **f)
+    icache = torch.full((nb, z["block"], z["d_i"]), float("nan"), **f)
+    fused_norm_rope(q_c, wq, q_out, kv, wkv, latent, meta.positions, slot, cos, sin, 1e-6,
+                    ik, kw, kb, icache, indexer_interleaved=interleaved)
+    c, s = cos[meta.positions], sin[meta.positions]
+    assert rel_err(q_out, rms_norm(q_c, wq, 1e-6)) <= tol
+    want_lat = torch.cat((rms_norm(kv[:, : z["d_lat"]], wkv, 1e-6), apply_rope(kv[:, z["d_lat"]:], c, s, True)), -1)
+    k = layer_norm(ik, kw, kb, 1e-6)
+    want_idx = torch.cat((apply_rope(k[:, : z["rope"]], c, s, interleaved), k[:, z["rope"]:]), -1)
+    written = slot >= 0
+    got_lat = latent.view(-1, latent.shape[-1])[slot[written]]
+    got_idx = icache.view(-1, icache.shape[-1])[slot[written]]
+    assert rel_err(got_lat, want_lat[written]) <= tol and rel_err(got_idx, want_idx[written]) <= tol
+    assert latent.isnan().all(-1).sum() == latent.shape[0] * latent.shape[1] - int(written.sum())
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fused_q(device, dtype, tol, interleaved, seed):
+    z = _sizes(device)
+    T = _shape_for(device, 5, 300)
+    f = dict(device=device, dtype=dtype)
+    q_lat, q = torch.randn(T, z["H"], z["d_lat"], **f), torch.randn(T, z["H"], z["nope"] + z["rope"], **f)
+    q_idx, w = torch.randn(T, z["h_i"], z["d_i"], **f), torch.randn(T, z["h_i"], device=device)
+    pos = torch.randint(0, 4000, (T,), device=device)
+    cfg = ModelConfig.preset("deepseek-v3.2").replace(qk_rope_head_dim=z["rope"], index_head_dim=max(z["d_i"], z["rope"]))
+    cos, sin = RotaryEmbedding(cfg).to(device)(torch.arange(4096, device=device))
+    q_mqa = torch.full((T, z["H"], z["d_lat"] + z["rope"]), float("nan"), **f)
+    qi_out, w_out = torch.full_like(q_idx, float("nan")), torch.full_like(w, float("nan"))
+    fused_q(q_lat, q, q_mqa, pos, cos, sin, q_idx, qi_out, w, w_out, indexer_interleaved=interleaved)
+    c, s = cos[pos], sin[pos]
+    want = torch.cat((q_lat, apply_rope(q[..., z["nope"]:], c, s, True)), -1)
+    want_i = torch.cat((apply_rope(q_idx[..., : z["rope"]], c, s, interleaved), q_idx[..., z["rope"]:]), -1)
+    assert rel_err(q_mqa, want) <= tol and rel_err(qi_out, want_i) <= tol
+    assert rel_err(w_out, w * z["h_i"] ** -0.5) <= 1e-6
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+def test_indexer_topk(device, dtype, tol, seed):
+    z = _sizes(device)
+    ctx, qlens = _shape_for(device, ([12, 0, 3], [3, 20, 1]), ([30000, 0, 5000], [4, 3000, 1]))
+    meta, nb = _meta(device, ctx, qlens, z["block"])
+    T, f = meta.num_tokens, dict(device=device, dtype=dtype)
+    q, icache = torch.randn(T, z["h_i"], z["d_i"], **f), torch.randn(nb, z["block"], z["d_i"], **f)
+    w = torch.randn(T, z["h_i"], device=device) * z["h_i"] ** -0.5
+    s_max = max(meta.seq_lens_cpu) + 5
+    scores = torch.full((T, s_max), float("nan"), device=device)
+    out = torch.full((T, z["k"]), -7, dtype=torch.int32, device=device)
+    indexer_topk_paged(q, w, icache, meta.block_table, meta.req_indices, meta.positions, z["d_i"] ** -0.5, scores, out)
+    for b in range(meta.num_reqs):
+        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        keys = gather_tokens(icache, meta.block_table[b], meta.seq_lens_cpu[b])
+        ref = indexer_scores(q[t0:t1].double(), keys.double(), w[t0:t1].double(), z["d_i"] ** -0.5)
+        for i, t in enumerate(range(t0, t1)):
+            n = int(meta.positions[t]) + 1
+            assert rel_err(scores[t, :n], ref[i, :n]) <= tol
+            got = out[t]
+            assert (got >= 0).sum() == min(n, z["k"]) and (got[(got >= 0).sum():] == -1).all()
+            sel = got[got >= 0].long()
+            assert len(set(sel.tolist())) == len(sel) and int(sel.max()) < n
+            if n > z["k"]:
+                # every selected key scores at least the k-th best (up to the scoring tolerance)
+                kth = torch.sort(ref[i, :n], descending=True).values[z["k"] - 1]
+                slack = 2 * tol * ref[i, :n].abs().max()
+                assert (ref[i, sel] >= kth - slack).all()
+            if dtype == torch.float32:  # same scores as the reference: the exact same set
+                want = topk_indices(scores[t: t + 1, :n].double().cpu(), torch.tensor([n - 1]), z["k"])[0]
+                assert sorted(sel.tolist()) == sorted(want[want >= 0].tolist())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_topk_ties_negative_zero_and_small_rows(device):
+    s = torch.tensor([[1.0, 3.0, 3.0, -0.0, 3.0, 3.0, -2.0, 0.0, 5.0, -1e30, 0.0, -0.0]], device=device)
+    out = torch.zeros(1, 4, dtype=torch.int32, device=device)
+    for p in range(12):
+        topk_from_scores(s, torch.tensor([p], device=device), out, block=4)
+        want = topk_indices(s.double().cpu(), torch.tensor([p]), 4)[0]
+        assert sorted(out[0].tolist()) == sorted(want.tolist()), p
+    zeros = torch.tensor([[0.0, -0.0, 0.0, -0.0, -0.0, 0.0]], device=device)
+    topk_from_scores(zeros, torch.tensor([5], device=device), out, block=4)
+    assert out[0].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("heads", ["deepseek", "glm"])
+def test_sparse_mla(device, dtype, tol, heads, seed):
+    z = _sizes(device)
+    H = z["H"] if heads == "deepseek" else max(z["H"] // 2, 2)
+    if device == "cpu" and heads == "glm":
+        H = 3  # not a multiple of the head block
+    ctx, qlens = _shape_for(device, ([10, 0, 5], [3, 12, 1]), ([6000, 0, 100], [2, 70, 1]))
+    meta, nb = _meta(device, ctx, qlens, z["block"])
+    T, f = meta.num_tokens, dict(device=device, dtype=dtype)
+    q = torch.randn(T, H, z["d_lat"] + z["rope"], **f)
+    cache = torch.randn(nb, z["block"], z["d_lat"] + z["rope"], **f)
+    topk = torch.full((T, z["k"]), -1, dtype=torch.int32, device=device)
+    for t in range(T):
+        n = int(meta.positions[t]) + 1
+        topk[t, : min(n, z["k"])] = torch.randperm(n, device=device)[: z["k"]].int()
+    topk[0, 1] = meta.seq_lens_cpu[0] + 3  # out of range: skipped
+    topk[1] = -1  # no valid key: out 0, lse +inf
+    out = torch.full((T, H, z["d_lat"]), float("nan"), **f)
+    lse = torch.full((T, H), float("nan"), device=device)
+    sparse_mla_paged(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse)
+    for b in range(meta.num_reqs):
+        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])
+        ref, ref_lse = sparse_mla(q[t0:t1].double(), kv.double(), topk[t0:t1], 0.1, z["d_lat"])
+        finite = torch.isfinite(ref_lse)
+        assert rel_err(out[t0:t1], ref) <= tol
+        assert torch.equal(torch.isposinf(lse[t0:t1]), ~finite)
+        assert rel_err(lse[t0:t1][finite], ref_lse[finite]) <= 1e-5
+    assert (out[1] == 0).all()
+
+
+def test_launchers_reject_bad_inputs():
+    q, cache = torch.zeros(2, 4, 40), torch.zeros(3, 4, 40)
+    bt, req, sl = torch.zeros(1, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    topk, out = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, 4, 32)
+    with pytest.raises(ValueError, match="topk_indices: expected dtype torch.int32, got torch.int64"):
+        sparse_mla_paged(q, cache, bt, req, sl, topk.long(), 0.1, out)
+    with pytest.raises(ValueError, match=r"latent_cache: expected shape \[\*, \*, 40\], got \[3, 4, 48\]"):
+        sparse_mla_paged(q, torch.zeros(3, 4, 48), bt, req, sl, topk, 0.1, out)
+    with pytest.raises(ValueError, match="qk_rope_head_dim .* must be a power of two, got 12"):
+        sparse_mla_paged(torch.zeros(2, 4, 44), torch.zeros(3, 4, 44), bt, req, sl, topk, 0.1, out)
+    with pytest.raises(ValueError, match="out: expected dtype torch.float32, got torch.bfloat16"):
+        sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out.bfloat16())
+    with pytest.raises(ValueError, match="tensors on different devices: .*latent_cache on meta"):
+        sparse_mla_paged(q, cache.to("meta"), bt, req, sl, topk, 0.1, out)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, torch.zeros(2, 4, 64)[..., ::2])
+    with pytest.raises(ValueError, match=r"weights: expected shape \[2, 4\], got \[2, 3\]"):
+        indexer_topk_paged(torch.zeros(2, 4, 16), torch.zeros(2, 3), torch.zeros(3, 4, 16), bt, req,
+                           torch.zeros(2, dtype=torch.long), 0.1, torch.zeros(2, 8), torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out: expected dtype torch.int32, got torch.int64"):
+        topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"kv: expected shape \[2, 40\], got \[2, 41\]"):
+        fused_norm_rope(torch.zeros(2, 48), torch.ones(48), torch.zeros(2, 48), torch.zeros(2, 41), torch.ones(32),
+                        torch.zeros(3, 4, 40), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                        torch.zeros(8, 4), torch.zeros(8, 4), 1e-6)
+    with pytest.raises(ValueError, match="index_n_heads \\(8\\) > num_attention_heads \\(4\\)"):
+        fused_q(torch.zeros(2, 4, 32), torch.zeros(2, 4, 24), torch.zeros(2, 4, 40), torch.zeros(2, dtype=torch.long),
+                torch.zeros(8, 4), torch.zeros(8, 4), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16),
+                torch.zeros(2, 8), torch.zeros(2, 8))
