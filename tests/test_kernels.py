@@ -205,3 +205,43 @@ def test_launchers_reject_bad_inputs():
         fused_q(torch.zeros(2, 4, 32), torch.zeros(2, 4, 24), torch.zeros(2, 4, 40), torch.zeros(2, dtype=torch.long),
                 torch.zeros(8, 4), torch.zeros(8, 4), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16),
                 torch.zeros(2, 8), torch.zeros(2, 8))
+
+
+@pytest.mark.gpu
+def test_kernels_replay_in_cuda_graph(seed):
+    """Capture indexer_topk + sparse_mla once, then change the metadata and data in the static buffers:
+    replays must follow (nothing baked in on the host), and equal eager launches."""
+    z = _sizes("cuda")
+    meta, nb = _meta("cuda", [3000, 100], [1, 1], z["block"])  # a decode batch of two requests
+    T, f = meta.num_tokens, dict(device="cuda", dtype=torch.bfloat16)
+    q_idx, w = torch.randn(T, z["h_i"], z["d_i"], **f), torch.randn(T, z["h_i"], device="cuda")
+    icache = torch.randn(nb + 8, z["block"], z["d_i"], **f)
+    latent = torch.randn(nb + 8, z["block"], z["d_lat"] + z["rope"], **f)
+    q = torch.randn(T, z["H"], z["d_lat"] + z["rope"], **f)
+    bt = torch.full((2, 64), 0, dtype=torch.int32, device="cuda")
+    bt[:, : meta.block_table.shape[1]] = meta.block_table.clamp_min(0)
+    positions, seq_lens, req = meta.positions.clone(), meta.seq_lens.clone(), meta.req_indices.clone()
+    scores = torch.empty(T, 64 * z["block"], device="cuda")
+    topk = torch.empty(T, z["k"], dtype=torch.int32, device="cuda")
+    out = torch.empty(T, z["H"], z["d_lat"], **f)
+
+    def step():
+        indexer_topk_paged(q_idx, w, icache, bt, req, positions, z["d_i"] ** -0.5, scores, topk)
+        sparse_mla_paged(q, latent, bt, req, seq_lens, topk, 0.1, out)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for trial in range(3):
+        positions.add_(17 * (trial + 1))  # decode moves on: longer contexts, new data
+        seq_lens.copy_(positions[[0, 1]] + 1)
+        q_idx.normal_()
+        q.normal_()
+        g.replay()
+        got_topk, got_out = topk.clone(), out.clone()
+        step()
+        assert torch.equal(torch.sort(got_topk, -1).values, torch.sort(topk, -1).values)
+        assert torch.equal(got_out, out)
+        assert int((got_topk >= 0).sum()) == sum(min(int(p) + 1, z["k"]) for p in positions)
