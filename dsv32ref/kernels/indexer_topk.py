@@ -103,8 +103,8 @@ def _topk_kernel(
             k_rem -= tl.sum(tl.where(bins > d_sel, hist, 0), axis=0)
             prefix = prefix | (d_sel.to(tl.uint32) << shift)
         # prefix is the K-th largest key; take every larger key and the first k_rem equal ones.
-        written = 0
-        eq_seen = 0
+        written = tl.zeros([], tl.int32)
+        eq_seen = tl.zeros([], tl.int32)
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             m = offs < n
