@@ -286,11 +286,14 @@ def resource_report() -> list[dict]:
     return rows
 
 
-SPARSE_CONFIGS = [
-    dict(BLOCK_H=64, BLOCK_N=32, BLOCK_DV=256, num_warps=8, num_stages=2),
-    dict(BLOCK_H=64, BLOCK_N=64, BLOCK_DV=256, num_warps=8, num_stages=2),
-    dict(BLOCK_H=64, BLOCK_N=32, BLOCK_DV=512, num_warps=8, num_stages=1),
-    dict(BLOCK_H=64, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=2),
+SPARSE_CONFIGS = [  # (BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages)
+    dict(BLOCK_H=h, BLOCK_N=n, BLOCK_DV=dv, num_warps=w, num_stages=st)
+    for h, n, dv, w, st in [
+        (64, 32, 512, 8, 1), (64, 32, 256, 8, 2),
+        (32, 32, 512, 8, 2), (32, 32, 512, 4, 2), (32, 64, 512, 8, 2), (32, 32, 256, 4, 2),
+        (16, 32, 512, 4, 2), (16, 64, 512, 4, 2), (16, 32, 512, 4, 3), (16, 64, 512, 8, 2),
+        (16, 32, 256, 4, 2), (16, 16, 512, 4, 3),
+    ]
 ]
 
 

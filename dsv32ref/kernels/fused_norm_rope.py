@@ -62,17 +62,17 @@ def _fused_norm_rope_kernel(
     mq = oq < Q_LORA
     x = tl.load(q_c_ptr + t * stride_q + oq, mask=mq, other=0.0).to(tl.float32)
     x = x * tl.rsqrt(tl.sum(x * x, axis=0) / Q_LORA + rms_eps)
-    w = tl.load(q_norm_w_ptr + oq, mask=mq, other=0.0)
-    tl.store(q_c_out_ptr + t * stride_qo + oq, (w * x.to(w.dtype)).to(q_c_out_ptr.dtype.element_ty), mask=mq)
+    wq = tl.load(q_norm_w_ptr + oq, mask=mq, other=0.0)
+    tl.store(q_c_out_ptr + t * stride_qo + oq, (wq * x.to(wq.dtype)).to(q_c_out_ptr.dtype.element_ty), mask=mq)
 
     if slot >= 0:
         # latent row: [RMSNorm(c_kv) | RoPE_interleaved(k_pe)] straight into the paged cache
         ol = tl.arange(0, KV_LORA)
         c = tl.load(kv_ptr + t * stride_kv + ol).to(tl.float32)
         c = c * tl.rsqrt(tl.sum(c * c, axis=0) / KV_LORA + rms_eps)
-        w = tl.load(kv_norm_w_ptr + ol)
+        wkv = tl.load(kv_norm_w_ptr + ol)
         row = latent_ptr + slot * stride_lslot
-        tl.store(row + ol, (w * c.to(w.dtype)).to(latent_ptr.dtype.element_ty))
+        tl.store(row + ol, (wkv * c.to(wkv.dtype)).to(latent_ptr.dtype.element_ty))
         _rope_pairs(kv_ptr + t * stride_kv + KV_LORA, row + KV_LORA, cos, sin, ROPE // 2, True)
 
         if HAS_INDEXER:

@@ -87,21 +87,20 @@ def _topk_kernel(
         prefix = tl.full([], 0, tl.uint32)
         k_rem = K
         bins = tl.arange(0, 256)
-        for p in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * p
+        for p in tl.static_range(4):  # digit p covers bits [24 - 8p, 32 - 8p)
             hist = tl.zeros([256], tl.int32)
             for start in range(0, n, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 m = offs < n
                 key = _ordered_key(tl.load(row + offs, mask=m, other=float("-inf")))
                 if p > 0:
-                    m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-                digit = ((key >> shift) & 0xFF).to(tl.int32)
+                    m = m & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+                digit = ((key >> (24 - 8 * p)) & 0xFF).to(tl.int32)
                 hist += tl.histogram(digit, 256, mask=m)
             at_or_above = tl.cumsum(hist, 0, reverse=True)  # keys with this prefix and digit >= d
             d_sel = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
             k_rem -= tl.sum(tl.where(bins > d_sel, hist, 0), axis=0)
-            prefix = prefix | (d_sel.to(tl.uint32) << shift)
+            prefix = prefix | (d_sel.to(tl.uint32) << (24 - 8 * p))
         # prefix is the K-th largest key; take every larger key and the first k_rem equal ones.
         written = tl.zeros([], tl.int32)
         eq_seen = tl.zeros([], tl.int32)
