@@ -74,14 +74,14 @@ def _topk_kernel(
     BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0)
-    n = tl.load(pos_ptr + t) + 1  # visible keys
+    n = (tl.load(pos_ptr + t) + 1).to(tl.int32)  # visible keys
     row = scores_ptr + t * stride_st
     out = out_ptr + t * stride_ot
     if n <= K:
         # every visible key is selected; pad with -1
-        for start in range(0, K, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            tl.store(out + offs, tl.where(offs < n, offs, -1), mask=offs < K)
+        for pad_start in range(0, K, BLOCK):
+            offs_pad = pad_start + tl.arange(0, BLOCK)
+            tl.store(out + offs_pad, tl.where(offs_pad < n, offs_pad, -1), mask=offs_pad < K)
     else:
         # Radix select: find the K-th largest key 8 bits at a time, most significant first.
         prefix = tl.full([], 0, tl.uint32)

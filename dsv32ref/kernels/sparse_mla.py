@@ -28,6 +28,16 @@ __all__ = ["sparse_mla_paged", "SparseMLAConfig", "DEFAULT_CONFIG"]
 
 
 @triton.jit
+def _key_rows(idx_row_ptr, offs_n, K, seq_len, bt_row_ptr, block_size, stride_cb, stride_cs):
+    """Top-k slots offs_n of one token -> (element offsets of their latent rows int64, valid mask)."""
+    idx = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)
+    valid = (idx >= 0) & (idx < seq_len)
+    pos = tl.where(valid, idx, 0)
+    blk = tl.load(bt_row_ptr + pos // block_size, mask=valid, other=0)
+    return blk.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs, valid
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, H, D_LAT + D_ROPE]
     cache_ptr, stride_cb, stride_cs,  # latent cache [NB, BS, D_LAT + D_ROPE]
@@ -59,16 +69,17 @@ def _sparse_mla_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    # The address of a key takes two dependent loads (top-k index, then block id). They are issued one
+    # iteration ahead, so the latent-row gather of iteration i waits on nothing but registers.
+    offs_n = tl.arange(0, BLOCK_N)
+    row, valid = _key_rows(idx_ptr + t * stride_it, offs_n, K, seq_len, block_table_ptr + req * stride_bt,
+                           block_size, stride_cb, stride_cs)
     num_iters = tl.cdiv(K, BLOCK_N)
     for it in range(num_iters):
-        offs_n = it * BLOCK_N + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < K, other=-1)
-        valid = (idx >= 0) & (idx < seq_len)
-        pos = tl.where(valid, idx, 0)
-        blk = tl.load(block_table_ptr + req * stride_bt + pos // block_size, mask=valid, other=0)
-        row = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs  # (BLOCK_N,) row starts
-        k_lat = tl.load(row[:, None] + offs_lat[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT)
-        k_pe = tl.load(row[:, None] + D_LAT + offs_rope[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_ROPE)
+        row_next, valid_next = _key_rows(idx_ptr + t * stride_it, (it + 1) * BLOCK_N + offs_n, K, seq_len,
+                                         block_table_ptr + req * stride_bt, block_size, stride_cb, stride_cs)
+        k_lat = tl.load(cache_ptr + row[:, None] + offs_lat[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT)
+        k_pe = tl.load(cache_ptr + row[:, None] + D_LAT + offs_rope[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_ROPE)
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
         s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)  # (BLOCK_H, BLOCK_N)
         s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
@@ -80,9 +91,10 @@ def _sparse_mla_kernel(
         if BLOCK_DV == D_LAT:
             v = k_lat  # V is c_kv: reuse the tile already loaded
         else:
-            v = tl.load(row[:, None] + offs_dv[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, BLOCK_DV)
+            v = tl.load(cache_ptr + row[:, None] + offs_dv[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, BLOCK_DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+        row, valid = row_next, valid_next
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
