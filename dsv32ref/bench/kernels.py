@@ -286,11 +286,12 @@ def resource_report() -> list[dict]:
     return rows
 
 
-SPARSE_CONFIGS = [  # (BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages)
-    dict(BLOCK_H=h, BLOCK_N=n, BLOCK_DV=dv, num_warps=w, num_stages=st)
-    for h, n, dv, w, st in [
-        (32, 64, 512, 8, 2), (32, 64, 512, 8, 1), (32, 32, 512, 4, 2), (32, 64, 512, 8, 3),
-        (64, 32, 512, 8, 1), (64, 64, 256, 8, 1), (16, 64, 512, 4, 2), (16, 128, 512, 8, 2),
+SPARSE_CONFIGS = [  # (BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages, Q_RELOAD)
+    dict(BLOCK_H=h, BLOCK_N=n, BLOCK_DV=dv, num_warps=w, num_stages=st, Q_RELOAD=qr)
+    for h, n, dv, w, st, qr in [
+        (32, 64, 512, 8, 3, False), (32, 64, 512, 8, 3, True), (32, 32, 512, 4, 2, True),
+        (64, 32, 512, 16, 2, False), (64, 64, 512, 16, 2, False), (64, 32, 512, 16, 3, True),
+        (64, 64, 512, 16, 2, True), (32, 64, 512, 16, 3, False), (64, 32, 512, 8, 2, True),
     ]
 ]
 

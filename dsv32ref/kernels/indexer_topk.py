@@ -69,19 +69,23 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _topk_kernel(
-    scores_ptr, stride_st, pos_ptr, out_ptr, stride_ot, K,
-    BLOCK: tl.constexpr,
-):
-    t = tl.program_id(0)
-    n = (tl.load(pos_ptr + t) + 1).to(tl.int32)  # visible keys
-    row = scores_ptr + t * stride_st
-    out = out_ptr + t * stride_ot
+def _select(vals, n, K, out_idx, out_val, src_idx, idx_base,
+            BLOCK: tl.constexpr, HAS_SRC_IDX: tl.constexpr, WRITE_VALS: tl.constexpr):
+    """Top K of vals[0:n] -> out_idx[0:K] (idx_base + offset, or src_idx[offset]), in increasing offset
+    order, -1 padded; out_val gets the selected values (-inf padded) when WRITE_VALS."""
     if n <= K:
-        # every visible key is selected; pad with -1
+        # every entry is selected; pad with -1
         for pad_start in range(0, K, BLOCK):
             offs_pad = pad_start + tl.arange(0, BLOCK)
-            tl.store(out + offs_pad, tl.where(offs_pad < n, offs_pad, -1), mask=offs_pad < K)
+            keep = offs_pad < n
+            if HAS_SRC_IDX:
+                ids = tl.load(src_idx + offs_pad, mask=keep, other=-1)
+            else:
+                ids = tl.where(keep, idx_base + offs_pad, -1)
+            tl.store(out_idx + offs_pad, ids, mask=offs_pad < K)
+            if WRITE_VALS:
+                v = tl.load(vals + offs_pad, mask=keep, other=float("-inf"))
+                tl.store(out_val + offs_pad, v, mask=offs_pad < K)
     else:
         # Radix select: find the K-th largest key 8 bits at a time, most significant first.
         prefix = tl.full([], 0, tl.uint32)
@@ -92,7 +96,7 @@ def _topk_kernel(
             for start in range(0, n, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 m = offs < n
-                key = _ordered_key(tl.load(row + offs, mask=m, other=float("-inf")))
+                key = _ordered_key(tl.load(vals + offs, mask=m, other=float("-inf")))
                 if p > 0:
                     m = m & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
                 digit = ((key >> (24 - 8 * p)) & 0xFF).to(tl.int32)
@@ -107,15 +111,53 @@ def _topk_kernel(
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             m = offs < n
-            key = _ordered_key(tl.load(row + offs, mask=m, other=float("-inf")))
+            v = tl.load(vals + offs, mask=m, other=float("-inf"))
+            key = _ordered_key(v)
             gt = m & (key > prefix)
             eq = m & (key == prefix)
             eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1 + eq_seen
             take = gt | (eq & (eq_rank < k_rem))
             slot = tl.cumsum(take.to(tl.int32), 0) - 1 + written
-            tl.store(out + slot, offs, mask=take)
+            if HAS_SRC_IDX:
+                ids = tl.load(src_idx + offs, mask=take, other=-1)
+            else:
+                ids = idx_base + offs
+            tl.store(out_idx + slot, ids, mask=take)
+            if WRITE_VALS:
+                tl.store(out_val + slot, v, mask=take)
             written += tl.sum(take.to(tl.int32), axis=0)
             eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _topk_kernel(scores_ptr, stride_st, pos_ptr, out_ptr, stride_ot, K, BLOCK: tl.constexpr):
+    """One program per row: the top K of scores[t, :positions[t] + 1]."""
+    t = tl.program_id(0)
+    n = (tl.load(pos_ptr + t) + 1).to(tl.int32)  # visible keys
+    _select(scores_ptr + t * stride_st, n, K, out_ptr + t * stride_ot, out_ptr, out_ptr, 0,
+            BLOCK=BLOCK, HAS_SRC_IDX=False, WRITE_VALS=False)
+
+
+@triton.jit
+def _topk_chunk_kernel(scores_ptr, stride_st, pos_ptr, cand_idx_ptr, cand_val_ptr, K, CHUNK,
+                       BLOCK: tl.constexpr):
+    """Stage 1 of the split top-k (few long rows): the top K of each CHUNK of a row, with their values."""
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    base = c * CHUNK
+    n = tl.minimum(tl.maximum((tl.load(pos_ptr + t) + 1).to(tl.int32) - base, 0), CHUNK)
+    cand = (t * tl.num_programs(1) + c) * K
+    _select(scores_ptr + t * stride_st + base, n, K, cand_idx_ptr + cand, cand_val_ptr + cand, cand_idx_ptr, base,
+            BLOCK=BLOCK, HAS_SRC_IDX=False, WRITE_VALS=True)
+
+
+@triton.jit
+def _topk_merge_kernel(cand_idx_ptr, cand_val_ptr, n_cand, out_ptr, stride_ot, K, BLOCK: tl.constexpr):
+    """Stage 2: the top K of a row's chunk candidates. Chunks are in position order and each chunk's
+    candidates too, so ties still go to the lower position; -inf padding sorts last."""
+    t = tl.program_id(0)
+    _select(cand_val_ptr + t * n_cand, n_cand, K, out_ptr + t * stride_ot, out_ptr, cand_idx_ptr + t * n_cand, 0,
+            BLOCK=BLOCK, HAS_SRC_IDX=True, WRITE_VALS=False)
 
 
 def _check_common(q_idx, weights, index_cache, block_table, req_indices, positions):
@@ -158,16 +200,32 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     return scores
 
 
-def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int = 8):
-    """out[t] = the top out.shape[1] of scores[t, :positions[t] + 1] (int32, increasing, -1 padded)."""
+def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int = 8, chunk: int = 8192,
+                     split_below_rows: int = 128):
+    """out[t] = the top out.shape[1] of scores[t, :positions[t] + 1] (int32, increasing, -1 padded).
+
+    With fewer than `split_below_rows` rows and rows longer than two chunks, one program per row would
+    leave the GPU idle: each row is cut into `chunk`-long pieces selected in parallel, then merged.
+    The choice depends only on the shapes, so it is fixed within a captured graph.
+    """
     T = check_tensor("scores", scores, shape=(None, None), dtype=torch.float32).shape[0]
     check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), device=scores.device)
-    check_tensor("out", out, shape=(T, None), dtype=torch.int32, device=scores.device)
+    K = check_tensor("out", out, shape=(T, None), dtype=torch.int32, device=scores.device).shape[1]
     if scores.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("topk_from_scores: scores and out must have a contiguous last dim")
-    if T:
-        _topk_kernel[(T,)](scores, scores.stride(0), positions, out, out.stride(0), out.shape[1],
-                           BLOCK=block, num_warps=num_warps)
+    if chunk < K:
+        raise ValueError(f"topk_from_scores: chunk ({chunk}) must be >= the top-k width ({K})")
+    if T == 0:
+        return out
+    n_chunks = triton.cdiv(scores.shape[1], chunk)
+    if T >= split_below_rows or n_chunks <= 2:
+        _topk_kernel[(T,)](scores, scores.stride(0), positions, out, out.stride(0), K, BLOCK=block, num_warps=num_warps)
+        return out
+    cand_idx = torch.empty(T, n_chunks, K, dtype=torch.int32, device=scores.device)
+    cand_val = torch.empty(T, n_chunks, K, dtype=torch.float32, device=scores.device)
+    _topk_chunk_kernel[(T, n_chunks)](scores, scores.stride(0), positions, cand_idx, cand_val, K, chunk,
+                                      BLOCK=block, num_warps=num_warps)
+    _topk_merge_kernel[(T,)](cand_idx, cand_val, n_chunks * K, out, out.stride(0), K, BLOCK=block, num_warps=num_warps)
     return out
 
 

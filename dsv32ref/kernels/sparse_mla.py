@@ -50,7 +50,7 @@ def _sparse_mla_kernel(
     H, K, block_size,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -78,6 +78,9 @@ def _sparse_mla_kernel(
     for it in range(num_iters):
         row_next, valid_next = _key_rows(idx_ptr + t * stride_it, (it + 1) * BLOCK_N + offs_n, K, seq_len,
                                          block_table_ptr + req * stride_bt, block_size, stride_cb, stride_cs)
+        if Q_RELOAD:  # re-read q from L1/L2 each step instead of holding it in registers
+            q_lat = tl.load(q_row + offs_lat[None, :], mask=h_mask[:, None], other=0.0)
+            q_pe = tl.load(q_row + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0)
         k_lat = tl.load(cache_ptr + row[:, None] + offs_lat[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT)
         k_pe = tl.load(cache_ptr + row[:, None] + D_LAT + offs_rope[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_ROPE)
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
@@ -106,10 +109,14 @@ def _sparse_mla_kernel(
 
 
 class SparseMLAConfig(dict):
-    """Tile sizes: BLOCK_H heads x BLOCK_N keys per step, BLOCK_DV output columns per program."""
+    """Tile sizes: BLOCK_H heads x BLOCK_N keys per step, BLOCK_DV output columns per program;
+    Q_RELOAD re-reads the query tile every step (fewer registers, more L1 traffic)."""
 
 
-DEFAULT_CONFIG = SparseMLAConfig(BLOCK_H=64, BLOCK_N=32, BLOCK_DV=256, num_warps=8, num_stages=2)
+# Best of the tile sweep in data/kernels.json (H200, bf16, DeepSeek-V3.2 and GLM-5.2 at 512 query tokens).
+DEFAULT_CONFIG = SparseMLAConfig(BLOCK_H=32, BLOCK_N=64, BLOCK_DV=512, num_warps=8, num_stages=3, Q_RELOAD=False)
+# fp32 tiles take twice the shared memory: smaller key tiles, no multi-stage buffering.
+FP32_CONFIG = SparseMLAConfig(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False)
 
 
 def sparse_mla_paged(
@@ -134,8 +141,8 @@ def sparse_mla_paged(
     lse           fp32 [T, H] or None      natural-log logsumexp; +inf where no key is valid
     D_LAT is taken as out.shape[-1] (kv_lora_rank); both it and D_ROPE must be powers of two.
     """
-    cfg = dict(DEFAULT_CONFIG, **(config or {}))
     T, H, D = check_tensor("q", q, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32)).shape
+    cfg = dict(FP32_CONFIG if q.dtype == torch.float32 else DEFAULT_CONFIG, **(config or {}))
     d_lat = check_tensor("out", out, shape=(T, H, None), dtype=q.dtype).shape[-1]
     d_rope = D - d_lat
     for name, v in (("kv_lora_rank (out.shape[-1])", d_lat), ("qk_rope_head_dim (q.shape[-1] - out.shape[-1])", d_rope)):
@@ -168,7 +175,7 @@ def sparse_mla_paged(
         lse_arg, lse_arg.stride(0),
         sm_scale * math.log2(math.e), H, topk_indices.shape[1], latent_cache.shape[1],
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q_RELOAD=cfg["Q_RELOAD"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse
