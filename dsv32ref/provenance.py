@@ -19,6 +19,15 @@ def _run(cmd: list[str]) -> str:
         return ""
 
 
+def _command() -> str:
+    """The command line as a user would type it: `python -m pkg.mod args` for a module run with -m."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    args = sys.argv[1:]
+    head = ["python", "-m", spec.name] if spec is not None and spec.name else ["python", sys.argv[0]]
+    return " ".join(shlex.quote(a) for a in head + args)
+
+
 def provenance(argv: list[str] | None = None) -> dict:
     """Device, driver, versions, UTC date, git commit (DSV32REF_GIT_COMMIT when .git is absent), command."""
     import triton
@@ -36,5 +45,5 @@ def provenance(argv: list[str] | None = None) -> dict:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": commit,
-        "command": " ".join(shlex.quote(a) for a in (argv if argv is not None else [sys.executable, *sys.argv])),
+        "command": " ".join(shlex.quote(a) for a in argv) if argv is not None else _command(),
     }

@@ -115,13 +115,15 @@ def ref_sparse_mla_chunked(q, cache, r, topk, scale, d_lat, chunk=128):
     return out, lse
 
 
-def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True):
+def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, sort_indices=False):
     r = one_request(ctx, T)
     D = z["d_lat"] + z["rope"]
     cache = torch.randn(r["nblocks"], BLOCK_SIZE, D, device=DEV, dtype=BF16)
     q = torch.randn(T, z["H"], D, device=DEV, dtype=BF16)
     vis = r["positions"] + 1  # (T,)
     topk = (torch.rand(T, z["k"], device=DEV) * vis[:, None]).long().int()  # random visible keys (repeats possible)
+    if sort_indices:
+        topk = torch.sort(topk, dim=-1).values
     scale = z["config"].softmax_scale
     out = torch.empty(T, z["H"], z["d_lat"], device=DEV, dtype=BF16)
     lse = torch.empty(T, z["H"], device=DEV, dtype=torch.float32)
@@ -277,7 +279,10 @@ def resource_report() -> list[dict]:
                 except Exception:  # noqa: BLE001 - best effort, report what exists
                     pass
                 meta = getattr(ck, "metadata", None)
+                ttgir = (getattr(ck, "asm", {}) or {}).get("ttgir", "")
                 rows.append({"kernel": fn.__name__, "n_regs": getattr(ck, "n_regs", None),
+                             "wgmma": "warp_group_dot" in ttgir, "cp_async": "async_copy_global_to_local" in ttgir,
+                             "mma_v2": "#ttg.nvidia_mma<{versionMajor = 2" in ttgir,
                              "n_spills": getattr(ck, "n_spills", None),
                              "shared_bytes": getattr(meta, "shared", None), "num_warps": getattr(meta, "num_warps", None),
                              "num_stages": getattr(meta, "num_stages", None),
@@ -286,12 +291,12 @@ def resource_report() -> list[dict]:
     return rows
 
 
-SPARSE_CONFIGS = [  # (BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages, Q_RELOAD)
-    dict(BLOCK_H=h, BLOCK_N=n, BLOCK_DV=dv, num_warps=w, num_stages=st, Q_RELOAD=qr)
-    for h, n, dv, w, st, qr in [
-        (32, 64, 512, 8, 3, False), (32, 64, 512, 8, 3, True), (32, 32, 512, 4, 2, True),
-        (64, 32, 512, 16, 2, False), (64, 64, 512, 16, 2, False), (64, 32, 512, 16, 3, True),
-        (64, 64, 512, 16, 2, True), (32, 64, 512, 16, 3, False), (64, 32, 512, 8, 2, True),
+SPARSE_CONFIGS = [  # (BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages, Q_RELOAD, WARP_SPECIALIZE)
+    dict(BLOCK_H=h, BLOCK_N=n, BLOCK_DV=dv, num_warps=w, num_stages=st, Q_RELOAD=qr, WARP_SPECIALIZE=ws)
+    for h, n, dv, w, st, qr, ws in [
+        (64, 32, 512, 8, 2, True, False), (32, 64, 512, 8, 3, False, False),
+        (64, 16, 512, 8, 4, True, False), (64, 16, 512, 8, 3, True, False), (32, 32, 512, 8, 4, True, False),
+        (64, 32, 512, 8, 2, True, True), (64, 64, 512, 8, 2, True, True), (32, 64, 512, 8, 3, False, True),
     ]
 ]
 
@@ -300,6 +305,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="data/kernels.json")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    ap.add_argument("--sweep-only", action="store_true", help="only the sparse_mla tile sweep (and a sorted-index probe)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -330,6 +336,13 @@ def main(argv=None) -> int:
             print(f"sweep {z['name']} {cfg}: {r.get('ms', float('nan')):.3f} ms ok={r.get('ok')}", flush=True)
         good = [r for r in sweep if r["model"] == z["name"] and r.get("ok")]
         best = min(good, key=lambda r: r["ms"])["config"] if good else SPARSE_CONFIGS[0]
+        if args.sweep_only:  # does gather locality matter? the same work with each token's indices sorted
+            r = bench_sparse_mla(z, 512, 32768, ceil, config=best, check=True, torch_path=False, sort_indices=True)
+            r["probe"] = "sorted top-k indices"
+            sweep.append(r)
+            save()
+            print(f"sorted-index probe {z['name']}: {r['ms']:.3f} ms", flush=True)
+            continue
         for T in ([1, 64, 512] if args.quick else [1, 8, 64, 512, 2048, 8192]):
             results.append(bench_sparse_mla(z, T, 32768 if T < 8192 else 65536, ceil, config=best))
             print(results[-1]["kernel"], z["name"], T, f"{results[-1]['ms']:.3f} ms", flush=True)

@@ -50,7 +50,7 @@ def _sparse_mla_kernel(
     H, K, block_size,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr,
+    PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -75,7 +75,7 @@ def _sparse_mla_kernel(
     row, valid = _key_rows(idx_ptr + t * stride_it, offs_n, K, seq_len, block_table_ptr + req * stride_bt,
                            block_size, stride_cb, stride_cs)
     num_iters = tl.cdiv(K, BLOCK_N)
-    for it in range(num_iters):
+    for it in tl.range(num_iters, warp_specialize=WARP_SPECIALIZE):
         row_next, valid_next = _key_rows(idx_ptr + t * stride_it, (it + 1) * BLOCK_N + offs_n, K, seq_len,
                                          block_table_ptr + req * stride_bt, block_size, stride_cb, stride_cs)
         if Q_RELOAD:  # re-read q from L1/L2 each step instead of holding it in registers
@@ -114,9 +114,11 @@ class SparseMLAConfig(dict):
 
 
 # Best of the tile sweep in data/kernels.json (H200, bf16, DeepSeek-V3.2 and GLM-5.2 at 512 query tokens).
-DEFAULT_CONFIG = SparseMLAConfig(BLOCK_H=32, BLOCK_N=64, BLOCK_DV=512, num_warps=8, num_stages=3, Q_RELOAD=False)
+DEFAULT_CONFIG = SparseMLAConfig(BLOCK_H=64, BLOCK_N=32, BLOCK_DV=512, num_warps=8, num_stages=2, Q_RELOAD=True,
+                                 WARP_SPECIALIZE=False)
 # fp32 tiles take twice the shared memory: smaller key tiles, no multi-stage buffering.
-FP32_CONFIG = SparseMLAConfig(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False)
+FP32_CONFIG = SparseMLAConfig(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False,
+                              WARP_SPECIALIZE=False)
 
 
 def sparse_mla_paged(
@@ -176,6 +178,7 @@ def sparse_mla_paged(
         sm_scale * math.log2(math.e), H, topk_indices.shape[1], latent_cache.shape[1],
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q_RELOAD=cfg["Q_RELOAD"],
+        WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse
