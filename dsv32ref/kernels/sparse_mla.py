@@ -113,9 +113,10 @@ class SparseMLAConfig(dict):
     Q_RELOAD re-reads the query tile every step (fewer registers, more L1 traffic)."""
 
 
-# Best of the tile sweep in data/kernels.json (H200, bf16, DeepSeek-V3.2 and GLM-5.2 at 512 query tokens).
-DEFAULT_CONFIG = SparseMLAConfig(BLOCK_H=64, BLOCK_N=32, BLOCK_DV=512, num_warps=8, num_stages=2, Q_RELOAD=True,
-                                 WARP_SPECIALIZE=False)
+# Best of the tile sweep in data/kernels.json (H200, bf16, DeepSeek-V3.2 and GLM-5.2 at 512 query tokens):
+# 64 heads x 64 keys per step, all 512 output columns in one program, warp-specialised loop.
+DEFAULT_CONFIG = SparseMLAConfig(BLOCK_H=64, BLOCK_N=64, BLOCK_DV=512, num_warps=8, num_stages=2, Q_RELOAD=True,
+                                 WARP_SPECIALIZE=True)
 # fp32 tiles take twice the shared memory: smaller key tiles, no multi-stage buffering.
 FP32_CONFIG = SparseMLAConfig(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False,
                               WARP_SPECIALIZE=False)
