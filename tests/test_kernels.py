@@ -149,7 +149,8 @@ def test_topk_ties_negative_zero_and_small_rows(device):
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 @pytest.mark.parametrize("heads", ["deepseek", "glm"])
-def test_sparse_mla(device, dtype, tol, heads, seed):
+@pytest.mark.parametrize("splits,valid_first", [(None, False), (1, True), (4, True)])
+def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, seed):
     z = _sizes(device)
     H = z["H"] if heads == "deepseek" else max(z["H"] // 2, 2)
     if device == "cpu" and heads == "glm":
@@ -167,7 +168,9 @@ def test_sparse_mla(device, dtype, tol, heads, seed):
     topk[1] = -1  # no valid key: out 0, lse +inf
     out = torch.full((T, H, z["d_lat"]), float("nan"), **f)
     lse = torch.full((T, H), float("nan"), device=device)
-    sparse_mla_paged(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse)
+    config = None if splits is None else {"NUM_SPLITS": splits}
+    sparse_mla_paged(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse,
+                     config=config, valid_first=valid_first)
     for b in range(meta.num_reqs):
         t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
         kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])

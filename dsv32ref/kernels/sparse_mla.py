@@ -44,20 +44,33 @@ def _sparse_mla_kernel(
     block_table_ptr, stride_bt,  # [B, max_blocks]
     req_ptr, seq_lens_ptr,  # [T], [B]
     idx_ptr, stride_it,  # top-k [T, K] int32 (token positions, -1 = none)
-    out_ptr, stride_ot, stride_oh,  # out [T, H, D_LAT]
-    lse_ptr, stride_lt,  # lse [T, H] fp32
+    out_ptr, stride_ot, stride_oh,  # out [T, H, D_LAT]; with splits: partial out fp32 [T, H, NUM_SPLITS, D_LAT]
+    lse_ptr, stride_lt,  # lse [T, H] fp32; with splits: partial lse [T, H, NUM_SPLITS]
     sm_scale_log2,  # sm_scale * log2(e): softmax in base 2
     H, K, block_size,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dv0 = tl.program_id(2) * BLOCK_DV
+    if NUM_SPLITS > 1:  # split-K: program_id(2) picks a slice of the top-k (BLOCK_DV == D_LAT)
+        split = tl.program_id(2)
+        dv0 = 0
+    else:
+        split = 0
+        dv0 = tl.program_id(2) * BLOCK_DV
     h_mask = offs_h < H
     req = tl.load(req_ptr + t)
     seq_len = tl.load(seq_lens_ptr + req)
+    # With VALID_FIRST the caller promises the valid indices come first (the indexer's output): at most
+    # seq_len of the K slots need visiting. A short prompt then skips most of the 2048 slots.
+    k_end = tl.minimum(K, seq_len) if VALID_FIRST else K
+    iters_total = tl.cdiv(k_end, BLOCK_N)
+    iters_per_split = tl.cdiv(iters_total, NUM_SPLITS)
+    it0 = split * iters_per_split
+    it1 = tl.minimum(it0 + iters_per_split, iters_total)
     offs_lat = tl.arange(0, D_LAT)
     offs_rope = tl.arange(0, D_ROPE)
     offs_dv = dv0 + tl.arange(0, BLOCK_DV)
@@ -72,11 +85,10 @@ def _sparse_mla_kernel(
     # The address of a key takes two dependent loads (top-k index, then block id). They are issued one
     # iteration ahead, so the latent-row gather of iteration i waits on nothing but registers.
     offs_n = tl.arange(0, BLOCK_N)
-    row, valid = _key_rows(idx_ptr + t * stride_it, offs_n, K, seq_len, block_table_ptr + req * stride_bt,
-                           block_size, stride_cb, stride_cs)
-    num_iters = tl.cdiv(K, BLOCK_N)
-    for it in tl.range(num_iters, warp_specialize=WARP_SPECIALIZE):
-        row_next, valid_next = _key_rows(idx_ptr + t * stride_it, (it + 1) * BLOCK_N + offs_n, K, seq_len,
+    row, valid = _key_rows(idx_ptr + t * stride_it, it0 * BLOCK_N + offs_n, k_end, seq_len,
+                           block_table_ptr + req * stride_bt, block_size, stride_cb, stride_cs)
+    for it in tl.range(it0, it1, warp_specialize=WARP_SPECIALIZE):
+        row_next, valid_next = _key_rows(idx_ptr + t * stride_it, (it + 1) * BLOCK_N + offs_n, k_end, seq_len,
                                          block_table_ptr + req * stride_bt, block_size, stride_cb, stride_cs)
         if Q_RELOAD:  # re-read q from L1/L2 each step instead of holding it in registers
             q_lat = tl.load(q_row + offs_lat[None, :], mask=h_mask[:, None], other=0.0)
@@ -101,11 +113,35 @@ def _sparse_mla_kernel(
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
-    if tl.program_id(2) == 0:
-        lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("inf"))
-        tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_mask)
+    lse = (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453
+    if NUM_SPLITS > 1:  # partials in fp32; an empty split has lse -inf (weight 0 in the combine)
+        o_ptrs = out_ptr + ((t * H + offs_h[:, None]) * NUM_SPLITS + split) * D_LAT + offs_dv[None, :]
+        tl.store(o_ptrs, out, mask=h_mask[:, None])
+        tl.store(lse_ptr + (t * H + offs_h) * NUM_SPLITS + split, tl.where(has_key, lse, float("-inf")), mask=h_mask)
+    else:
+        o_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        if tl.program_id(2) == 0:
+            tl.store(lse_ptr + t * stride_lt + offs_h, tl.where(has_key, lse, float("inf")), mask=h_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, H,
+                           NUM_SPLITS: tl.constexpr, D_LAT: tl.constexpr):
+    """out[t, h] = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log(sum w)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, D_LAT)
+    lse_s = tl.load(part_lse_ptr + (t * H + h) * NUM_SPLITS + offs_s)  # (S,)
+    m = tl.max(lse_s, axis=0)
+    any_key = m > float("-inf")
+    w = tl.exp(lse_s - tl.where(any_key, m, 0.0))  # (S,); 0 for empty splits
+    o_s = tl.load(part_o_ptr + ((t * H + h) * NUM_SPLITS + offs_s[:, None]) * D_LAT + offs_d[None, :])  # (S, D_LAT)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o_s, axis=0) / tl.where(any_key, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + t * stride_lt + h, tl.where(any_key, m + tl.log(tl.where(any_key, total, 1.0)), float("inf")))
 
 
 class SparseMLAConfig(dict):
@@ -133,6 +169,7 @@ def sparse_mla_paged(
     out: torch.Tensor,
     lse: torch.Tensor | None = None,
     config: dict | None = None,
+    valid_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out[t, h] = softmax_j(sm_scale q[t, h] . kv_j) @ c_kv_j over the valid top-k keys of token t.
 
@@ -143,6 +180,11 @@ def sparse_mla_paged(
     out           [T, H, D_LAT]            written in place (caller-owned: graph-safe)
     lse           fp32 [T, H] or None      natural-log logsumexp; +inf where no key is valid
     D_LAT is taken as out.shape[-1] (kv_lora_rank); both it and D_ROPE must be powers of two.
+    valid_first   the valid indices of each row come first (as the indexer writes them): only the first
+                  min(K, seq_len) slots are visited. Off by default (FlashMLA accepts any order).
+    When T x head blocks leaves the GPU idle (decode), the top-k is split across NUM_SPLITS programs
+    (config["NUM_SPLITS"], default: enough to fill the GPU twice) and the partial results are merged by
+    a second launch; the split count depends only on shapes, so it is fixed within a captured graph.
     """
     T, H, D = check_tensor("q", q, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32)).shape
     cfg = dict(FP32_CONFIG if q.dtype == torch.float32 else DEFAULT_CONFIG, **(config or {}))
@@ -168,18 +210,36 @@ def sparse_mla_paged(
     block_dv = min(cfg["BLOCK_DV"], d_lat)
     block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(H)))
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
-    grid = (T, triton.cdiv(H, block_h), d_lat // block_dv)
+    head_blocks, K = triton.cdiv(H, block_h), topk_indices.shape[1]
+    splits = cfg.get("NUM_SPLITS")
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        splits = triton.next_power_of_2(triton.cdiv(2 * sms, T * head_blocks)) if block_dv == d_lat else 1
+    splits = max(1, min(int(splits), 16, triton.next_power_of_2(triton.cdiv(K, cfg["BLOCK_N"]))))
+    if splits & (splits - 1) or (splits > 1 and block_dv != d_lat):
+        raise ValueError(f"sparse_mla_paged: NUM_SPLITS must be a power of two and needs BLOCK_DV == {d_lat}")
+    if splits > 1:
+        part_o = torch.empty(T, H, splits, d_lat, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
+        o_arg, o_s0, o_s1, l_arg, l_s0 = part_o, 0, 0, part_lse, 0
+        grid = (T, head_blocks, splits)
+    else:
+        o_arg, o_s0, o_s1, l_arg, l_s0 = out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0)
+        grid = (T, head_blocks, d_lat // block_dv)
     _sparse_mla_kernel[grid](
         q, q.stride(0), q.stride(1),
         latent_cache, latent_cache.stride(0), latent_cache.stride(1),
         block_table, block_table.stride(0), req_indices, seq_lens,
         topk_indices, topk_indices.stride(0),
-        out, out.stride(0), out.stride(1),
-        lse_arg, lse_arg.stride(0),
-        sm_scale * math.log2(math.e), H, topk_indices.shape[1], latent_cache.shape[1],
+        o_arg, o_s0, o_s1,
+        l_arg, l_s0,
+        sm_scale * math.log2(math.e), H, K, latent_cache.shape[1],
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q_RELOAD=cfg["Q_RELOAD"],
-        WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"],
+        WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"], NUM_SPLITS=splits, VALID_FIRST=valid_first,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if splits > 1:
+        _combine_splits_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), lse_arg,
+                                       lse_arg.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)
     return out, lse
