@@ -1,0 +1,253 @@
+"""Breakable CUDA graphs: capture a forward as graph segments with eager regions between them.
+
+How the serving engine does it (and this module, in its own words):
+- `BreakableCapture` is a thread-local context. Entering it begins a graph capture into a shared memory
+  pool. A call to an `@eager_break` function during the capture ends the current graph, replays it once
+  (so the eager region sees real inputs), runs the function eagerly, records (graph, call) and begins a
+  new graph. Leaving the context ends the last graph.
+- Replay calls every entry in order: graph.replay(), then the eager call, then the next graph...
+- Outside a capture an `@eager_break` function is a plain call; called while no segment is open (from
+  inside another eager region) it runs inline; in FULL mode (`eager_breaks_enabled(False)`) it is
+  captured like any other op.
+- Eager regions must write into buffers their caller allocated: a tensor allocated inside one lives at a
+  new address every replay, which the next graph segment cannot see. Returning a freshly allocated
+  tensor is an error.
+- Tensor arguments are held through non-owning aliases, so the pool memory of one capture size can be
+  reused by the next once the caller drops its references (the graphs of different sizes never run at
+  the same time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["eager_break", "BreakableCapture", "BreakableGraph", "CaptureError", "eager_breaks_enabled",
+           "weak_alias", "CudaGraphBackend"]
+
+
+class CaptureError(RuntimeError):
+    """A capture that cannot proceed; the message says what and where. No graph is left half-captured."""
+
+
+_state = threading.local()
+
+
+def _current() -> "BreakableCapture | None":
+    return getattr(_state, "capture", None)
+
+
+@contextlib.contextmanager
+def eager_breaks_enabled(enabled: bool):
+    """FULL-graph mode turns eager breaks off: decorated functions are then captured like any op."""
+    old = getattr(_state, "breaks_enabled", True)
+    _state.breaks_enabled = enabled
+    try:
+        yield
+    finally:
+        _state.breaks_enabled = old
+
+
+# ---- non-owning tensor aliases -------------------------------------------------------------------------
+
+class _ArrayInterface:
+    """Exposes a tensor's memory through the (CUDA) array interface, without keeping the tensor alive."""
+
+    def __init__(self, t: torch.Tensor):
+        iface = {"shape": tuple(t.shape), "typestr": f"<i{t.element_size()}", "version": 3,
+                 "data": (t.data_ptr(), False), "strides": tuple(s * t.element_size() for s in t.stride())}
+        if t.is_cuda:
+            self.__cuda_array_interface__ = iface
+        else:
+            self.__array_interface__ = iface
+
+
+def weak_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over the same memory as `t` that does not own it (vLLM's weak_ref_tensor).
+
+    Valid while the memory stays allocated: for activations captured into a graph pool, as long as that
+    pool's graphs live. Typed through a same-width integer view, so bf16/fp8 work too.
+    """
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    if t.is_cuda:
+        alias = torch.as_tensor(_ArrayInterface(t.view(int_dtype)), device=t.device)
+    else:
+        import numpy as np
+
+        alias = torch.from_numpy(np.asarray(_ArrayInterface(t.view(int_dtype))))
+    return alias.view(t.dtype)
+
+
+def _alias_args(args: tuple, kwargs: dict):
+    conv = lambda a: weak_alias(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+    return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+
+
+# ---- graph backends ------------------------------------------------------------------------------------
+
+class CudaGraphBackend:
+    """torch.cuda.CUDAGraph segments on a side stream, all in one memory pool."""
+
+    def __init__(self, pool=None):
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+
+    def begin(self):
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool)
+        return g
+
+    def end(self, g) -> None:
+        g.capture_end()
+
+    @contextlib.contextmanager
+    def capturing(self):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def abort(self, g) -> None:
+        with contextlib.suppress(Exception):
+            g.capture_end()
+        with contextlib.suppress(Exception):
+            g.reset()
+
+
+# ---- capture -------------------------------------------------------------------------------------------
+
+@dataclass
+class _EagerCall:
+    fn: Callable
+    name: str
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class BreakableGraph:
+    """The result of a capture: segments to replay in order (a graph, or an eager call)."""
+
+    entries: list = field(default_factory=list)  # each: ("graph", graph) or ("eager", _EagerCall)
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(kind == "graph" for kind, _ in self.entries)
+
+    @property
+    def pattern(self) -> str:
+        """'G E G E G': the order of graph segments and eager regions."""
+        return " ".join("G" if kind == "graph" else "E" for kind, _ in self.entries)
+
+    def replay(self) -> None:
+        for kind, item in self.entries:
+            if kind == "graph":
+                item.replay()
+            else:
+                item.fn(*item.args, **item.kwargs)
+
+    def reset(self) -> None:
+        """Release the graphs (and so their pool memory, once no other graph holds it)."""
+        for kind, item in self.entries:
+            if kind == "graph" and hasattr(item, "reset"):
+                item.reset()
+        self.entries.clear()
+
+
+class BreakableCapture:
+    """`with BreakableCapture(backend) as cap: out = model(...)`; then `cap.graph.replay()`."""
+
+    def __init__(self, backend=None, name: str = "capture"):
+        self.backend = backend if backend is not None else CudaGraphBackend()
+        self.name = name
+        self.graph = BreakableGraph()
+        self._open = None  # the graph segment being captured, None inside an eager region
+
+    def __enter__(self) -> "BreakableCapture":
+        if _current() is not None:
+            raise CaptureError(f"{self.name}: a breakable capture is already active on this thread "
+                               f"({_current().name}); captures do not nest")
+        self._ctx = self.backend.capturing() if hasattr(self.backend, "capturing") else contextlib.nullcontext()
+        self._ctx.__enter__()
+        _state.capture = self
+        try:
+            self._open = self.backend.begin()
+        except BaseException:
+            _state.capture = None
+            self._ctx.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None:
+                self._close_segment()
+            else:  # leave nothing half-captured: end the open segment and drop every graph
+                if self._open is not None:
+                    self.backend.abort(self._open)
+                    self._open = None
+                self.graph.reset()
+        finally:
+            _state.capture = None
+            self._ctx.__exit__(exc_type, exc, tb)
+        return False
+
+    def _close_segment(self) -> None:
+        g, self._open = self._open, None
+        self.backend.end(g)
+        self.graph.entries.append(("graph", g))
+        g.replay()  # run the captured work once, so the eager region that follows sees real inputs
+
+    def run_eager(self, fn: Callable, name: str, args: tuple, kwargs: dict):
+        self._close_segment()
+        out = fn(*args, **kwargs)
+        _check_no_new_tensors(name, out, args, kwargs)
+        a, k = _alias_args(args, kwargs)
+        self.graph.entries.append(("eager", _EagerCall(fn, name, a, k)))
+        self._open = self.backend.begin()
+        return out
+
+
+def _storages(objs) -> set[int]:
+    ptrs = set()
+    for o in objs:
+        if isinstance(o, torch.Tensor) and o.numel():
+            ptrs.add(o.untyped_storage().data_ptr())
+    return ptrs
+
+
+def _check_no_new_tensors(name: str, out: Any, args: tuple, kwargs: dict) -> None:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    known = _storages(list(args) + list(kwargs.values()))
+    for o in outs:
+        if isinstance(o, torch.Tensor) and o.numel() and o.untyped_storage().data_ptr() not in known:
+            raise CaptureError(
+                f"eager region {name!r} returned a tensor of shape {list(o.shape)} that it allocated itself: "
+                f"under a breakable graph it would live at a new address on every replay. Write into a "
+                f"buffer the caller passes in instead.")
+
+
+def eager_break(fn: Callable | None = None, *, name: str | None = None):
+    """Mark a function as an eager region: it ends the current graph segment during a breakable capture."""
+
+    def wrap(f):
+        label = name or f.__qualname__
+
+        @functools.wraps(f)
+        def inner(*args, **kwargs):
+            cap = _current()
+            if cap is None or cap._open is None or not getattr(_state, "breaks_enabled", True):
+                return f(*args, **kwargs)  # no capture, nested inside an eager region, or FULL mode
+            return cap.run_eager(f, label, args, kwargs)
+
+        inner.__eager_break__ = True
+        return inner
+
+    return wrap(fn) if fn is not None else wrap

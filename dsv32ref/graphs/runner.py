@@ -1,0 +1,109 @@
+"""Capture a forward per token count, in the serving engine's modes, and replay the right one per step.
+
+Modes (vLLM's CUDAGraphMode):
+    NONE                 everything eager
+    PIECEWISE            breakable graphs: graph segments between the eager regions (prefill, mixed batches)
+    FULL                 one graph per size with the eager regions captured too (needs graph-safe attention:
+                         uniform decode)
+    FULL_AND_PIECEWISE   FULL for uniform-decode steps, PIECEWISE for the rest (the engine's default)
+Capture sizes default to [1, 2, 4] + 8..248 step 8 + 256..max step 16. Sizes are captured largest first,
+PIECEWISE before FULL, all into one memory pool: a smaller capture reuses what a larger one freed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dsv32ref.graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, eager_breaks_enabled
+
+
+class CUDAGraphMode(enum.Enum):
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    @property
+    def has_piecewise(self) -> bool:
+        return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_full(self) -> bool:
+        return self in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+
+def default_capture_sizes(max_size: int = 512) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_size + 1, 16))
+    return [s for s in sizes if s <= max_size]
+
+
+@dataclass
+class _Captured:
+    graph: BreakableGraph
+    output: Any
+
+
+@dataclass
+class GraphRunner:
+    """Owns the captured graphs of one model.
+
+    forward(size, uniform_decode) runs the model on the static input buffers of `size` tokens (the caller
+    fills them before each replay) and returns the static output. `backend_factory()` returns a graph
+    backend sharing one pool across every capture.
+    """
+
+    forward: Callable[[int, bool], Any]
+    mode: CUDAGraphMode
+    capture_sizes: list[int]
+    backend_factory: Callable[[], Any]
+    piecewise: dict[int, _Captured] = field(default_factory=dict)
+    full: dict[int, _Captured] = field(default_factory=dict)
+    on_capture: Callable[[str, int], None] | None = None  # progress / memory ledger hook (phase, size)
+
+    def __post_init__(self):
+        self.capture_sizes = sorted(set(self.capture_sizes))
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        i = bisect.bisect_left(self.capture_sizes, num_tokens)
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+
+    def capture_all(self) -> None:
+        phases = ([("PIECEWISE", False)] if self.mode.has_piecewise else []) + \
+                 ([("FULL", True)] if self.mode.has_full else [])
+        for phase, full in phases:
+            for size in sorted(self.capture_sizes, reverse=True):
+                self.capture(phase, size)
+
+    def capture(self, phase: str, size: int) -> None:
+        full = phase == "FULL"
+        try:
+            with eager_breaks_enabled(not full):
+                with BreakableCapture(self.backend_factory(), name=f"{phase} capture of size {size}") as cap:
+                    out = self.forward(size, full)
+        except CaptureError:
+            raise
+        except Exception as e:  # out of memory, or anything else: say where, keep earlier graphs usable
+            raise CaptureError(f"{phase} capture of size {size} failed: {type(e).__name__}: {e}") from e
+        (self.full if full else self.piecewise)[size] = _Captured(cap.graph, out)
+        if self.on_capture is not None:
+            self.on_capture(phase, size)
+
+    def lookup(self, num_tokens: int, uniform_decode: bool) -> tuple[str, int | None, _Captured | None]:
+        """(how this step runs: 'FULL' / 'PIECEWISE' / 'NONE', padded size, the captured graph)."""
+        size = self.padded_size(num_tokens)
+        if size is None or self.mode is CUDAGraphMode.NONE:
+            return "NONE", None, None
+        if uniform_decode and size in self.full:
+            return "FULL", size, self.full[size]
+        if size in self.piecewise:
+            return "PIECEWISE", size, self.piecewise[size]
+        return "NONE", None, None
+
+    def release(self) -> None:
+        for table in (self.piecewise, self.full):
+            for c in table.values():
+                c.graph.reset()
+            table.clear()

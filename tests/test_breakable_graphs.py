@@ -1,0 +1,221 @@
+"""Capture bookkeeping with a stand-in graph object (CPU): order, nesting, weak references, errors, threads."""
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from dsv32ref.graphs import (BreakableCapture, CaptureError, CUDAGraphMode, GraphRunner, default_capture_sizes,
+                             eager_break, eager_breaks_enabled, weak_alias)
+
+
+class FakeGraph:
+    def __init__(self, gid, log):
+        self.gid, self.log = gid, log
+
+    def replay(self):
+        self.log.append(f"G{self.gid}")
+
+    def reset(self):
+        self.log.append(f"reset{self.gid}")
+
+
+class FakeBackend:
+    def __init__(self, log):
+        self.log, self.n = log, 0
+
+    def begin(self):
+        self.n += 1
+        self.log.append(f"begin{self.n}")
+        return FakeGraph(self.n, self.log)
+
+    def end(self, g):
+        self.log.append(f"end{g.gid}")
+
+    def abort(self, g):
+        self.log.append(f"abort{g.gid}")
+
+
+@eager_break
+def attend(x, out):
+    out.copy_(x * 2)
+    log.append("E")
+    return out
+
+
+@eager_break(name="outer")
+def outer(x, out):
+    attend(x, out)  # nested: inline
+    log.append("outer")
+    return out
+
+
+log: list = []
+
+
+def model(x, out, layers=3):
+    for _ in range(layers):
+        x = x + 1
+        attend(x, out)
+        x = out + 0
+    return x
+
+
+def test_outside_capture_is_a_plain_call():
+    log.clear()
+    out = torch.zeros(3)
+    assert torch.equal(model(torch.ones(3), out), torch.tensor([22.0] * 3))  # ((1+1)*2+1)*2+1)*2
+    assert log == ["E", "E", "E"]
+
+
+def test_segments_in_order_and_replay_interleaves():
+    log.clear()
+    out = torch.zeros(3)
+    with BreakableCapture(FakeBackend(log)) as cap:
+        model(torch.ones(3), out)
+    assert cap.graph.pattern == "G E G E G E G"
+    assert cap.graph.num_graphs == 4
+    # during capture each segment is replayed once before its eager region runs on real inputs
+    assert log == ["begin1", "end1", "G1", "E", "begin2", "end2", "G2", "E", "begin3", "end3", "G3", "E",
+                   "begin4", "end4", "G4"]
+    log.clear()
+    cap.graph.replay()
+    assert log == ["G1", "E", "G2", "E", "G3", "E", "G4"]
+
+
+def test_nested_eager_break_runs_inline():
+    log.clear()
+    out = torch.zeros(2)
+    with BreakableCapture(FakeBackend(log)) as cap:
+        outer(torch.ones(2), out)
+    assert cap.graph.pattern == "G E G"
+    assert log[-5:] == ["E", "outer", "begin2", "end2", "G2"]
+
+
+def test_full_mode_captures_eager_regions():
+    log.clear()
+    out = torch.zeros(2)
+    with eager_breaks_enabled(False):
+        with BreakableCapture(FakeBackend(log)) as cap:
+            model(torch.ones(2), out)
+    assert cap.graph.pattern == "G"
+
+
+def test_nested_capture_is_an_error():
+    with BreakableCapture(FakeBackend([]), name="outer capture"):
+        with pytest.raises(CaptureError, match="already active on this thread \\(outer capture\\)"):
+            with BreakableCapture(FakeBackend([]), name="inner"):
+                pass
+
+
+def test_eager_region_returning_a_fresh_tensor_is_an_error_and_leaves_no_state():
+    @eager_break
+    def bad(x):
+        return x * 2
+
+    glog = []
+    with pytest.raises(CaptureError, match="'test_eager_region_returning.*bad' returned a tensor of shape \\[4\\]"):
+        with BreakableCapture(FakeBackend(glog)) as cap:
+            bad(torch.ones(4))
+    assert cap.graph.entries == [] and "reset1" in glog
+    with BreakableCapture(FakeBackend([])):  # the thread is free again
+        pass
+
+
+def test_failure_mid_capture_aborts_the_open_segment():
+    @eager_break
+    def ok(x, out):
+        out.copy_(x)
+        return out
+
+    glog = []
+    with pytest.raises(ValueError, match="boom"):
+        with BreakableCapture(FakeBackend(glog)) as cap:
+            ok(torch.ones(2), torch.zeros(2))
+            raise ValueError("boom")
+    assert "abort2" in glog and cap.graph.entries == []
+
+
+def test_tensor_arguments_are_held_weakly():
+    captured_out = torch.zeros(3)
+    x = torch.ones(3)
+    ref_x = weakref.ref(x)
+    with BreakableCapture(FakeBackend([])) as cap:
+        attend(x, captured_out)
+    (kind, call), = [e for e in cap.graph.entries if e[0] == "eager"]
+    assert call.args[0].data_ptr() == ref_x().data_ptr()  # same memory ...
+    del x
+    gc.collect()
+    assert ref_x() is None  # ... but the capture did not keep the tensor alive
+
+
+def test_weak_alias_shares_memory_for_all_dtypes():
+    for dt in (torch.float32, torch.bfloat16, torch.int32, torch.float8_e4m3fn):
+        t = torch.arange(12).reshape(3, 4).to(dt)
+        a = weak_alias(t[:, 1:])
+        assert a.dtype == dt and a.shape == (3, 3) and a.data_ptr() == t[:, 1:].data_ptr()
+        assert torch.equal(a.float(), t[:, 1:].float())
+
+
+def test_captures_are_thread_local():
+    results = {}
+
+    def other():
+        out = torch.zeros(2)
+        l2 = []
+        attend_calls = len(log)
+        attend(torch.ones(2), out)  # no capture on this thread: a plain call
+        results["plain"] = len(log) == attend_calls + 1
+        with BreakableCapture(FakeBackend(l2)) as c2:
+            attend(torch.ones(2), out)
+        results["pattern"] = c2.graph.pattern
+
+    with BreakableCapture(FakeBackend([])) as cap:
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        attend(torch.ones(2), torch.zeros(2))
+    assert results == {"plain": True, "pattern": "G E G"} and cap.graph.pattern == "G E G"
+
+
+def test_runner_order_modes_and_lookup():
+    glog, order = [], []
+    backend = FakeBackend(glog)
+
+    def forward(size, full):
+        out = torch.zeros(size)
+        attend(torch.ones(size), out)
+        return out
+
+    runner = GraphRunner(forward, CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], lambda: backend,
+                         on_capture=lambda phase, size: order.append((phase, size)))
+    runner.capture_all()
+    assert order == [("PIECEWISE", 8), ("PIECEWISE", 4), ("PIECEWISE", 2), ("PIECEWISE", 1),
+                     ("FULL", 8), ("FULL", 4), ("FULL", 2), ("FULL", 1)]
+    assert runner.piecewise[4].graph.pattern == "G E G" and runner.full[4].graph.pattern == "G"
+    assert runner.lookup(3, uniform_decode=True)[:2] == ("FULL", 4)
+    assert runner.lookup(3, uniform_decode=False)[:2] == ("PIECEWISE", 4)
+    assert runner.lookup(9, uniform_decode=False)[:2] == ("NONE", None)
+    pw = GraphRunner(forward, CUDAGraphMode.PIECEWISE, [1, 2], lambda: backend)
+    pw.capture_all()
+    assert pw.lookup(1, uniform_decode=True)[0] == "PIECEWISE" and not pw.full
+
+
+def test_runner_failure_names_phase_and_size():
+    def forward(size, full):
+        if size == 4:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return torch.zeros(size)
+
+    runner = GraphRunner(forward, CUDAGraphMode.PIECEWISE, [2, 4], lambda: FakeBackend([]))
+    with pytest.raises(CaptureError, match="PIECEWISE capture of size 4 failed: RuntimeError: CUDA out of memory"):
+        runner.capture_all()
+    assert runner.piecewise == {}
+
+
+def test_default_capture_sizes():
+    sizes = default_capture_sizes()
+    assert sizes[:5] == [1, 2, 4, 8, 16] and 248 in sizes and 256 in sizes and sizes[-1] == 512
+    assert len(sizes) == 3 + 31 + 17 and default_capture_sizes(64)[-1] == 64
