@@ -1,0 +1,247 @@
+"""A small serving engine: paged KV cache sized from a memory budget, graph capture, sequential requests.
+
+One step = one batch of scheduled requests (prefill chunks and/or decode tokens). The engine copies the
+step's metadata into static buffers, publishes the host metadata in the forward context, and either
+replays a captured graph of the padded size (FULL for uniform decode, PIECEWISE otherwise) or runs
+eagerly. Sampling is greedy, on each request's last token, after the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv32ref.cache import BlockAllocator, PagedKVCache
+from dsv32ref.config import ModelConfig
+from dsv32ref.engine.context import ForwardContext, set_forward_context
+from dsv32ref.engine.model import EngineModel
+from dsv32ref.graphs.breakable import CudaGraphBackend
+from dsv32ref.graphs.runner import CUDAGraphMode, GraphRunner, default_capture_sizes
+from dsv32ref.reference.rope import RotaryEmbedding
+
+
+@dataclass
+class EngineConfig:
+    boundary: str = "narrow"
+    mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
+    max_model_len: int = 4096
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    block_size: int = 64
+    gpu_memory_utilization: float = 0.9
+    capture_sizes: list[int] | None = None  # default: the engine's sizes up to max_num_batched_tokens
+    num_blocks: int | None = None  # None: sized from the memory budget (capped at what max_num_seqs can use)
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {self.gpu_memory_utilization}")
+        if self.capture_sizes is None:
+            self.capture_sizes = default_capture_sizes(self.max_num_batched_tokens)
+
+
+def build_model(config: ModelConfig, boundary: str, device, dtype, seed: int) -> EngineModel:
+    """Parameters created directly on the device in the target dtype (a full-size model never touches the host)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = EngineModel(config, boundary)
+    finally:
+        torch.set_default_dtype(old)
+    return model.init_dummy(seed).eval()
+
+
+@dataclass
+class StepInput:
+    """Host-side description of one step: per request (seq id, new token ids, tokens already cached)."""
+
+    requests: list[tuple[int, list[int], int]]
+    uniform_decode: bool = field(init=False)
+
+    def __post_init__(self):
+        self.uniform_decode = all(len(toks) == 1 for _, toks, _ in self.requests)
+
+
+class LLMEngine:
+    def __init__(self, config: ModelConfig, engine_config: EngineConfig | None = None, device="cuda",
+                 dtype=torch.bfloat16, model: EngineModel | None = None):
+        self.config, self.ec = config, engine_config or EngineConfig()
+        self.device, self.dtype = torch.device(device), dtype
+        ec = self.ec
+        self.model = model if model is not None else build_model(config, ec.boundary, device, dtype, ec.seed)
+        self.model.set_boundary(ec.boundary)
+        cos, sin = RotaryEmbedding(config).to(self.device)(torch.arange(ec.max_model_len, device=self.device))
+        self.cos, self.sin = cos.contiguous(), sin.contiguous()
+        n_max, seqs = max(ec.capture_sizes + [ec.max_num_batched_tokens]), ec.max_num_seqs
+        self.max_blocks_per_seq = -(-ec.max_model_len // ec.block_size)
+        i32, i64 = dict(dtype=torch.int32, device=self.device), dict(dtype=torch.int64, device=self.device)
+        self.input_ids = torch.zeros(n_max, **i64)
+        self.positions = torch.zeros(n_max, **i64)
+        self.slot_mapping = torch.full((n_max,), -1, **i64)
+        self.req_indices = torch.full((n_max,), seqs, **i32)  # row `seqs` is the padding request
+        self.seq_lens = torch.zeros(seqs + 1, **i32)
+        self.block_table = torch.zeros(seqs + 1, self.max_blocks_per_seq, **i32)
+        self.topk = torch.full((n_max, config.index_topk), -1, **i32)
+        self.scores = torch.zeros(min(n_max, seqs), ec.max_model_len, dtype=torch.float32, device=self.device)
+        self.memory: dict[str, float] = {}
+        self._size_kv_cache()
+        self.allocator = BlockAllocator(self.kv_cache.num_blocks, ec.block_size)
+        self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.runner = GraphRunner(self._forward_for_capture, ec.mode, ec.capture_sizes,
+                                  lambda: CudaGraphBackend(self._pool))
+        self._next_seq = 0
+
+    # ---- memory ---------------------------------------------------------------------------------------
+    def _size_kv_cache(self) -> None:
+        ec, c = self.ec, self.config
+        per_block = ec.block_size * sum(
+            c.latent_dim + (c.index_head_dim if c.runs_indexer(i) else 0) for i in range(c.num_hidden_layers)
+        ) * torch.finfo(self.dtype).bits // 8
+        usable = ec.max_num_seqs * self.max_blocks_per_seq + 1
+        if ec.num_blocks is not None:
+            num_blocks = ec.num_blocks
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize()
+            weights = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            self._profile_run()
+            peak = torch.cuda.max_memory_allocated()
+            free, total = torch.cuda.mem_get_info()
+            budget = total * ec.gpu_memory_utilization - peak
+            self.memory.update(total=total, weights=weights, peak_activations=peak - weights, budget=budget)
+            num_blocks = min(int(budget // per_block), usable)
+            if num_blocks < 1:
+                raise RuntimeError(f"KV cache: no memory left at gpu_memory_utilization={ec.gpu_memory_utilization} "
+                                   f"(total {total / 2**30:.1f} GiB, weights + peak activations {peak / 2**30:.1f} GiB)")
+        else:
+            num_blocks = usable
+        self.kv_cache = PagedKVCache(c, num_blocks, ec.block_size, self.dtype, self.device)
+        self.memory.update(kv_cache=self.kv_cache.nbytes(), num_blocks=num_blocks)
+
+    @torch.no_grad()
+    def _profile_run(self) -> None:
+        """The largest prefill step, eagerly, with a throwaway one-block-per-request cache."""
+        n = self.ec.max_num_batched_tokens
+        self.kv_cache = PagedKVCache(self.config, -(-n // self.ec.block_size) + 1, self.ec.block_size, self.dtype,
+                                     self.device)
+        ctx = self._dummy_context(n, uniform=False)
+        with set_forward_context(ctx):
+            self.model(self.input_ids[:n])
+        torch.cuda.synchronize()
+        del self.kv_cache
+
+    # ---- contexts ---------------------------------------------------------------------------------------
+    def _context(self, size: int, qsl: list[int], seq_lens: list[int], uniform: bool) -> ForwardContext:
+        return ForwardContext(
+            kv_cache=self.kv_cache, cos=self.cos, sin=self.sin, positions=self.positions[:size],
+            slot_mapping=self.slot_mapping[:size], req_indices=self.req_indices[:size], seq_lens=self.seq_lens,
+            block_table=self.block_table, topk=self.topk[:size], scores=self.scores[: min(size, self.scores.shape[0])],
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, uniform_decode=uniform)
+
+    def _dummy_context(self, size: int, uniform: bool) -> ForwardContext:
+        """Capture-time metadata: padding everywhere (no cache writes), one request of `size` tokens for
+        prefill, or `size` one-token requests for uniform decode. Graph code never branches on it."""
+        self.input_ids[:size].zero_()
+        self.slot_mapping[:size].fill_(-1)
+        self.block_table.zero_()
+        if uniform:
+            self.positions[:size].zero_()
+            self.req_indices[:size] = torch.arange(size, dtype=torch.int32, device=self.device)
+            self.seq_lens[:size].fill_(1)
+            return self._context(size, list(range(size + 1)), [1] * size, True)
+        self.positions[:size] = torch.arange(size, device=self.device)
+        self.req_indices[:size].zero_()
+        self.seq_lens[0] = size
+        return self._context(size, [0, size], [size], False)
+
+    def _forward_for_capture(self, size: int, full: bool):
+        with set_forward_context(self._dummy_context(size, uniform=full)):
+            return self.model(self.input_ids[:size])
+
+    # ---- capture and steps ------------------------------------------------------------------------------
+    def capture(self) -> float:
+        """Capture every size in the configured mode; returns seconds taken."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.runner.capture_all()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def release_graphs(self) -> None:
+        self.runner.release()
+
+    def _prepare(self, step: StepInput) -> tuple[int, list[int], list[int], list[int]]:
+        ids, pos, slots, reqs, qsl, lens, last = [], [], [], [], [0], [], []
+        bs = self.ec.block_size
+        for b, (seq_id, toks, ctx_len) in enumerate(step.requests):
+            blocks = self.allocator.ensure(seq_id, ctx_len + len(toks))
+            self.block_table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            for i, tok in enumerate(toks):
+                p = ctx_len + i
+                ids.append(tok)
+                pos.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+                reqs.append(b)
+            qsl.append(qsl[-1] + len(toks))
+            lens.append(ctx_len + len(toks))
+            last.append(qsl[-1] - 1)
+        n = len(ids)
+        if n > self.input_ids.shape[0]:
+            raise ValueError(f"step of {n} tokens exceeds max_num_batched_tokens={self.input_ids.shape[0]}")
+        dev = self.device
+        self.input_ids[:n] = torch.tensor(ids, device=dev)
+        self.positions[:n] = torch.tensor(pos, device=dev)
+        self.slot_mapping[:n] = torch.tensor(slots, device=dev)
+        self.req_indices[:n] = torch.tensor(reqs, dtype=torch.int32, device=dev)
+        self.seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32, device=dev)
+        # padding rows (up to the captured size) write nothing and attend to the empty padding request
+        self.input_ids[n:].zero_()
+        self.positions[n:].zero_()
+        self.slot_mapping[n:].fill_(-1)
+        self.req_indices[n:].fill_(self.ec.max_num_seqs)
+        return n, qsl, lens, last
+
+    @torch.no_grad()
+    def step(self, step: StepInput) -> tuple[list[int], str]:
+        """Run one step; returns (the next token of each request, how it ran: FULL / PIECEWISE / NONE)."""
+        n, qsl, lens, last = self._prepare(step)
+        how, size, captured = self.runner.lookup(n, step.uniform_decode)
+        ctx = self._context(size if captured is not None else n, qsl, lens, step.uniform_decode)
+        with set_forward_context(ctx):
+            if captured is not None:
+                captured.graph.replay()
+                hidden = captured.output
+            else:
+                hidden = self.model(self.input_ids[:n])
+            logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+        self.last_logits = logits
+        return logits.argmax(-1).tolist(), how
+
+    def generate(self, prompt: list[int], max_new_tokens: int = 1) -> tuple[list[int], float]:
+        """One request alone: prefill, then greedy decode. Returns (new tokens, time to first token in s)."""
+        seq_id, self._next_seq = self._next_seq, self._next_seq + 1
+        t0 = time.perf_counter()
+        (tok,), _ = self.step(StepInput([(seq_id, list(prompt), 0)]))
+        ttft = time.perf_counter() - t0  # .tolist() in step() synchronised with the GPU
+        out = [tok]
+        try:
+            for i in range(max_new_tokens - 1):
+                (tok,), _ = self.step(StepInput([(seq_id, [tok], len(prompt) + i)]))
+                out.append(tok)
+        finally:
+            self.allocator.release(seq_id)
+        return out, ttft
+
+
+@contextlib.contextmanager
+def engine_for(config: ModelConfig, **kwargs):
+    eng = LLMEngine(config, EngineConfig(**kwargs))
+    try:
+        yield eng
+    finally:
+        eng.release_graphs()

@@ -1,0 +1,340 @@
+"""The serving-engine form of the model: fused projections, Triton kernels, and a choice of eager boundary.
+
+The attention's `boundary` decides what runs eagerly between graph segments under PIECEWISE capture:
+
+    wide          everything after the A-projections is one eager region (norm/RoPE, q_b GEMM, W_UK BMM,
+                  indexer wq_b GEMM, fused-Q, indexer, attention, UV BMM): the engine before the change
+    narrow        only the indexer, the attention and the UV BMM are eager; the attention output is
+                  allocated inside the region and consumed there by the UV BMM, no copy: the change
+    narrow_copy   the attention output is copied into a buffer the graph owns, so the UV BMM is captured:
+                  the alternative the change rejected
+    narrow_out    the attention kernel writes straight into the graph-owned buffer, UV BMM captured, no
+                  copy: the follow-up the change's authors asked for (forward_mqa with an `out`)
+
+All four compute the same function. Under FULL capture (uniform decode) every region is captured.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dsv32ref.config import ModelConfig
+from dsv32ref.engine.context import get_forward_context
+from dsv32ref.engine.labels import region
+from dsv32ref.graphs.breakable import eager_break
+from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
+
+BOUNDARIES = ("wide", "narrow", "narrow_copy", "narrow_out")
+
+
+def _param(*shape) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class EngineDSAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, boundary: str = "narrow"):
+        super().__init__()
+        if boundary not in BOUNDARIES:
+            raise ValueError(f"boundary: expected one of {BOUNDARIES}, got {boundary!r}")
+        c = config
+        self.config, self.layer_idx, self.boundary = c, layer_idx, boundary
+        self.H, self.nope, self.rope, self.v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.q_lora, self.kv_lora = c.q_lora_rank, c.kv_lora_rank
+        self.fused_qkv_a_proj = _param(c.q_lora_rank + c.latent_dim, c.hidden_size)  # [q_a_proj ; kv_a_proj_with_mqa]
+        self.q_a_layernorm = _param(c.q_lora_rank)
+        self.kv_a_layernorm = _param(c.kv_lora_rank)
+        self.q_b_proj = _param(c.num_attention_heads * c.qk_head_dim, c.q_lora_rank)
+        self.W_UK = _param(c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank)
+        self.W_UV = _param(c.num_attention_heads, c.kv_lora_rank, c.v_head_dim)  # stored [H, lora, v] for bmm
+        self.o_proj = _param(c.hidden_size, c.num_attention_heads * c.v_head_dim)
+        self.has_indexer = c.runs_indexer(layer_idx)
+        if self.has_indexer:
+            self.H_I, self.D_I = c.index_n_heads, c.index_head_dim
+            self.wq_b = _param(c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+            self.wk_weights_proj = _param(c.index_head_dim + c.index_n_heads, c.hidden_size)  # [wk ; weights_proj]
+            self.k_norm_weight = _param(c.index_head_dim)
+            self.k_norm_bias = _param(c.index_head_dim)
+
+    # ---- the graph-safe part ------------------------------------------------------------------------
+    def _prepare(self, q_c_raw, kv, k_raw, w_raw):
+        """Norms, RoPE, cache writes, q_b GEMM, W_UK BMM, indexer wq_b GEMM, fused-Q. Returns the MQA query
+        [T, H, 576], the indexer query [T, H_I, D_I] and weights [T, H_I] (None on IndexShare layers)."""
+        ctx = get_forward_context()
+        T = q_c_raw.shape[0]
+        cache = ctx.kv_cache
+        q_c = torch.empty_like(q_c_raw)
+        with region("norm_rope"):
+            fused_norm_rope(q_c_raw, self.q_a_layernorm, q_c, kv, self.kv_a_layernorm, cache.latent[self.layer_idx],
+                            ctx.positions, ctx.slot_mapping, ctx.cos, ctx.sin, self.config.rms_norm_eps,
+                            k_raw, getattr(self, "k_norm_weight", None), getattr(self, "k_norm_bias", None),
+                            cache.indexer_k[self.layer_idx], self.config.indexer_rope_interleave)
+        with region("q_gemm"):
+            q = F.linear(q_c, self.q_b_proj).view(T, self.H, self.nope + self.rope)  # (T, H, nope + rope)
+        with region("wuk_bmm"):
+            q_lat = torch.bmm(q[..., : self.nope].transpose(0, 1), self.W_UK).transpose(0, 1)  # (T, H, kv_lora) view
+        q_mqa = q.new_empty(T, self.H, self.kv_lora + self.rope)
+        if self.has_indexer:
+            with region("q_gemm"):
+                q_i_raw = F.linear(q_c, self.wq_b).view(T, self.H_I, self.D_I)  # (T, H_I, D_I)
+            q_idx, w_idx = torch.empty_like(q_i_raw), torch.empty_like(w_raw)
+            with region("fused_q"):
+                fused_q(q_lat, q, q_mqa, ctx.positions, ctx.cos, ctx.sin, q_i_raw, q_idx, w_raw, w_idx,
+                        self.config.indexer_rope_interleave)
+            return q_mqa, q_idx, w_idx
+        with region("fused_q"):
+            fused_q(q_lat, q, q_mqa, ctx.positions, ctx.cos, ctx.sin)
+        return q_mqa, None, None
+
+    def _uv(self, o_lat, out):
+        """out [T, H * v] <- per head W_UV o_lat: (H, T, lora) x (H, lora, v) -> (H, T, v)."""
+        T = o_lat.shape[0]
+        with region("uv_bmm"):
+            torch.bmm(o_lat.transpose(0, 1), self.W_UV, out=out.view(T, self.H, self.v).transpose(0, 1))
+
+    # ---- the sparse path (host metadata: eager under PIECEWISE) --------------------------------------
+    def _indexer_and_attention(self, q_mqa, q_idx, w_idx, o_lat):
+        """Top-k (or the shared one) and sparse attention into o_lat [T, H, kv_lora]."""
+        ctx = get_forward_context()
+        cache = ctx.kv_cache
+        scale, K = self.config.softmax_scale, self.config.index_topk
+        if ctx.uniform_decode:
+            # Graph-safe decode: one launch each over the whole batch, static workspace, device metadata.
+            if self.has_indexer:
+                with region("indexer"):
+                    indexer_scores_paged(q_idx, w_idx, cache.indexer_k[self.layer_idx], ctx.block_table,
+                                         ctx.req_indices, ctx.positions, self.D_I ** -0.5, ctx.scores)
+                    topk_from_scores(ctx.scores, ctx.positions, ctx.topk)
+            with region("attention"):
+                sparse_mla_paged(q_mqa, cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices, ctx.seq_lens,
+                                 ctx.topk, scale, o_lat, valid_first=True)
+            return
+        # Prefill / mixed batches: work split per request on the host. These lines are what cannot be
+        # captured: the loop bounds and slices come from host metadata, and the score buffer is sized by
+        # each request's total length, so a graph would bake one step's shapes into every replay.
+        qsl = ctx.query_start_loc_cpu
+        for b in range(ctx.num_reqs):
+            t0, t1 = qsl[b], qsl[b + 1]
+            if self.has_indexer:
+                with region("indexer"):
+                    scores = torch.empty(t1 - t0, ctx.seq_lens_cpu[b], dtype=torch.float32, device=q_mqa.device)
+                    indexer_scores_paged(q_idx[t0:t1], w_idx[t0:t1], cache.indexer_k[self.layer_idx], ctx.block_table,
+                                         ctx.req_indices[t0:t1], ctx.positions[t0:t1], self.D_I ** -0.5, scores)
+                    topk_from_scores(scores, ctx.positions[t0:t1], ctx.topk[t0:t1])
+            with region("attention"):
+                sparse_mla_paged(q_mqa[t0:t1], cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices[t0:t1],
+                                 ctx.seq_lens, ctx.topk[t0:t1], scale, o_lat[t0:t1], valid_first=True)
+
+    @eager_break(name="fused_attention (wide)")
+    def _fused_attention(self, q_c_raw, kv, k_raw, w_raw, out):
+        q_mqa, q_idx, w_idx = self._prepare(q_c_raw, kv, k_raw, w_raw)
+        o_lat = q_mqa.new_empty(q_mqa.shape[0], self.H, self.kv_lora)
+        self._indexer_and_attention(q_mqa, q_idx, w_idx, o_lat)
+        self._uv(o_lat, out)
+        return out
+
+    @eager_break(name="sparse_indexer_and_attn (narrow)")
+    def _sparse_indexer_and_attn(self, q_mqa, q_idx, w_idx, out):
+        o_lat = q_mqa.new_empty(q_mqa.shape[0], self.H, self.kv_lora)  # backend-owned: consumed right here
+        self._indexer_and_attention(q_mqa, q_idx, w_idx, o_lat)
+        self._uv(o_lat, out)
+        return out
+
+    @eager_break(name="sparse_indexer_and_attn (copy)")
+    def _sparse_indexer_and_attn_copy(self, q_mqa, q_idx, w_idx, o_static):
+        o_lat = q_mqa.new_empty(q_mqa.shape[0], self.H, self.kv_lora)  # backend-owned
+        self._indexer_and_attention(q_mqa, q_idx, w_idx, o_lat)
+        with region("copy"):
+            o_static.copy_(o_lat)
+        return o_static
+
+    @eager_break(name="sparse_indexer_and_attn (out)")
+    def _sparse_indexer_and_attn_out(self, q_mqa, q_idx, w_idx, o_lat):
+        self._indexer_and_attention(q_mqa, q_idx, w_idx, o_lat)
+        return o_lat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        T = x.shape[0]
+        with region("a_proj"):
+            qkv = F.linear(x, self.fused_qkv_a_proj)
+        q_c_raw, kv = qkv.split([self.q_lora, self.kv_lora + self.rope], dim=-1)
+        k_raw = w_raw = None
+        if self.has_indexer:
+            with region("a_proj"):
+                kw = F.linear(x, self.wk_weights_proj)
+            with region("cast"):
+                k_raw, w_raw = kw[:, : self.D_I], kw[:, self.D_I:].float()
+        out = x.new_empty(T, self.H * self.v)
+        if self.boundary == "wide":
+            self._fused_attention(q_c_raw, kv, k_raw, w_raw, out)
+        else:
+            q_mqa, q_idx, w_idx = self._prepare(q_c_raw, kv, k_raw, w_raw)
+            if self.boundary == "narrow":
+                self._sparse_indexer_and_attn(q_mqa, q_idx, w_idx, out)
+            else:
+                o_lat = x.new_empty(T, self.H, self.kv_lora)  # graph-owned
+                if self.boundary == "narrow_copy":
+                    self._sparse_indexer_and_attn_copy(q_mqa, q_idx, w_idx, o_lat)
+                else:
+                    self._sparse_indexer_and_attn_out(q_mqa, q_idx, w_idx, o_lat)
+                self._uv(o_lat, out)
+        with region("o_proj"):
+            return F.linear(out, self.o_proj)
+
+
+class EngineMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = _param(2 * inter, hidden)
+        self.down_proj = _param(hidden, inter)
+
+    def forward(self, x):
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class EngineMoE(nn.Module):
+    """Graph-safe MoE: the DeepSeek-V3 router, then every expert on every token, combined with the routing
+    weights (zero for unselected experts). No host sync; meant for a reduced expert count."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        self.gate = _param(c.n_routed_experts, c.hidden_size)
+        self.e_score_correction_bias = _param(c.n_routed_experts)
+        self.w13 = _param(c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size)
+        self.w2 = _param(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
+        self.shared = EngineMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts) if c.n_shared_experts else None
+
+    def forward(self, x):
+        c = self.config
+        s = torch.sigmoid(F.linear(x.float(), self.gate.float()))  # (T, E)
+        choice = s + self.e_score_correction_bias.float()
+        if c.n_group > 1:
+            groups = choice.view(x.shape[0], c.n_group, -1)
+            keep = groups.topk(2, dim=-1).values.sum(-1).topk(c.topk_group, dim=-1).indices
+            mask = torch.zeros(x.shape[0], c.n_group, dtype=torch.bool, device=x.device).scatter_(1, keep, True)
+            choice = groups.masked_fill(~mask[..., None], float("-inf")).view_as(choice)
+        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
+        w = s.gather(1, ids)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
+        dense_w = torch.zeros_like(s).scatter_(1, ids, w)  # (T, E)
+        h = torch.einsum("th,eih->eti", x, self.w13)  # (E, T, 2 * inter)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, self.w2)  # (E, T, hidden)
+        out = torch.einsum("te,eth->th", dense_w.to(x.dtype), y)
+        return out + self.shared(x) if self.shared is not None else out
+
+
+class EngineLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, boundary: str):
+        super().__init__()
+        self.input_layernorm = _param(config.hidden_size)
+        self.post_attention_layernorm = _param(config.hidden_size)
+        self.eps = config.rms_norm_eps
+        self.self_attn = EngineDSAAttention(config, layer_idx, boundary)
+        self.mlp = EngineMoE(config) if config.is_moe_layer(layer_idx) else EngineMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h):
+        with region("layer_norm"):
+            x = F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps)
+        h = h + self.self_attn(x)
+        with region("layer_norm"):
+            x = F.rms_norm(h, (h.shape[-1],), self.post_attention_layernorm, self.eps)
+        with region("moe" if isinstance(self.mlp, EngineMoE) else "mlp"):
+            return h + self.mlp(x)
+
+
+class EngineModel(nn.Module):
+    """Embedding, decoder layers, final norm, lm_head on each request's last token."""
+
+    def __init__(self, config: ModelConfig, boundary: str = "narrow"):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(EngineLayer(config, i, boundary) for i in range(config.num_hidden_layers))
+        self.norm = _param(config.hidden_size)
+        self.lm_head = _param(config.vocab_size, config.hidden_size)
+
+    def set_boundary(self, boundary: str) -> None:
+        if boundary not in BOUNDARIES:
+            raise ValueError(f"boundary: expected one of {BOUNDARIES}, got {boundary!r}")
+        for layer in self.layers:
+            layer.self_attn.boundary = boundary
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] -> hidden states [N, hidden] before the final norm (what a graph captures)."""
+        with region("embed"):
+            h = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] (the rows to sample from) -> logits [n, vocab] fp32; eager, after the graph."""
+        return F.linear(F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps), self.lm_head).float()
+
+    # ---- weights ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_reference(cls, ref, boundary: str = "narrow") -> "EngineModel":
+        """The same weights as a dsv32ref reference model (for equivalence tests)."""
+        c = ref.config
+        m = cls(c, boundary)
+        dev, dt = ref.lm_head.weight.device, ref.lm_head.weight.dtype
+        m.to(device=dev, dtype=dt)
+        with torch.no_grad():
+            m.embed_tokens.copy_(ref.model.embed_tokens.weight)
+            m.norm.copy_(ref.model.norm.weight)
+            m.lm_head.copy_(ref.lm_head.weight)
+            for L, R in zip(m.layers, ref.model.layers):
+                L.input_layernorm.copy_(R.input_layernorm.weight)
+                L.post_attention_layernorm.copy_(R.post_attention_layernorm.weight)
+                a, r = L.self_attn, R.self_attn
+                a.fused_qkv_a_proj.copy_(torch.cat((r.q_a_proj.weight, r.kv_a_proj_with_mqa.weight)))
+                a.q_a_layernorm.copy_(r.q_a_layernorm.weight)
+                a.kv_a_layernorm.copy_(r.kv_a_layernorm.weight)
+                a.q_b_proj.copy_(r.q_b_proj.weight)
+                a.W_UK.copy_(r.W_UK)
+                a.W_UV.copy_(r.W_UV.transpose(1, 2))
+                a.o_proj.copy_(r.o_proj.weight)
+                if a.has_indexer:
+                    a.wq_b.copy_(r.indexer.wq_b.weight)
+                    a.wk_weights_proj.copy_(torch.cat((r.indexer.wk.weight, r.indexer.weights_proj.weight)))
+                    a.k_norm_weight.copy_(r.indexer.k_norm.weight)
+                    a.k_norm_bias.copy_(r.indexer.k_norm.bias)
+                if isinstance(L.mlp, EngineMoE):
+                    L.mlp.gate.copy_(R.mlp.gate.weight)
+                    L.mlp.e_score_correction_bias.copy_(R.mlp.gate.e_score_correction_bias)
+                    L.mlp.w13.copy_(torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in R.mlp.experts]))
+                    L.mlp.w2.copy_(torch.stack([e.down_proj.weight for e in R.mlp.experts]))
+                    if L.mlp.shared is not None:
+                        s = R.mlp.shared_experts
+                        L.mlp.shared.gate_up_proj.copy_(torch.cat((s.gate_proj.weight, s.up_proj.weight)))
+                        L.mlp.shared.down_proj.copy_(s.down_proj.weight)
+                else:
+                    L.mlp.gate_up_proj.copy_(torch.cat((R.mlp.gate_proj.weight, R.mlp.up_proj.weight)))
+                    L.mlp.down_proj.copy_(R.mlp.down_proj.weight)
+        return m
+
+    @torch.no_grad()
+    def init_dummy(self, seed: int = 0) -> "EngineModel":
+        """Reproducible weights drawn on the model's device (fast at full size), scaled like
+        dsv32ref.init_dummy_weights: linear ~ N(0, 1/fan_in), norms ~ 1, embeddings ~ N(0, 1)."""
+        for name, p in self.named_parameters():
+            g = torch.Generator(device=p.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            x = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
+            if name.endswith("e_score_correction_bias"):
+                x *= 0.01
+            elif name.endswith("bias"):
+                x *= 0.05
+            elif "norm" in name:
+                x = 1.0 + 0.05 * x
+            elif not name.endswith("embed_tokens"):
+                x /= p.shape[-1] ** 0.5 if name.split(".")[-1] not in ("W_UV",) else p.shape[-2] ** 0.5
+            p.copy_(x.to(p.dtype))
+        return self
