@@ -1,7 +1,11 @@
-"""`python -m dsv32ref` / `dsv32ref`: the main job.
+"""`python -m dsv32ref` / `dsv32ref`: the main job and the experiments.
 
-At this stage it summarises the presets (per-layer parameter counts) and runs the reference end to end on a
-small preset, printing every check it makes. Exit status 1 if a check fails.
+    dsv32ref [summary]          presets (per-layer parameter counts), the reference end to end on the small
+                                presets with every check it makes, and the recorded GPU results
+    dsv32ref kernels            the kernel benchmark (GPU)                     -> data/kernels.json
+    dsv32ref ledger --predict   launch ledger of each eager boundary, on a CPU -> data/ledger_predicted.json
+    dsv32ref ttft               TTFT + measured ledger of each boundary (GPU)  -> data/ttft_<preset>.json
+Exit status 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -98,15 +102,74 @@ def run_reference(preset: str, seed: int) -> bool:
     return ok
 
 
+def print_recorded_results(data_dir: str = "data") -> None:
+    """What the GPU runs recorded (data/*.json), with their provenance."""
+    import glob
+    import json
+    import os
+
+    files = sorted(glob.glob(os.path.join(data_dir, "*.json")))
+    if not files:
+        return
+    print(f"\nRecorded results in {data_dir}/:")
+    for f in files:
+        with open(f) as fh:
+            d = json.load(fh)
+        p = d.get("provenance", {})
+        print(f"  {os.path.basename(f):<32} {p.get('device', '?')}, {p.get('date', '?')[:10]}, commit {p.get('git_commit', '?')[:10]}")
+        for v, r in (d.get("variants") or {}).items():
+            if "mean_ms" in r:
+                print(f"    {v:<12} TTFT mean {r['mean_ms']:.2f} ms (p99 {r['p99_ms']:.2f}), floor {r['ledger']['gpu_busy_ms']:.2f} ms, "
+                      f"direct launches {r['ledger']['direct_total']}, graph launches {r['ledger']['graph_launches']}")
+            elif "direct_total" in r:
+                print(f"    {v:<12} predicted direct launches {r['direct_total']}, graph launches {r['graph_launches']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv32ref", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", action="append", choices=sorted(p for p in PRESETS if p.startswith("tiny")),
-                        help="small preset(s) to run end to end (default: all tiny presets)")
-    parser.add_argument("--seed", type=int, default=0)
+    sub = parser.add_subparsers(dest="cmd")
+    s = sub.add_parser("summary", help="presets, the reference end to end, recorded results (default)")
+    for p in (parser, s):
+        p.add_argument("--preset", action="append", choices=sorted(p for p in PRESETS if p.startswith("tiny")),
+                       help="small preset(s) to run end to end (default: all tiny presets)")
+        p.add_argument("--seed", type=int, default=0)
+    k = sub.add_parser("kernels", help="kernel benchmark on the GPU")
+    k.add_argument("--out", default="data/kernels.json")
+    k.add_argument("--quick", action="store_true")
+    led = sub.add_parser("ledger", help="launch ledger of each eager boundary")
+    led.add_argument("--predict", action="store_true", help="predict on the CPU from the model structure")
+    led.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
+    led.add_argument("--out", default=None)
+    t = sub.add_parser("ttft", help="TTFT and measured ledger of each boundary on the GPU")
+    t.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
+    t.add_argument("--requests", type=int, default=256)
+    t.add_argument("--warmup", type=int, default=8)
+    t.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.cmd == "kernels":
+        from dsv32ref.bench.kernels import main as bench_main
+
+        return bench_main(["--out", args.out] + (["--quick"] if args.quick else []))
+    if args.cmd == "ledger":
+        from dsv32ref.experiments.ledger import predict_all
+
+        if not args.predict:
+            print("the measured ledger comes with `dsv32ref ttft` (GPU); use --predict for the CPU prediction")
+            return 2
+        predict_all(args.model, out=args.out or f"data/ledger_predicted_{args.model}.json")
+        return 0
+    if args.cmd == "ttft":
+        from dsv32ref.experiments.ttft import run
+
+        if not torch.cuda.is_available():
+            print("ttft needs a CUDA GPU; the recorded results are in data/ (see `dsv32ref summary`)")
+            return 2
+        run(args.model, n_requests=args.requests, warmup=args.warmup, out=args.out or f"data/ttft_{args.model}.json")
+        return 0
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     print_presets()
     ok = all([run_reference(p, args.seed) for p in (args.preset or ["tiny-deepseek-v3.2", "tiny-glm-5.2"])])
+    print_recorded_results()
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 

@@ -92,7 +92,7 @@ class LLMEngine:
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, ec.block_size)
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.runner = GraphRunner(self._forward_for_capture, ec.mode, ec.capture_sizes,
-                                  lambda: CudaGraphBackend(self._pool))
+                                  lambda: CudaGraphBackend(self._pool), max_full_size=ec.max_num_seqs)
         self._next_seq = 0
 
     # ---- memory ---------------------------------------------------------------------------------------

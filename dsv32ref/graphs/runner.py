@@ -62,6 +62,7 @@ class GraphRunner:
     piecewise: dict[int, _Captured] = field(default_factory=dict)
     full: dict[int, _Captured] = field(default_factory=dict)
     on_capture: Callable[[str, int], None] | None = None  # progress / memory ledger hook (phase, size)
+    max_full_size: int | None = None  # FULL graphs serve uniform decode: at most one token per sequence
 
     def __post_init__(self):
         self.capture_sizes = sorted(set(self.capture_sizes))
@@ -75,6 +76,8 @@ class GraphRunner:
                  ([("FULL", True)] if self.mode.has_full else [])
         for phase, full in phases:
             for size in sorted(self.capture_sizes, reverse=True):
+                if full and self.max_full_size is not None and size > self.max_full_size:
+                    continue
                 self.capture(phase, size)
 
     def capture(self, phase: str, size: int) -> None:

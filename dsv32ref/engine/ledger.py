@@ -1,0 +1,165 @@
+"""The launch ledger of one forward: direct kernel launches and graph launches, by class.
+
+measured (GPU): torch.profiler over one step; the runtime's launch calls (cudaLaunchKernel,
+    cuLaunchKernel(Ex), cudaLaunchKernelExC) are direct launches, each assigned to the innermost
+    `dsv32ref::<region>` range around it; cudaGraphLaunch calls are graph launches. The GPU-busy floor is
+    the sum of the step's kernel durations, graph-launched kernels included.
+predicted (CPU): the same engine model with the same layer structure at tiny widths, run under a
+    breakable capture with a stand-in graph backend; every launching aten op and every Triton launch is
+    counted in the region it runs in, as direct when it runs inside an eager region (or with no graphs),
+    else as part of a graph. A graph launch per graph segment. Triton kernels are recorded, not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsv32ref.engine.labels import current_region
+
+LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+# aten ops that launch no kernel (views, metadata, allocation)
+_NO_KERNEL = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "split", "split_with_sizes", "slice",
+    "select", "unsqueeze", "squeeze", "as_strided", "empty", "empty_like", "new_empty", "empty_strided", "alias",
+    "detach", "chunk", "unbind", "narrow", "lift_fresh", "_reshape_alias", "unflatten", "flatten", "clone_meta",
+    "is_same_size", "sym_size", "sym_stride", "sym_numel", "_local_scalar_dense",
+    "_record_function_enter", "_record_function_enter_new", "_record_function_exit",
+}
+
+
+class _LaunchCounter(TorchDispatchMode):
+    def __init__(self, ledger):
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _NO_KERNEL:
+            self.ledger.record(f"aten::{name}")
+        return func(*args, **(kwargs or {}))
+
+
+class PredictedLedger:
+    def __init__(self):
+        self.direct: Counter = Counter()  # region -> launches outside graphs
+        self.in_graph: Counter = Counter()  # region -> launches captured in graphs
+        self.ops: Counter = Counter()  # (region, op, direct?) -> count
+        self.graph_launches = 0
+
+    def record(self, op: str) -> None:
+        from dsv32ref.graphs.breakable import _current
+
+        cap = _current()
+        direct = cap is None or cap._open is None
+        region = current_region()
+        (self.direct if direct else self.in_graph)[region] += 1
+        self.ops[(region, op, direct)] += 1
+
+
+@contextlib.contextmanager
+def _count_triton_launches(ledger: PredictedLedger):
+    """Replace each kernel module's Triton kernels by recorders: a launch is counted, not run. The
+    prediction needs the control flow only, and no host decision in the model reads kernel outputs."""
+    import importlib
+
+    # by module path: `dsv32ref.kernels.fused_q` as an attribute is the launcher function, not the module
+    mods = [importlib.import_module(f"dsv32ref.kernels.{m}") for m in ("fused_norm_rope", "fused_q", "indexer_topk", "sparse_mla")]
+
+    class Proxy:
+        def __init__(self, fn, name):
+            self.fn, self.name = fn, name
+
+        def __getitem__(self, grid):
+            def run(*a, **k):
+                ledger.record(f"triton::{self.name}")
+
+            return run
+
+    patched = []
+    for mod in mods:
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if name.startswith("_") and name.endswith("_kernel") and hasattr(obj, "__getitem__"):
+                patched.append((mod, name, obj))
+                setattr(mod, name, Proxy(obj, name))
+    try:
+        yield
+    finally:
+        for mod, name, obj in patched:
+            setattr(mod, name, obj)
+
+
+class _CountingBackend:
+    """Stand-in graph backend: segments are counted, nothing is captured (ops run for real on the CPU)."""
+
+    class _G:
+        def replay(self):
+            pass
+
+        def reset(self):
+            pass
+
+    def begin(self):
+        return self._G()
+
+    def end(self, g):
+        pass
+
+    def abort(self, g):
+        pass
+
+
+def predict(engine, step, piecewise: bool = True, num_sms: int = 132) -> PredictedLedger:
+    """Count the launches of one step of `engine` (a CPU LLMEngine), as PIECEWISE graphs or with no graphs.
+    Kernels whose launch count depends on the GPU's size (sparse_mla's split) assume `num_sms`."""
+    from dsv32ref.engine.context import set_forward_context
+    from dsv32ref.graphs.breakable import BreakableCapture
+    import importlib
+
+    sparse_mla_mod = importlib.import_module("dsv32ref.kernels.sparse_mla")
+
+    ledger = PredictedLedger()
+    old_sms, sparse_mla_mod.ASSUMED_SMS = sparse_mla_mod.ASSUMED_SMS, num_sms
+    n, qsl, lens, last = engine._prepare(step)
+    ctx = engine._context(n, qsl, lens, step.uniform_decode)
+    with torch.no_grad(), set_forward_context(ctx), _count_triton_launches(ledger), _LaunchCounter(ledger):
+        if piecewise:
+            with BreakableCapture(_CountingBackend(), name="ledger prediction") as cap:
+                engine.model(engine.input_ids[:n])
+            ledger.graph_launches = cap.graph.num_graphs
+        else:
+            engine.model(engine.input_ids[:n])
+    sparse_mla_mod.ASSUMED_SMS = old_sms
+    return ledger
+
+
+def measure(engine, prompt: list[int]) -> dict:
+    """Profile one request (one prefill step) on the GPU: direct launches by region, graph launches, the floor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.generate(prompt, 1)  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompt, 1)
+        torch.cuda.synchronize()
+    events = prof.events()
+    ranges = [(e.time_range.start, e.time_range.end, e.name[len("dsv32ref::"):], e.thread)
+              for e in events if e.name.startswith("dsv32ref::")]
+    direct, graph_launches, kernel_us, kernels = Counter(), 0, 0.0, 0
+    for e in events:
+        if e.name in LAUNCH_APIS:
+            inside = [r for r in ranges if r[3] == e.thread and r[0] <= e.time_range.start <= r[1]]
+            region = min(inside, key=lambda r: r[1] - r[0])[2] if inside else "other"
+            direct[region] += 1
+        elif e.name == "cudaGraphLaunch":
+            graph_launches += 1
+        elif e.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += e.time_range.elapsed_us()
+            kernels += 1
+    return {"direct": dict(direct), "direct_total": sum(direct.values()), "graph_launches": graph_launches,
+            "gpu_busy_ms": kernel_us / 1e3, "kernels": kernels}

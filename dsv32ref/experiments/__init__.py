@@ -1,0 +1,1 @@
+"""Experiments: launch ledgers and TTFT of each eager-boundary variant (the seeds' measurements, rebuilt)."""

@@ -1,0 +1,114 @@
+"""TTFT and launch ledger of every eager-boundary variant, with the seeds' protocol, on one GPU.
+
+Protocol (the seeds'): 256 sequential requests after 8 warm-ups, 8-token prompts, 1 output token,
+concurrency 1, default graph mode FULL_AND_PIECEWISE. All variants run in one process on one model
+(the same weights), each with its own graph capture. Per variant: TTFT mean / median / p99, requests/s,
+the launch ledger of one request, and the floor: the GPU-busy time of that request (its kernels' durations).
+
+Model: the preset's attention at full size (all layers, heads and widths, IndexShare), with the MoE
+reduced (see REDUCTION) so that the whole stack fits one H200 and the step has no host sync.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from dsv32ref.config import ModelConfig
+
+REDUCTION = ("MoE reduced to 4 routed experts (top-2) + 1 shared expert, moe_intermediate_size unchanged, computed "
+             "densely (every routed expert on every token, weighted by the router) so a step has no host sync; "
+             "the router keeps the DeepSeek-V3 formula. Everything else (embedding, every attention layer at full "
+             "width, indexers, dense MLPs of the first layers, lm_head) is at full size.")
+
+
+def reduced_config(preset: str) -> ModelConfig:
+    return ModelConfig.preset(preset).replace(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+
+
+def _progress(i: int, n: int, label: str) -> None:
+    if i == n or i % max(n // 20, 1) == 0:
+        bar = "#" * (30 * i // n)
+        print(f"\r  {label:<24} [{bar:<30}] {i}/{n}", end="\n" if i == n else "", flush=True)
+
+
+def _stats(ms: list[float]) -> dict:
+    s = sorted(ms)
+    return {"mean_ms": statistics.fmean(s), "median_ms": statistics.median(s),
+            "p99_ms": s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))], "min_ms": s[0], "max_ms": s[-1]}
+
+
+def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: int = 8, prompt_len: int = 8,
+        mode: str = "full_and_piecewise", seed: int = 0, out: str | None = None) -> dict:
+    from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, build_model
+    from dsv32ref.engine.ledger import measure
+    from dsv32ref.graphs import CUDAGraphMode
+    from dsv32ref.provenance import provenance
+
+    variants = list(variants or BOUNDARIES)
+    config = reduced_config(preset)
+    t0 = time.time()
+    model = build_model(config, variants[0], "cuda", torch.bfloat16, seed)
+    torch.cuda.synchronize()
+    print(f"{preset}: model built in {time.time() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights",
+          flush=True)
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, config.vocab_size, (warmup + n_requests, prompt_len), generator=g).tolist()
+    result = {"provenance": provenance(), "preset": preset, "reduction": REDUCTION, "protocol": {
+        "requests": n_requests, "warmup": warmup, "prompt_len": prompt_len, "output_tokens": 1, "concurrency": 1,
+        "mode": mode}, "variants": {}}
+    first_tokens = {}
+    for v in variants:
+        ec = EngineConfig(boundary=v, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
+                          max_num_batched_tokens=16, capture_sizes=[1, 2, 4, 8, 16], seed=seed)
+        eng = LLMEngine(config, ec, model=model)
+        cap_s = eng.capture()
+        for i in range(warmup):
+            eng.generate(prompts[i], 1)
+        ttft, toks = [], []
+        t_start = time.perf_counter()
+        for i in range(n_requests):
+            tok, t = eng.generate(prompts[warmup + i], 1)
+            ttft.append(t * 1e3)
+            toks.append(tok[0])
+            _progress(i + 1, n_requests, f"{v} TTFT")
+        wall = time.perf_counter() - t_start
+        ledger = measure(eng, prompts[warmup])
+        first_tokens[v] = toks
+        how = eng.runner.lookup(prompt_len, False)[0]
+        result["variants"][v] = {**_stats(ttft), "req_per_s": n_requests / wall, "capture_s": cap_s,
+                                 "prefill_runs_as": how, "ledger": ledger,
+                                 "ttft_over_floor": statistics.fmean(ttft) / ledger["gpu_busy_ms"]}
+        r = result["variants"][v]
+        print(f"  {v:<12} TTFT mean {r['mean_ms']:.2f} ms, median {r['median_ms']:.2f}, p99 {r['p99_ms']:.2f}, "
+              f"{r['req_per_s']:.1f} req/s; direct launches {ledger['direct_total']}, graph launches "
+              f"{ledger['graph_launches']}, floor {ledger['gpu_busy_ms']:.2f} ms", flush=True)
+        eng.release_graphs()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        if out:
+            _write(result, out)
+    base = first_tokens[variants[0]]
+    result["same_tokens_across_variants"] = all(t == base for t in first_tokens.values())
+    if "wide" in result["variants"] and "narrow" in result["variants"]:
+        result["wide_over_narrow"] = result["variants"]["wide"]["mean_ms"] / result["variants"]["narrow"]["mean_ms"]
+    if out:
+        _write(result, out)
+    return result
+
+
+def _write(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    run(out=sys.argv[1] if len(sys.argv) > 1 else None)
