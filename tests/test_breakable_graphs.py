@@ -189,7 +189,7 @@ def test_runner_order_modes_and_lookup():
         attend(torch.ones(size), out)
         return out
 
-    runner = GraphRunner(forward, CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], lambda: backend,
+    runner = GraphRunner(forward, CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4, 8], lambda: backend, warmup=False,
                          on_capture=lambda phase, size: order.append((phase, size)))
     runner.capture_all()
     assert order == [("PIECEWISE", 8), ("PIECEWISE", 4), ("PIECEWISE", 2), ("PIECEWISE", 1),

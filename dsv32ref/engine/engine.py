@@ -92,7 +92,9 @@ class LLMEngine:
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, ec.block_size)
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.runner = GraphRunner(self._forward_for_capture, ec.mode, ec.capture_sizes,
-                                  lambda: CudaGraphBackend(self._pool), max_full_size=ec.max_num_seqs)
+                                  lambda: CudaGraphBackend(self._pool), max_full_size=ec.max_num_seqs,
+                                  prepare=self._prepare_capture)
+        self._capture_ctx: ForwardContext | None = None
         self._next_seq = 0
 
     # ---- memory ---------------------------------------------------------------------------------------
@@ -158,8 +160,11 @@ class LLMEngine:
         self.seq_lens[0] = size
         return self._context(size, [0, size], [size], False)
 
+    def _prepare_capture(self, size: int, full: bool) -> None:
+        self._capture_ctx = self._dummy_context(size, uniform=full)
+
     def _forward_for_capture(self, size: int, full: bool):
-        with set_forward_context(self._dummy_context(size, uniform=full)):
+        with set_forward_context(self._capture_ctx):
             return self.model(self.input_ids[:size])
 
     # ---- capture and steps ------------------------------------------------------------------------------

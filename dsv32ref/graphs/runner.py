@@ -51,7 +51,8 @@ class GraphRunner:
     """Owns the captured graphs of one model.
 
     forward(size, uniform_decode) runs the model on the static input buffers of `size` tokens (the caller
-    fills them before each replay) and returns the static output. `backend_factory()` returns a graph
+    fills them before each replay; `prepare(size, uniform_decode)` fills them before each capture) and
+    returns the static output. `backend_factory()` returns a graph
     backend sharing one pool across every capture.
     """
 
@@ -63,6 +64,9 @@ class GraphRunner:
     full: dict[int, _Captured] = field(default_factory=dict)
     on_capture: Callable[[str, int], None] | None = None  # progress / memory ledger hook (phase, size)
     max_full_size: int | None = None  # FULL graphs serve uniform decode: at most one token per sequence
+    warmup: bool = True
+    prepare: Callable[[int, bool], None] | None = None  # fills static inputs before a capture (host copies
+    # are not allowed while capturing)
 
     def __post_init__(self):
         self.capture_sizes = sorted(set(self.capture_sizes))
@@ -82,6 +86,13 @@ class GraphRunner:
 
     def capture(self, phase: str, size: int) -> None:
         full = phase == "FULL"
+        if self.prepare is not None:
+            self.prepare(size, full)
+        if self.warmup:
+            # one eager run first: kernels compile, libraries initialise their handles and workspaces, none
+            # of which may happen while a stream is capturing
+            with eager_breaks_enabled(not full):
+                self.forward(size, full)
         try:
             with eager_breaks_enabled(not full):
                 with BreakableCapture(self.backend_factory(), name=f"{phase} capture of size {size}") as cap:
