@@ -88,12 +88,12 @@ class GraphRunner:
         full = phase == "FULL"
         if self.prepare is not None:
             self.prepare(size, full)
-        if self.warmup:
-            # one eager run first: kernels compile, libraries initialise their handles and workspaces, none
-            # of which may happen while a stream is capturing
-            with eager_breaks_enabled(not full):
-                self.forward(size, full)
         try:
+            if self.warmup:
+                # one eager run first: kernels compile, libraries initialise their handles and workspaces,
+                # none of which may happen while a stream is capturing
+                with eager_breaks_enabled(not full):
+                    self.forward(size, full)
             with eager_breaks_enabled(not full):
                 with BreakableCapture(self.backend_factory(), name=f"{phase} capture of size {size}") as cap:
                     out = self.forward(size, full)
