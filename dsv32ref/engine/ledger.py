@@ -39,9 +39,17 @@ class _LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name not in _NO_KERNEL:
+        if name == "copy_" and _is_memcpy(*args[:2]):
+            self.ledger.record("aten::copy_", memcpy=True)
+        elif name not in _NO_KERNEL:
             self.ledger.record(f"aten::{name}")
         return func(*args, **(kwargs or {}))
+
+
+def _is_memcpy(dst, src) -> bool:
+    """A same-dtype copy between contiguous tensors is a cudaMemcpyAsync, not a kernel launch."""
+    return (isinstance(src, torch.Tensor) and dst.dtype == src.dtype and dst.is_contiguous()
+            and src.is_contiguous() and dst.shape == src.shape)
 
 
 class PredictedLedger:
@@ -49,16 +57,21 @@ class PredictedLedger:
         self.direct: Counter = Counter()  # region -> launches outside graphs
         self.in_graph: Counter = Counter()  # region -> launches captured in graphs
         self.ops: Counter = Counter()  # (region, op, direct?) -> count
+        self.memcpy: Counter = Counter()  # region -> direct cudaMemcpyAsync calls
         self.graph_launches = 0
 
-    def record(self, op: str) -> None:
+    def record(self, op: str, memcpy: bool = False) -> None:
         from dsv32ref.graphs.breakable import _current
 
         cap = _current()
         direct = cap is None or cap._open is None
         region = current_region()
-        (self.direct if direct else self.in_graph)[region] += 1
-        self.ops[(region, op, direct)] += 1
+        if memcpy:
+            if direct:
+                self.memcpy[region] += 1
+        else:
+            (self.direct if direct else self.in_graph)[region] += 1
+        self.ops[(region, op + (" (memcpy)" if memcpy else ""), direct)] += 1
 
 
 @contextlib.contextmanager
@@ -148,18 +161,25 @@ def measure(engine, prompt: list[int]) -> dict:
         engine.generate(prompt, 1)
         torch.cuda.synchronize()
     events = prof.events()
-    ranges = [(e.time_range.start, e.time_range.end, e.name[len("dsv32ref::"):], e.thread)
-              for e in events if e.name.startswith("dsv32ref::")]
-    direct, graph_launches, kernel_us, kernels = Counter(), 0, 0.0, 0
+
+    def region_of(e) -> str:
+        """The innermost dsv32ref:: range above the event in the profiler's call tree."""
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith("dsv32ref::"):
+            p = p.cpu_parent
+        return p.name[len("dsv32ref::"):] if p is not None else "other"
+
+    direct, memcpy, graph_launches, kernel_us, kernels = Counter(), Counter(), 0, 0.0, 0
     for e in events:
         if e.name in LAUNCH_APIS:
-            inside = [r for r in ranges if r[3] == e.thread and r[0] <= e.time_range.start <= r[1]]
-            region = min(inside, key=lambda r: r[1] - r[0])[2] if inside else "other"
-            direct[region] += 1
+            direct[region_of(e)] += 1
+        elif e.name == "cudaMemcpyAsync":
+            memcpy[region_of(e)] += 1
         elif e.name == "cudaGraphLaunch":
             graph_launches += 1
         elif e.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us += e.time_range.elapsed_us()
             kernels += 1
     return {"direct": dict(direct), "direct_total": sum(direct.values()), "graph_launches": graph_launches,
-            "gpu_busy_ms": kernel_us / 1e3, "kernels": kernels}
+            "memcpy": dict(memcpy), "gpu_busy_ms": kernel_us / 1e3, "kernels": kernels,
+            "note": "'other': launches outside the model forward (logits, sampling, input copies)"}

@@ -44,6 +44,7 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
         for (region, op, direct), n in sorted(L.ops.items()):
             ops.setdefault(region, {}).setdefault("direct" if direct else "graph", {})[op] = n
         result["variants"][v] = {"direct": dict(L.direct), "direct_total": sum(L.direct.values()),
+                                 "memcpy": dict(L.memcpy),
                                  "in_graph": dict(L.in_graph), "graph_launches": L.graph_launches, "ops": ops}
         print(f"  {v:<12} direct {sum(L.direct.values())}, graph launches {L.graph_launches} "
               f"({time.time() - t0:.0f} s)", flush=True)
