@@ -19,6 +19,7 @@ from dsv32ref.config import ModelConfig
 from dsv32ref.engine.context import ForwardContext, set_forward_context
 from dsv32ref.engine.model import EngineModel
 from dsv32ref.graphs.breakable import CudaGraphBackend
+from dsv32ref.graphs.emulated import RecordingBackend
 from dsv32ref.graphs.runner import CUDAGraphMode, GraphRunner, default_capture_sizes
 from dsv32ref.reference.rope import RotaryEmbedding
 
@@ -91,9 +92,10 @@ class LLMEngine:
         self._size_kv_cache()
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, ec.block_size)
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        self.runner = GraphRunner(self._forward_for_capture, ec.mode, ec.capture_sizes,
-                                  lambda: CudaGraphBackend(self._pool), max_full_size=ec.max_num_seqs,
-                                  prepare=self._prepare_capture)
+        # On a GPU: CUDA graphs in one shared pool. On a CPU: the recording stand-in (dsv32ref.graphs.emulated).
+        backend = (lambda: CudaGraphBackend(self._pool)) if self.device.type == "cuda" else RecordingBackend
+        self.runner = GraphRunner(self._forward_for_capture, ec.mode, ec.capture_sizes, backend,
+                                  max_full_size=ec.max_num_seqs, prepare=self._prepare_capture)
         self._capture_ctx: ForwardContext | None = None
         self._next_seq = 0
 

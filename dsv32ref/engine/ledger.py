@@ -22,14 +22,7 @@ from dsv32ref.engine.labels import current_region
 
 LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
-# aten ops that launch no kernel (views, metadata, allocation)
-_NO_KERNEL = {
-    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "split", "split_with_sizes", "slice",
-    "select", "unsqueeze", "squeeze", "as_strided", "empty", "empty_like", "new_empty", "empty_strided", "alias",
-    "detach", "chunk", "unbind", "narrow", "lift_fresh", "_reshape_alias", "unflatten", "flatten", "clone_meta",
-    "is_same_size", "sym_size", "sym_stride", "sym_numel", "_local_scalar_dense",
-    "_record_function_enter", "_record_function_enter_new", "_record_function_exit",
-}
+from dsv32ref.graphs.emulated import NO_KERNEL_OPS as _NO_KERNEL  # noqa: E402
 
 
 class _LaunchCounter(TorchDispatchMode):
@@ -58,6 +51,7 @@ class PredictedLedger:
         self.in_graph: Counter = Counter()  # region -> launches captured in graphs
         self.ops: Counter = Counter()  # (region, op, direct?) -> count
         self.memcpy: Counter = Counter()  # region -> direct cudaMemcpyAsync calls
+        self.events: list[tuple[str, str, bool]] = []  # (region, op, direct?) in launch order
         self.graph_launches = 0
 
     def record(self, op: str, memcpy: bool = False) -> None:
@@ -72,6 +66,7 @@ class PredictedLedger:
         else:
             (self.direct if direct else self.in_graph)[region] += 1
         self.ops[(region, op + (" (memcpy)" if memcpy else ""), direct)] += 1
+        self.events.append((region, op + (" (memcpy)" if memcpy else ""), direct))
 
 
 @contextlib.contextmanager

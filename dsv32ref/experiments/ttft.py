@@ -82,7 +82,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
         ledger = measure(eng, prompts[warmup])
         first_tokens[v] = toks
         how = eng.runner.lookup(prompt_len, False)[0]
-        result["variants"][v] = {**_stats(ttft), "req_per_s": n_requests / wall, "capture_s": cap_s,
+        result["variants"][v] = {**_stats(ttft), "ttft_ms": ttft, "req_per_s": n_requests / wall, "capture_s": cap_s,
                                  "prefill_runs_as": how, "ledger": ledger,
                                  "ttft_over_floor": statistics.fmean(ttft) / ledger["gpu_busy_ms"]}
         r = result["variants"][v]

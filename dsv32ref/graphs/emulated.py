@@ -1,0 +1,129 @@
+"""A CPU stand-in for CUDA graphs, for teaching and for tests on machines without a GPU.
+
+A CUDA graph is a recorded list of kernel launches whose arguments (pointers included) are frozen at
+capture; replay relaunches them. `RecordingBackend` does the same on the CPU: while a segment is open it
+records every kernel-launching aten op and every Triton launch with the very tensors it was called on;
+`replay()` re-runs them in order, writing into the tensors captured (the "pool"). Allocations and views
+record nothing, as in a real graph. Eager regions are not recorded: BreakableCapture runs them between
+segments, as it does on a GPU.
+
+Ops run during capture too (a GPU capture does not run them); the replay at each segment's end recomputes
+the same values, so the difference is invisible to the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+# aten ops that launch no kernel (views, metadata, allocation, profiler markers)
+NO_KERNEL_OPS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "split", "split_with_sizes", "slice",
+    "select", "unsqueeze", "squeeze", "as_strided", "empty", "empty_like", "new_empty", "empty_strided", "alias",
+    "detach", "chunk", "unbind", "narrow", "lift_fresh", "_reshape_alias", "unflatten", "flatten",
+    "is_same_size", "sym_size", "sym_stride", "sym_numel", "_local_scalar_dense",
+    "_record_function_enter", "_record_function_enter_new", "_record_function_exit",
+}
+
+_KERNEL_MODULES = ("fused_norm_rope", "fused_q", "indexer_topk", "sparse_mla")
+
+
+class RecordedGraph:
+    def __init__(self):
+        self.ops: list = []  # (label, closure)
+
+    def replay(self) -> None:
+        for _, op in self.ops:
+            op()
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: RecordedGraph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket.__name__ not in NO_KERNEL_OPS:
+            def rerun(func=func, args=args, kwargs=kwargs, out=out):
+                _copy_into(out, func(*args, **kwargs))  # results land in the captured output tensors
+
+            self.graph.ops.append((f"aten::{func.overloadpacket.__name__}", rerun))
+        return out
+
+
+def _quiet(launch, a, k):
+    """Launch with the recorder suspended: the interpreter's own tensor ops are not the model's launches."""
+    with _disable_current_modes():
+        return launch(*a, **k)
+
+
+class RecordingBackend:
+    """Graph backend for BreakableCapture on the CPU (see the module docstring)."""
+
+    def __init__(self):
+        self._mode = None
+        self._patched: list = []
+
+    def begin(self) -> RecordedGraph:
+        g = RecordedGraph()
+        self._patch_triton(g)
+        self._mode = _Recorder(g)
+        self._mode.__enter__()
+        return g
+
+    def end(self, g: RecordedGraph) -> None:
+        self._stop()
+
+    def abort(self, g: RecordedGraph) -> None:
+        self._stop()
+        g.reset()
+
+    def _stop(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for mod, name, obj in self._patched:
+            setattr(mod, name, obj)
+        self._patched.clear()
+
+    def _patch_triton(self, graph: RecordedGraph) -> None:
+        class Proxy:
+            def __init__(self, fn, name):
+                self.fn, self.name = fn, name
+
+            def __getitem__(self, grid):
+                launch = self.fn[grid]
+
+                def run(*a, **k):
+                    graph.ops.append((f"triton::{self.name}", lambda: _quiet(launch, a, k)))
+                    return _quiet(launch, a, k)
+
+                return run
+
+        for m in _KERNEL_MODULES:
+            mod = importlib.import_module(f"dsv32ref.kernels.{m}")
+            for name in dir(mod):
+                obj = getattr(mod, name)
+                if name.startswith("_") and name.endswith("_kernel") and hasattr(obj, "__getitem__"):
+                    self._patched.append((mod, name, obj))
+                    setattr(mod, name, Proxy(obj, name))
