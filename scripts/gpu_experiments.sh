@@ -4,11 +4,7 @@
 set -uo pipefail
 OUT=${1:?output dir}; shift
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 200 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" -m gpu tests/test_engine.py 2>&1 | tail -15 | tee "$OUT/pytest_engine.txt"
 fi
