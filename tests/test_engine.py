@@ -88,3 +88,32 @@ def test_graph_replay_matches_eager_for_every_variant_and_mode(preset):
         base = outs[CUDAGraphMode.NONE]
         for mode, o in outs.items():
             assert rel_err(o[0], base[0]) < 2e-2 and rel_err(o[1], base[1]) < 2e-2, (boundary, mode)
+
+
+def test_failed_capture_releases_graphs_and_falls_back_to_eager(monkeypatch, seed):
+    """A capture that fails (as an out-of-memory would) names phase and size, keeps the engine usable."""
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32, seed=seed).__class__(
+        tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared")))
+    from dsv32ref import init_dummy_weights
+
+    init_dummy_weights(ref, 0)
+    eng = _engine(ref.eval(), "narrow_copy", mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    eng.runner.capture_sizes = [4, 8]
+    real_forward = eng.runner.forward
+
+    def failing(size, full):
+        if full and size == 4:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real_forward(size, full)
+
+    eng.runner.forward = failing
+    from dsv32ref.graphs import CaptureError
+
+    with pytest.raises(CaptureError) as e:
+        eng.capture()
+    msg = str(e.value)
+    assert "FULL capture of size 4 failed: RuntimeError: CUDA out of memory" in msg
+    assert "memory ledger at the failure: " in msg and "kv_cache" in msg and "runs eagerly" in msg
+    assert eng.runner.piecewise == {} and eng.runner.full == {} and eng.runner.mode is CUDAGraphMode.NONE
+    toks, how = eng.step(StepInput([(0, [3, 4, 5], 0)]))
+    assert how == "NONE" and len(toks) == 1

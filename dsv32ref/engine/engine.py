@@ -18,7 +18,7 @@ from dsv32ref.cache import BlockAllocator, PagedKVCache
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.context import ForwardContext, set_forward_context
 from dsv32ref.engine.model import EngineModel
-from dsv32ref.graphs.breakable import CudaGraphBackend
+from dsv32ref.graphs.breakable import CaptureError, CudaGraphBackend
 from dsv32ref.graphs.emulated import RecordingBackend
 from dsv32ref.graphs.runner import CUDAGraphMode, GraphRunner, default_capture_sizes
 from dsv32ref.reference.rope import RotaryEmbedding
@@ -95,7 +95,9 @@ class LLMEngine:
         # On a GPU: CUDA graphs in one shared pool. On a CPU: the recording stand-in (dsv32ref.graphs.emulated).
         backend = (lambda: CudaGraphBackend(self._pool)) if self.device.type == "cuda" else RecordingBackend
         self.runner = GraphRunner(self._forward_for_capture, ec.mode, ec.capture_sizes, backend,
-                                  max_full_size=ec.max_num_seqs, prepare=self._prepare_capture)
+                                  max_full_size=ec.max_num_seqs, prepare=self._prepare_capture,
+                                  on_capture=self._record_capture)
+        self.capture_log: list[dict] = []  # per captured (phase, size): what the allocator holds after it
         self._capture_ctx: ForwardContext | None = None
         self._next_seq = 0
 
@@ -171,13 +173,46 @@ class LLMEngine:
 
     # ---- capture and steps ------------------------------------------------------------------------------
     def capture(self) -> float:
-        """Capture every size in the configured mode; returns seconds taken."""
+        """Capture every size in the configured mode; returns seconds taken.
+
+        If a capture fails (out of memory, say), every graph is released, the engine falls back to eager
+        execution (mode NONE) so the process stays usable, and CaptureError is raised naming the phase, the
+        size and the memory ledger at that point.
+        """
         t0 = time.perf_counter()
-        with torch.no_grad():
-            self.runner.capture_all()
+        try:
+            with torch.no_grad():
+                self.runner.capture_all()
+        except CaptureError as e:
+            ledger = self.memory_ledger()
+            self.runner.release()
+            self.runner.mode = CUDAGraphMode.NONE
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            raise CaptureError(f"{e}\nmemory ledger at the failure: {_fmt_ledger(ledger)}\n"
+                               f"all graphs were released; the engine now runs eagerly (mode NONE). Lower "
+                               f"gpu_memory_utilization or the largest capture size to leave room for the "
+                               f"graphs.") from e
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        self.memory["captured"] = self.memory_ledger()
         return time.perf_counter() - t0
+
+    def _record_capture(self, phase: str, size: int) -> None:
+        entry = {"phase": phase, "size": size}
+        if self.device.type == "cuda":
+            entry.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved())
+        self.capture_log.append(entry)
+
+    def memory_ledger(self) -> dict:
+        """Bytes: what the allocator holds now, next to the start-up accounting (weights, peak activations,
+        budget, KV cache)."""
+        led = {k: v for k, v in self.memory.items() if not isinstance(v, dict)}
+        if self.device.type == "cuda":
+            led.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
+                       free=torch.cuda.mem_get_info()[0])
+        return led
 
     def release_graphs(self) -> None:
         self.runner.release()
@@ -243,6 +278,11 @@ class LLMEngine:
         finally:
             self.allocator.release(seq_id)
         return out, ttft
+
+
+def _fmt_ledger(ledger: dict) -> str:
+    return ", ".join(f"{k} {v / 2**30:.2f} GiB" if isinstance(v, (int, float)) and k != "num_blocks" and v > 2**20
+                     else f"{k} {v}" for k, v in ledger.items())
 
 
 @contextlib.contextmanager
