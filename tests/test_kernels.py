@@ -208,10 +208,10 @@ def test_launchers_reject_bad_inputs():
         fused_norm_rope(torch.zeros(2, 48), torch.ones(48), torch.zeros(2, 48), torch.zeros(2, 41), torch.ones(32),
                         torch.zeros(3, 4, 40), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                         torch.zeros(8, 4), torch.zeros(8, 4), 1e-6)
-    with pytest.raises(ValueError, match="index_n_heads \\(8\\) > num_attention_heads \\(4\\)"):
+    with pytest.raises(ValueError, match=r"weights: expected shape \[2, 8\], got \[2, 4\]"):
         fused_q(torch.zeros(2, 4, 32), torch.zeros(2, 4, 24), torch.zeros(2, 4, 40), torch.zeros(2, dtype=torch.long),
                 torch.zeros(8, 4), torch.zeros(8, 4), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16),
-                torch.zeros(2, 8), torch.zeros(2, 8))
+                torch.zeros(2, 4), torch.zeros(2, 8))
 
 
 @pytest.mark.gpu
@@ -270,3 +270,21 @@ def test_topk_split_path_matches_reference(device, seed):
         assert sorted(got) == sorted(want[t].tolist()), t
         valid = [g for g in got if g >= 0]
         assert valid == sorted(valid) and got[len(valid):] == [-1] * (K - len(valid))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_q_with_more_indexer_heads_than_mla_heads(device, seed):
+    """A tensor-parallel rank holds H / tp MLA heads but the whole (replicated) indexer."""
+    T, H, H_I = 3, 2, 4
+    f = dict(device=device, dtype=torch.float32)
+    q_lat, q = torch.randn(T, H, 32, **f), torch.randn(T, H, 24, **f)
+    q_idx, w = torch.randn(T, H_I, 16, **f), torch.randn(T, H_I, **f)
+    cfg = ModelConfig.preset("deepseek-v3.2").replace(qk_rope_head_dim=8, index_head_dim=16)
+    cos, sin = RotaryEmbedding(cfg).to(device)(torch.arange(64, device=device))
+    pos = torch.tensor([0, 5, 63], device=device)
+    q_mqa, qi_out, w_out = torch.full((T, H, 40), float("nan"), **f), torch.full_like(q_idx, float("nan")), torch.full_like(w, float("nan"))
+    fused_q(q_lat, q, q_mqa, pos, cos, sin, q_idx, qi_out, w, w_out, indexer_interleaved=True)
+    c, s = cos[pos], sin[pos]
+    assert rel_err(q_mqa, torch.cat((q_lat, apply_rope(q[..., 16:], c, s, True)), -1)) <= 1e-5
+    assert rel_err(qi_out, torch.cat((apply_rope(q_idx[..., :8], c, s, True), q_idx[..., 8:]), -1)) <= 1e-5
+    assert rel_err(w_out, w * H_I ** -0.5) <= 1e-6

@@ -31,6 +31,23 @@ from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, spa
 BOUNDARIES = ("wide", "narrow", "narrow_copy", "narrow_out")
 
 
+class TensorParallel:
+    """Where this rank sits: heads and MLP columns split `size` ways, experts split `size` ways (EP = TP
+    here), partial sums combined by an all-reduce over `group` (torch.distributed: NCCL or gloo)."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group=None):
+        self.rank, self.size, self.group = rank, size, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            with region("all_reduce"):
+                torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+
+SINGLE = TensorParallel()
+
+
 def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -42,6 +59,7 @@ class EngineDSAAttention(nn.Module):
             raise ValueError(f"boundary: expected one of {BOUNDARIES}, got {boundary!r}")
         c = config
         self.config, self.layer_idx, self.boundary = c, layer_idx, boundary
+        self.tp = SINGLE
         self.H, self.nope, self.rope, self.v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.q_lora, self.kv_lora = c.q_lora_rank, c.kv_lora_rank
         self.fused_qkv_a_proj = _param(c.q_lora_rank + c.latent_dim, c.hidden_size)  # [q_a_proj ; kv_a_proj_with_mqa]
@@ -183,7 +201,8 @@ class EngineDSAAttention(nn.Module):
                     self._sparse_indexer_and_attn_out(q_mqa, q_idx, w_idx, o_lat)
                 self._uv(o_lat, out)
         with region("o_proj"):
-            return F.linear(out, self.o_proj)
+            o = F.linear(out, self.o_proj)
+        return self.tp.all_reduce(o)  # o_proj is row-parallel: each rank holds its heads' share
 
 
 class EngineMLP(nn.Module):
@@ -194,7 +213,7 @@ class EngineMLP(nn.Module):
 
     def forward(self, x):
         gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return F.linear(F.silu(gate) * up, self.down_proj)  # a partial sum when the columns are sharded
 
 
 class EngineMoE(nn.Module):
@@ -210,6 +229,7 @@ class EngineMoE(nn.Module):
         self.w13 = _param(c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size)
         self.w2 = _param(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
         self.shared = EngineMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts) if c.n_shared_experts else None
+        self.n_local, self.expert0 = c.n_routed_experts, 0
 
     def forward(self, x):
         c = self.config
@@ -224,6 +244,8 @@ class EngineMoE(nn.Module):
         w = s.gather(1, ids)
         w = w / (w.sum(-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
         dense_w = torch.zeros_like(s).scatter_(1, ids, w)  # (T, E)
+        if self.n_local != c.n_routed_experts:  # expert parallel: this rank's experts only
+            dense_w = dense_w[:, self.expert0: self.expert0 + self.n_local]
         h = torch.einsum("th,eih->eti", x, self.w13)  # (E, T, 2 * inter)
         gate, up = h.chunk(2, dim=-1)
         y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, self.w2)  # (E, T, hidden)
@@ -247,7 +269,8 @@ class EngineLayer(nn.Module):
         with region("layer_norm"):
             x = F.rms_norm(h, (h.shape[-1],), self.post_attention_layernorm, self.eps)
         with region("moe" if isinstance(self.mlp, EngineMoE) else "mlp"):
-            return h + self.mlp(x)
+            y = self.mlp(x)
+        return h + self.self_attn.tp.all_reduce(y)  # experts / MLP columns are sharded across ranks
 
 
 class EngineModel(nn.Module):
@@ -320,6 +343,51 @@ class EngineModel(nn.Module):
                     L.mlp.gate_up_proj.copy_(torch.cat((R.mlp.gate_proj.weight, R.mlp.up_proj.weight)))
                     L.mlp.down_proj.copy_(R.mlp.down_proj.weight)
         return m
+
+    @torch.no_grad()
+    def shard(self, tp: TensorParallel) -> "EngineModel":
+        """This rank's part of the model, in place: attention heads, dense-MLP and shared-expert columns split
+        tp.size ways, routed experts split tp.size ways (expert parallel). The A-projections, norms, the
+        indexer, the router, the embedding and lm_head stay replicated, as the serving engine keeps them;
+        so does the latent cache (one [c_kv | k_pe] row per token, shared by all heads)."""
+        c, n = self.config, tp.size
+        for name, v in (("num_attention_heads", c.num_attention_heads), ("n_routed_experts", c.n_routed_experts),
+                        ("intermediate_size", c.intermediate_size), ("moe_intermediate_size", c.moe_intermediate_size)):
+            if v % n:
+                raise ValueError(f"shard: {name}={v} is not divisible by the tensor-parallel size {n}")
+        H = c.num_attention_heads
+        heads = slice(tp.rank * H // n, (tp.rank + 1) * H // n)
+
+        def cols(w, total):  # [.., total] -> this rank's share of the last dim
+            k = total // n
+            return w[..., tp.rank * k:(tp.rank + 1) * k].contiguous()
+
+        def gate_up(w, inter):  # rows [gate (inter) ; up (inter)] -> this rank's rows of each half
+            k = inter // n
+            g, u = w[:inter], w[inter:]
+            return torch.cat((g[tp.rank * k:(tp.rank + 1) * k], u[tp.rank * k:(tp.rank + 1) * k]))
+
+        def set_(module, name, value):
+            setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=False))
+
+        for layer in self.layers:
+            a = layer.self_attn
+            set_(a, "q_b_proj", a.q_b_proj.view(H, c.qk_head_dim, c.q_lora_rank)[heads].reshape(-1, c.q_lora_rank))
+            set_(a, "W_UK", a.W_UK[heads])
+            set_(a, "W_UV", a.W_UV[heads])
+            set_(a, "o_proj", a.o_proj.view(c.hidden_size, H, c.v_head_dim)[:, heads].reshape(c.hidden_size, -1))
+            a.H, a.tp = H // n, tp
+            mlps = [layer.mlp] if isinstance(layer.mlp, EngineMLP) else [m for m in [layer.mlp.shared] if m is not None]
+            for m in mlps:
+                inter = m.down_proj.shape[1]
+                set_(m, "gate_up_proj", gate_up(m.gate_up_proj, inter))
+                set_(m, "down_proj", cols(m.down_proj, inter))
+            if isinstance(layer.mlp, EngineMoE):
+                moe, k = layer.mlp, c.n_routed_experts // n
+                moe.expert0, moe.n_local = tp.rank * k, k
+                set_(moe, "w13", moe.w13[moe.expert0: moe.expert0 + k])
+                set_(moe, "w2", moe.w2[moe.expert0: moe.expert0 + k])
+        return self
 
     @torch.no_grad()
     def init_dummy(self, seed: int = 0) -> "EngineModel":

@@ -65,7 +65,11 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.overloadpacket.__name__ not in NO_KERNEL_OPS:
             def rerun(func=func, args=args, kwargs=kwargs, out=out):
-                _copy_into(out, func(*args, **kwargs))  # results land in the captured output tensors
+                res = func(*args, **kwargs)
+                for item in res if isinstance(res, (tuple, list)) else (res,):
+                    if hasattr(item, "wait"):  # a collective (c10d op) returns its work handle: finish it
+                        item.wait()
+                _copy_into(out, res)  # results land in the captured output tensors
 
             self.graph.ops.append((f"aten::{func.overloadpacket.__name__}", rerun))
         return out

@@ -4,7 +4,8 @@ Motivation. After q_b_proj, the W_UK BMM and the indexer's wq_b / weights_proj G
 needs: RoPE (interleaved) on each head's q_pe; the MQA query [q~ | q_pe] that sparse attention reads
 (q~ = W_UK^T q_nope, from the BMM); RoPE on the first qk_rope values of each indexer head (half-split on
 DeepSeek-V3.2, interleaved on GLM-5.x); the indexer weights scaled by index_n_heads^-1/2. One program per
-(token, head) does the MLA head, and, for head < index_n_heads, that indexer head and its weight.
+(token, head) does MLA head h (h < H) and indexer head h with its weight (h < index_n_heads); under tensor
+parallelism a rank has fewer MLA heads than the replicated indexer, so the grid covers the larger count.
 Memory-bound: per token, 2 (H (D_LAT + 2 D_ROPE) + 2 H_I D_I) bytes of bf16 plus 8 H_I of fp32 weights.
 """
 
@@ -28,7 +29,7 @@ def _fused_q_kernel(
     qi_ptr, stride_it, stride_ih,  # indexer q [T, H_I, D_I] (wq_b output)
     qi_out_ptr, stride_ot, stride_oh,  # out [T, H_I, D_I]
     w_ptr, stride_wt, w_out_ptr, stride_wo,  # weights_proj output [T, H_I] fp32 -> scaled
-    pos_ptr, cos_ptr, sin_ptr, stride_cs, weight_scale, H_I,
+    pos_ptr, cos_ptr, sin_ptr, stride_cs, weight_scale, H, H_I,
     NOPE: tl.constexpr, ROPE: tl.constexpr, D_LAT: tl.constexpr, D_I: tl.constexpr,
     INDEXER_INTERLEAVED: tl.constexpr, HAS_INDEXER: tl.constexpr,
 ):
@@ -37,10 +38,11 @@ def _fused_q_kernel(
     pos = tl.load(pos_ptr + t)
     cos = cos_ptr + pos * stride_cs
     sin = sin_ptr + pos * stride_cs
-    o = tl.arange(0, D_LAT)
-    dst = q_mqa_ptr + t * stride_mt + h * stride_mh
-    tl.store(dst + o, tl.load(q_lat_ptr + t * stride_lt + h * stride_lh + o).to(q_mqa_ptr.dtype.element_ty))
-    _rope_pairs(q_ptr + t * stride_qt + h * stride_qh + NOPE, dst + D_LAT, cos, sin, ROPE // 2, True)
+    if h < H:
+        o = tl.arange(0, D_LAT)
+        dst = q_mqa_ptr + t * stride_mt + h * stride_mh
+        tl.store(dst + o, tl.load(q_lat_ptr + t * stride_lt + h * stride_lh + o).to(q_mqa_ptr.dtype.element_ty))
+        _rope_pairs(q_ptr + t * stride_qt + h * stride_qh + NOPE, dst + D_LAT, cos, sin, ROPE // 2, True)
     if HAS_INDEXER:
         if h < H_I:
             src = qi_ptr + t * stride_it + h * stride_ih
@@ -64,7 +66,7 @@ def fused_q(
     weights_out = weights * index_n_heads^-1/2.
 
     q_lat [T, H, D_LAT]; q [T, H, nope + rope]; q_mqa [T, H, D_LAT + rope]; cos/sin fp32 [max_pos, rope/2];
-    q_idx / q_idx_out [T, H_I, D_I] with H_I <= H; weights / weights_out fp32 [T, H_I].
+    q_idx / q_idx_out [T, H_I, D_I]; weights / weights_out fp32 [T, H_I].
     """
     T, H, d_lat = check_tensor("q_lat", q_lat, shape=(None, None, None)).shape
     rope = 2 * check_tensor("cos", cos, shape=(None, None), dtype=torch.float32).shape[1]
@@ -76,8 +78,6 @@ def fused_q(
     h_i, d_i = 1, 16
     if has_indexer:
         _, h_i, d_i = check_tensor("q_idx", q_idx, shape=(T, None, None)).shape
-        if h_i > H:
-            raise ValueError(f"fused_q: index_n_heads ({h_i}) > num_attention_heads ({H}) is not supported")
         check_tensor("q_idx_out", q_idx_out, shape=(T, h_i, d_i))
         check_tensor("weights", weights, shape=(T, h_i), dtype=torch.float32)
         check_tensor("weights_out", weights_out, shape=(T, h_i), dtype=torch.float32)
@@ -91,12 +91,12 @@ def fused_q(
     if T == 0:
         return
     qi, qo, w, wo = (q_idx, q_idx_out, weights, weights_out) if has_indexer else (q, q, cos, cos)
-    _fused_q_kernel[(T, H)](
+    _fused_q_kernel[(T, max(H, h_i))](
         q_lat, q_lat.stride(0), q_lat.stride(1), q, q.stride(0), q.stride(1),
         q_mqa, q_mqa.stride(0), q_mqa.stride(1),
         qi, qi.stride(0), qi.stride(1), qo, qo.stride(0), qo.stride(1),
         w, w.stride(0), wo, wo.stride(0),
-        positions, cos, sin, cos.stride(0), h_i ** -0.5, h_i,
+        positions, cos, sin, cos.stride(0), h_i ** -0.5, H, h_i,
         NOPE=nope, ROPE=rope, D_LAT=d_lat, D_I=d_i, INDEXER_INTERLEAVED=indexer_interleaved,
         HAS_INDEXER=has_indexer, num_warps=4,
     )

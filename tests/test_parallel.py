@@ -1,0 +1,76 @@
+"""Tensor + expert parallelism through torch.distributed (gloo, CPU): the sharded engine equals one process,
+eagerly and with collectives inside (emulated) graph segments, for every eager boundary."""
+
+import os
+
+import pytest
+import torch
+
+from dsv32ref import DeepseekV32ForCausalLM, init_dummy_weights
+from dsv32ref.engine import BOUNDARIES, EngineConfig, EngineModel, LLMEngine, StepInput
+from dsv32ref.graphs import CUDAGraphMode
+from dsv32ref.parallel import spawn
+from helpers import rel_err, tiny_model
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) tests; the GPU run is issue 6's")
+
+
+def _config():
+    return tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
+                                                     first_k_dense_replace=1)
+
+
+def _engine(config, model, boundary, mode):
+    ec = EngineConfig(boundary=boundary, mode=mode, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8,
+                      block_size=4, capture_sizes=[8])
+    return LLMEngine(config, ec, device="cpu", dtype=torch.float32, model=model)
+
+
+PROMPT = [7, 3, 9, 1, 4, 4, 2, 8]
+
+
+def _run(config, state, boundary, mode, tp=None):
+    ref = DeepseekV32ForCausalLM(config)
+    ref.load_state_dict(state)
+    model = EngineModel.from_reference(ref.eval(), boundary)
+    if tp is not None:
+        model.shard(tp)
+    eng = _engine(config, model, boundary, mode)
+    eng.capture()
+    _, how = eng.step(StepInput([(0, PROMPT, 0)]))
+    return eng.last_logits, how
+
+
+def _worker(rank, world, config, state, cases, out_dir):
+    import torch.distributed as dist
+
+    from dsv32ref.engine.model import TensorParallel
+
+    for boundary, mode in cases:
+        logits, how = _run(config, state, boundary, CUDAGraphMode(mode), TensorParallel(rank, world, dist.group.WORLD))
+        if rank == 0:
+            torch.save((logits, how), os.path.join(out_dir, f"{boundary}-{mode}.pt"))
+
+
+@pytest.mark.parametrize("world,cases", [
+    (2, [(b, "piecewise") for b in BOUNDARIES] + [("narrow", "none")]),
+    (4, [("narrow", "none"), ("narrow_out", "piecewise")]),
+])
+def test_sharded_equals_single_process(world, cases, tmp_path):
+    config = _config()
+    ref = init_dummy_weights(DeepseekV32ForCausalLM(config), seed=0)
+    state = ref.state_dict()
+    spawn(_worker, world, config, state, cases, str(tmp_path), backend="gloo")
+    for boundary, mode in cases:
+        want, _ = _run(config, state, boundary, CUDAGraphMode.NONE)
+        got, how = torch.load(tmp_path / f"{boundary}-{mode}.pt")
+        assert how == ("PIECEWISE" if mode == "piecewise" else "NONE")
+        assert rel_err(got, want) < 1e-5, (world, boundary, mode)
+
+
+def test_shard_rejects_indivisible_sizes():
+    from dsv32ref.engine.model import TensorParallel
+
+    model = EngineModel(_config())
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by the tensor-parallel size 3"):
+        model.shard(TensorParallel(0, 3))
