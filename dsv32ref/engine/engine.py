@@ -8,7 +8,6 @@ eagerly. Sampling is greedy, on each request's last token, after the graph.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -283,12 +282,3 @@ class LLMEngine:
 def _fmt_ledger(ledger: dict) -> str:
     return ", ".join(f"{k} {v / 2**30:.2f} GiB" if isinstance(v, (int, float)) and k != "num_blocks" and v > 2**20
                      else f"{k} {v}" for k, v in ledger.items())
-
-
-@contextlib.contextmanager
-def engine_for(config: ModelConfig, **kwargs):
-    eng = LLMEngine(config, EngineConfig(**kwargs))
-    try:
-        yield eng
-    finally:
-        eng.release_graphs()
