@@ -219,3 +219,12 @@ def test_default_capture_sizes():
     sizes = default_capture_sizes()
     assert sizes[:5] == [1, 2, 4, 8, 16] and 248 in sizes and 256 in sizes and sizes[-1] == 512
     assert len(sizes) == 3 + 31 + 17 and default_capture_sizes(64)[-1] == 64
+
+
+def test_gpu_idle_time_from_kernel_intervals():
+    from dsv32ref.engine.ledger import idle_time_us, span_us
+
+    iv = [(0, 10), (5, 12), (20, 25), (30, 31), (24, 26)]
+    assert span_us(iv) == 31
+    assert idle_time_us(iv) == (20 - 12) + (30 - 26)
+    assert idle_time_us([]) == 0

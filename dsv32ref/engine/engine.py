@@ -167,6 +167,7 @@ class LLMEngine:
         self._capture_ctx = self._dummy_context(size, uniform=full)
 
     def _forward_for_capture(self, size: int, full: bool):
+        self.model.set_boundary(self.ec.boundary)
         with set_forward_context(self._capture_ctx):
             return self.model(self.input_ids[:size])
 
@@ -251,6 +252,8 @@ class LLMEngine:
     def step(self, step: StepInput) -> tuple[list[int], str]:
         """Run one step; returns (the next token of each request, how it ran: FULL / PIECEWISE / NONE)."""
         n, qsl, lens, last = self._prepare(step)
+        if self.model.boundary != self.ec.boundary:  # engines may share one model (the TTFT experiment)
+            self.model.set_boundary(self.ec.boundary)
         how, size, captured = self.runner.lookup(n, step.uniform_decode)
         ctx = self._context(size if captured is not None else n, qsl, lens, step.uniform_decode)
         with set_forward_context(ctx):

@@ -146,15 +146,37 @@ def predict(engine, step, piecewise: bool = True, num_sms: int = 132) -> Predict
     return ledger
 
 
+def span_us(intervals) -> float:
+    return max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
+
+
+def idle_time_us(intervals) -> float:
+    """Time inside [first kernel start, last kernel end] with no kernel running (launch gaps, host waits)."""
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return span_us(intervals) - busy
+
+
 def measure(engine, prompt: list[int]) -> dict:
     """Profile one request (one prefill step) on the GPU: direct launches by region, graph launches, the floor."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = engine.device.type == "cuda"
     engine.generate(prompt, 1)  # warm
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompt, 1)
+    if cuda:
         torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        engine.generate(prompt, 1)
+        if cuda:
+            torch.cuda.synchronize()
     events = prof.events()
 
     def region_of(e) -> str:
@@ -165,6 +187,7 @@ def measure(engine, prompt: list[int]) -> dict:
         return p.name[len("dsv32ref::"):] if p is not None else "other"
 
     direct, memcpy, graph_launches, kernel_us, kernels = Counter(), Counter(), 0, 0.0, 0
+    intervals, eager_us, eager_calls = [], 0.0, 0
     for e in events:
         if e.name in LAUNCH_APIS:
             direct[region_of(e)] += 1
@@ -175,6 +198,12 @@ def measure(engine, prompt: list[int]) -> dict:
         elif e.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us += e.time_range.elapsed_us()
             kernels += 1
+            intervals.append((e.time_range.start, e.time_range.end))
+        elif e.name.startswith("eager::"):
+            eager_us += e.time_range.elapsed_us()
+            eager_calls += 1
     return {"direct": dict(direct), "direct_total": sum(direct.values()), "graph_launches": graph_launches,
             "memcpy": dict(memcpy), "gpu_busy_ms": kernel_us / 1e3, "kernels": kernels,
+            "gpu_idle_ms": idle_time_us(intervals) / 1e3, "gpu_span_ms": span_us(intervals) / 1e3,
+            "eager_region_host_ms": eager_us / 1e3, "eager_region_calls": eager_calls,
             "note": "'other': launches outside the model forward (logits, sampling, input copies)"}

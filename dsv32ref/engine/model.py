@@ -278,7 +278,7 @@ class EngineModel(nn.Module):
 
     def __init__(self, config: ModelConfig, boundary: str = "narrow"):
         super().__init__()
-        self.config = config
+        self.config, self.boundary = config, boundary
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(EngineLayer(config, i, boundary) for i in range(config.num_hidden_layers))
         self.norm = _param(config.hidden_size)
@@ -289,6 +289,7 @@ class EngineModel(nn.Module):
             raise ValueError(f"boundary: expected one of {BOUNDARIES}, got {boundary!r}")
         for layer in self.layers:
             layer.self_attn.boundary = boundary
+        self.boundary = boundary
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N] -> hidden states [N, hidden] before the final norm (what a graph captures)."""

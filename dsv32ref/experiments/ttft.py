@@ -2,7 +2,9 @@
 
 Protocol (the seeds'): 256 sequential requests after 8 warm-ups, 8-token prompts, 1 output token,
 concurrency 1, default graph mode FULL_AND_PIECEWISE. All variants run in one process on one model
-(the same weights), each with its own graph capture. Per variant: TTFT mean / median / p99, requests/s,
+(the same weights), each with its own graph capture, interleaved request by request: two earlier runs
+that took the variants one after the other disagreed on wide/narrow (1.99x vs 1.14x), so drift over a
+run must hit every variant alike. Per variant: TTFT mean / median / p99, requests/s,
 the launch ledger of one request, and the floor: the GPU-busy time of that request (its kernels' durations).
 
 Model: the preset's attention at full size (all layers, heads and widths, IndexShare), with the MoE
@@ -45,56 +47,72 @@ def _stats(ms: list[float]) -> dict:
 
 
 def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: int = 8, prompt_len: int = 8,
-        mode: str = "full_and_piecewise", seed: int = 0, out: str | None = None) -> dict:
+        mode: str = "full_and_piecewise", seed: int = 0, out: str | None = None, device: str = "cuda",
+        config: ModelConfig | None = None) -> dict:
+    """The experiment; `device="cpu"` (with a tiny `config`) runs the same control flow on emulated graphs
+    as a smoke test, without timings that mean anything."""
     from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, build_model
     from dsv32ref.engine.ledger import measure
     from dsv32ref.graphs import CUDAGraphMode
     from dsv32ref.provenance import provenance
 
     variants = list(variants or BOUNDARIES)
-    config = reduced_config(preset)
+    config = config or reduced_config(preset)
+    cuda = device == "cuda"
     t0 = time.time()
-    model = build_model(config, variants[0], "cuda", torch.bfloat16, seed)
-    torch.cuda.synchronize()
-    print(f"{preset}: model built in {time.time() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights",
-          flush=True)
+    model = build_model(config, variants[0], device, torch.bfloat16 if cuda else torch.float32, seed)
+    if cuda:
+        torch.cuda.synchronize()
+        print(f"{preset}: model built in {time.time() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
+              f"of weights", flush=True)
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, config.vocab_size, (warmup + n_requests, prompt_len), generator=g).tolist()
     result = {"provenance": provenance(), "preset": preset, "reduction": REDUCTION, "protocol": {
         "requests": n_requests, "warmup": warmup, "prompt_len": prompt_len, "output_tokens": 1, "concurrency": 1,
         "mode": mode}, "variants": {}}
-    first_tokens = {}
-    for v in variants:
+    result["protocol"]["order"] = "interleaved: request i runs on every variant in turn (rotating the order)"
+    engines = {}
+    for v in variants:  # every variant captured up front, so that run-to-run drift hits them all alike
         ec = EngineConfig(boundary=v, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
                           max_num_batched_tokens=16, capture_sizes=[1, 2, 4, 8, 16], seed=seed)
-        eng = LLMEngine(config, ec, model=model)
-        cap_s = eng.capture()
-        for i in range(warmup):
-            eng.generate(prompts[i], 1)
-        ttft, toks = [], []
-        t_start = time.perf_counter()
-        for i in range(n_requests):
-            tok, t = eng.generate(prompts[warmup + i], 1)
-            ttft.append(t * 1e3)
-            toks.append(tok[0])
-            _progress(i + 1, n_requests, f"{v} TTFT")
-        wall = time.perf_counter() - t_start
+        eng = LLMEngine(config, ec, device=device, dtype=model.lm_head.dtype, model=model)
+        engines[v] = (eng, eng.capture())
+    for i in range(warmup):
+        for v in variants:
+            engines[v][0].generate(prompts[i], 1)
+    ttft = {v: [] for v in variants}
+    wall = {v: 0.0 for v in variants}
+    first_tokens = {v: [] for v in variants}
+    for i in range(n_requests):
+        for k in range(len(variants)):
+            v = variants[(i + k) % len(variants)]
+            t0 = time.perf_counter()
+            tok, t = engines[v][0].generate(prompts[warmup + i], 1)
+            wall[v] += time.perf_counter() - t0
+            ttft[v].append(t * 1e3)
+            first_tokens[v].append(tok[0])
+        _progress(i + 1, n_requests, "TTFT, all variants")
+    for v in variants:
+        eng, cap_s = engines[v]
         ledger = measure(eng, prompts[warmup])
-        first_tokens[v] = toks
         how = eng.runner.lookup(prompt_len, False)[0]
-        result["variants"][v] = {**_stats(ttft), "ttft_ms": ttft, "req_per_s": n_requests / wall, "capture_s": cap_s,
-                                 "prefill_runs_as": how, "ledger": ledger,
-                                 "ttft_over_floor": statistics.fmean(ttft) / ledger["gpu_busy_ms"]}
+        result["variants"][v] = {**_stats(ttft[v]), "ttft_ms": ttft[v], "req_per_s": n_requests / wall[v],
+                                 "capture_s": cap_s, "prefill_runs_as": how, "ledger": ledger,
+                                 "ttft_over_floor": statistics.fmean(ttft[v]) / ledger["gpu_busy_ms"]
+                                 if ledger["gpu_busy_ms"] else None}
         r = result["variants"][v]
         print(f"  {v:<12} TTFT mean {r['mean_ms']:.2f} ms, median {r['median_ms']:.2f}, p99 {r['p99_ms']:.2f}, "
               f"{r['req_per_s']:.1f} req/s; direct launches {ledger['direct_total']}, graph launches "
-              f"{ledger['graph_launches']}, floor {ledger['gpu_busy_ms']:.2f} ms", flush=True)
-        eng.release_graphs()
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache()
+              f"{ledger['graph_launches']}, floor {ledger['gpu_busy_ms']:.2f} ms, GPU idle {ledger['gpu_idle_ms']:.2f} ms, "
+              f"eager-region host time {ledger['eager_region_host_ms']:.2f} ms", flush=True)
         if out:
             _write(result, out)
+    for eng, _ in engines.values():
+        eng.release_graphs()
+    del engines
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     base = first_tokens[variants[0]]
     result["same_tokens_across_variants"] = all(t == base for t in first_tokens.values())
     if "wide" in result["variants"] and "narrow" in result["variants"]:

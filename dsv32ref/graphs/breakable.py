@@ -151,7 +151,8 @@ class BreakableGraph:
             if kind == "graph":
                 item.replay()
             else:
-                item.fn(*item.args, **item.kwargs)
+                with torch.profiler.record_function(f"eager::{item.name}"):  # host time per eager region
+                    item.fn(*item.args, **item.kwargs)
 
     def reset(self) -> None:
         """Release the graphs (and so their pool memory, once no other graph holds it)."""
