@@ -5,6 +5,8 @@
     dsv32ref kernels            the kernel benchmark (GPU)                     -> data/kernels.json
     dsv32ref ledger --predict   launch ledger of each eager boundary, on a CPU -> data/ledger_predicted.json
     dsv32ref ttft               TTFT + measured ledger of each boundary (GPU)  -> data/ttft_<preset>.json
+    dsv32ref capture            start-up memory per boundary under FULL_AND_PIECEWISE capture (GPU)
+                                                                            -> data/capture_memory_<preset>.json
 Exit status 1 if a check fails.
 """
 
@@ -145,7 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--requests", type=int, default=256)
     t.add_argument("--warmup", type=int, default=8)
     t.add_argument("--out", default=None)
+    cm = sub.add_parser("capture", help="start-up and capture memory of each boundary on the GPU")
+    cm.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
+    cm.add_argument("--utilization", type=float, action="append", help="gpu_memory_utilization (repeatable)")
+    cm.add_argument("--out", default=None)
+    cm.add_argument("--snapshots", default=None, help="folder for allocator-history snapshots")
     args = parser.parse_args(argv)
+    if args.cmd == "capture":
+        from dsv32ref.experiments.capture_memory import run as capture_run
+
+        if not torch.cuda.is_available():
+            print("capture needs a CUDA GPU")
+            return 2
+        capture_run(args.model, utilizations=tuple(args.utilization or [0.9]),
+                    out=args.out or f"data/capture_memory_{args.model}.json", snapshot_dir=args.snapshots)
+        return 0
     if args.cmd == "kernels":
         from dsv32ref.bench.kernels import main as bench_main
 

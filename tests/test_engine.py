@@ -134,3 +134,18 @@ def test_ttft_experiment_control_flow_on_cpu(tmp_path):
         assert r["prefill_runs_as"] == "PIECEWISE" and len(r["ttft_ms"]) == 2
         assert r["ledger"]["eager_region_calls"] == 2  # one eager region per layer, replayed once
     assert json.loads((tmp_path / "t.json").read_text())["protocol"]["order"].startswith("interleaved")
+
+
+def test_capture_memory_experiment_control_flow_on_cpu(tmp_path):
+    """Issue 5's start-up memory run, on emulated graphs: every variant starts, captures every size
+    PIECEWISE largest first then FULL, and leaves a log per capture."""
+    from dsv32ref.experiments.capture_memory import run
+
+    cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
+                                                    n_routed_experts=4, num_experts_per_tok=2)
+    res = run("glm-5.2", variants=("narrow", "narrow_copy"), device="cpu", config=cfg, capture_sizes=[1, 2, 4],
+              max_num_seqs=2, max_model_len=32, max_num_batched_tokens=4, out=str(tmp_path / "m.json"))
+    for r in res["runs"]:
+        assert r["failed"] is None
+        assert [(c["phase"], c["size"]) for c in r["capture_log"]] == [
+            ("PIECEWISE", 4), ("PIECEWISE", 2), ("PIECEWISE", 1), ("FULL", 2), ("FULL", 1)]
