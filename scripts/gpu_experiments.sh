@@ -11,3 +11,7 @@ fi
 for model in "${@:-glm-5.2}"; do
   python3 -m dsv32ref ttft --model "$model" --out "$OUT/ttft_$model.json" 2>&1 | tee "$OUT/ttft_$model.log" | grep -v "^\s*$" | tail -12
 done
+if [ "${CAPTURE_MEMORY:-0}" = 1 ]; then  # issue 5: start-up memory per boundary (several utilisations)
+  python3 -m dsv32ref capture --model "${1:-glm-5.2}" --utilization 0.9 --utilization 0.95 \
+    --out "$OUT/capture_memory.json" 2>&1 | tee "$OUT/capture_memory.log" | tail -12
+fi
