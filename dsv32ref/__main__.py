@@ -19,6 +19,7 @@ import time
 import torch
 
 from dsv32ref.cache import AttentionMetadata, BlockAllocator
+from dsv32ref.checks import rel_err
 from dsv32ref.checkpoint import init_dummy_weights
 from dsv32ref.config import PRESETS, ModelConfig
 from dsv32ref.diagnostics import attention_stats
@@ -48,8 +49,6 @@ def print_presets() -> None:
               f"{c.num_indexer_layers}/{c.num_hidden_layers} layers run their indexer")
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def run_reference(preset: str, seed: int) -> bool:
@@ -69,7 +68,7 @@ def run_reference(preset: str, seed: int) -> bool:
         model.set_form("naive")
         naive = [model(p) for p in prompts]
         model.set_form("absorbed")
-        checks.append(("absorbed == naive MLA (rel err)", max(_rel(a, b) for a, b in zip(one_shot, naive)), "<=", 1e-10))
+        checks.append(("absorbed == naive MLA (rel err)", max(rel_err(a, b) for a, b in zip(one_shot, naive)), "<=", 1e-10))
 
         # The same three sequences as a paged batch: prefill all but 3 tokens, then decode them.
         alloc, block = BlockAllocator(64, 4), 4
@@ -86,7 +85,7 @@ def run_reference(preset: str, seed: int) -> bool:
                 got[b].append(logits[lo:hi])
                 ctx[b] += hi - lo
         checks.append(("batched prefill + decode == one-shot (rel err)",
-                       max(_rel(torch.cat(g), o) for g, o in zip(got, one_shot)), "<=", 1e-10))
+                       max(rel_err(torch.cat(g), o) for g, o in zip(got, one_shot)), "<=", 1e-10))
 
         stats = attention_stats(model.float(), torch.randint(0, V, (48,)))
         ent = min(s["entropy_ratio"] for s in stats)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["check_tensor", "check_same_device"]
+__all__ = ["check_tensor", "check_same_device", "rel_err"]
 
 
 def check_tensor(
@@ -46,3 +46,8 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     if len({d for d in devices.values()}) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"tensors on different devices: {listing}")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64: the comparator of every check in this project."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300)).item()

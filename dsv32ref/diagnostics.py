@@ -29,7 +29,7 @@ def attention_stats(model: DeepseekV32ForCausalLM, input_ids: torch.Tensor) -> l
             h.remove()
     k = model.config.index_topk
     stats = []
-    for i, (layer, (x, cos, sin, cache, meta, *_), topk) in enumerate(zip(layers, inputs, topk_out)):
+    for i, (layer, (x, cos, sin, *_), topk) in enumerate(zip(layers, inputs, topk_out)):
         attn = layer.self_attn
         _, q_nope, q_pe, c_kv, k_pe = attn.project(x, cos, sin)
         q = torch.cat((torch.einsum("thd,hdc->thc", q_nope, attn.W_UK), q_pe), -1).double()  # (T, H, 576)

@@ -1,5 +1,7 @@
 import torch
 
+from dsv32ref.checks import rel_err  # noqa: F401  (re-exported for the tests)
+
 from dsv32ref import AttentionMetadata, BlockAllocator, DeepseekV32ForCausalLM, ModelConfig, init_dummy_weights
 
 
@@ -12,8 +14,6 @@ def tiny_model(preset: str, dtype=torch.float64, seed: int = 0, **changes) -> De
     return model.eval()
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300)).item()
 
 
 class Runner:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv32ref import DeepseekV32ForCausalLM, ModelConfig, init_dummy_weights, load_pretrained, save_pretrained
+from dsv32ref import DeepseekV32ForCausalLM, init_dummy_weights, load_pretrained, save_pretrained
 from dsv32ref.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
 from helpers import rel_err, tiny_model
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 import torch
-import triton
 from triton.testing import do_bench
 
+from dsv32ref.checks import rel_err
 from dsv32ref.config import ModelConfig
 from dsv32ref.kernels.fused_norm_rope import _fused_norm_rope_kernel, fused_norm_rope
 from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
@@ -72,8 +71,6 @@ def timed(fn) -> dict:
             "timing": "cuda-graph replay, median" if graph is not None else "eager, median"}
 
 
-def rel_err(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 # ---- ceilings --------------------------------------------------------------------------------------
@@ -86,7 +83,6 @@ def measure_ceilings() -> dict:
     m = 8192
     a, b = torch.randn(m, m, device=DEV, dtype=BF16), torch.randn(m, m, device=DEV, dtype=BF16)
     gemm_ms = bench(lambda: a @ b, rep=100)
-    del src, dst, a, b
     return {"copy_GBps": 2 * n / copy_ms / 1e6, "bf16_gemm_TFLOPs": 2 * m ** 3 / gemm_ms / 1e9,
             "copy_bytes": 2 * n, "gemm_shape": [m, m, m]}
 
@@ -311,9 +307,9 @@ def resource_report() -> list[dict]:
     for fn in (_sparse_mla_kernel, _combine_splits_kernel, _indexer_scores_kernel, _topk_kernel, _topk_chunk_kernel,
                _topk_merge_kernel, _fused_norm_rope_kernel, _fused_q_kernel):
         caches = getattr(fn, "device_caches", {})
-        for dev, entry in caches.items():
+        for entry in caches.values():
             kernels = entry[0] if isinstance(entry, tuple) else entry
-            for key, ck in kernels.items():
+            for ck in kernels.values():
                 try:
                     ck._init_handles()
                 except Exception:  # noqa: BLE001 - best effort, report what exists

@@ -23,6 +23,7 @@ from dsv32ref.engine.labels import current_region
 LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 from dsv32ref.graphs.emulated import NO_KERNEL_OPS as _NO_KERNEL  # noqa: E402
+from dsv32ref.graphs.emulated import patch_triton_launches, restore_triton_launches  # noqa: E402
 
 
 class _LaunchCounter(TorchDispatchMode):
@@ -71,35 +72,13 @@ class PredictedLedger:
 
 @contextlib.contextmanager
 def _count_triton_launches(ledger: PredictedLedger):
-    """Replace each kernel module's Triton kernels by recorders: a launch is counted, not run. The
-    prediction needs the control flow only, and no host decision in the model reads kernel outputs."""
-    import importlib
-
-    # by module path: `dsv32ref.kernels.fused_q` as an attribute is the launcher function, not the module
-    mods = [importlib.import_module(f"dsv32ref.kernels.{m}") for m in ("fused_norm_rope", "fused_q", "indexer_topk", "sparse_mla")]
-
-    class Proxy:
-        def __init__(self, fn, name):
-            self.fn, self.name = fn, name
-
-        def __getitem__(self, grid):
-            def run(*a, **k):
-                ledger.record(f"triton::{self.name}")
-
-            return run
-
-    patched = []
-    for mod in mods:
-        for name in dir(mod):
-            obj = getattr(mod, name)
-            if name.startswith("_") and name.endswith("_kernel") and hasattr(obj, "__getitem__"):
-                patched.append((mod, name, obj))
-                setattr(mod, name, Proxy(obj, name))
+    """Replace dsv32ref's Triton kernels by recorders: a launch is counted, not run. The prediction needs
+    the control flow only, and no host decision in the model reads kernel outputs."""
+    patched = patch_triton_launches(lambda name, launch, a, k: ledger.record(f"triton::{name}"))
     try:
         yield
     finally:
-        for mod, name, obj in patched:
-            setattr(mod, name, obj)
+        restore_triton_launches(patched)
 
 
 class _CountingBackend:

@@ -118,7 +118,7 @@ class EngineDSAAttention(nn.Module):
         """Top-k (or the shared one) and sparse attention into o_lat [T, H, kv_lora]."""
         ctx = get_forward_context()
         cache = ctx.kv_cache
-        scale, K = self.config.softmax_scale, self.config.index_topk
+        scale = self.config.softmax_scale
         if ctx.uniform_decode:
             # Graph-safe decode: one launch each over the whole batch, static workspace, device metadata.
             if self.has_indexer:

@@ -106,28 +106,40 @@ class RecordingBackend:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
-        for mod, name, obj in self._patched:
-            setattr(mod, name, obj)
-        self._patched.clear()
+        restore_triton_launches(self._patched)
+        self._patched = []
 
     def _patch_triton(self, graph: RecordedGraph) -> None:
-        class Proxy:
-            def __init__(self, fn, name):
-                self.fn, self.name = fn, name
+        def on_launch(name, launch, a, k):
+            graph.ops.append((f"triton::{name}", lambda: _quiet(launch, a, k)))
+            return _quiet(launch, a, k)
 
-            def __getitem__(self, grid):
-                launch = self.fn[grid]
+        self._patched = patch_triton_launches(on_launch)
 
-                def run(*a, **k):
-                    graph.ops.append((f"triton::{self.name}", lambda: _quiet(launch, a, k)))
-                    return _quiet(launch, a, k)
 
-                return run
+def patch_triton_launches(on_launch) -> list:
+    """Route every launch of dsv32ref's Triton kernels (`_x_kernel[grid](*a, **k)`) through
+    on_launch(name, launch, a, k). Returns (module, name, original) triples for restore_triton_launches."""
+    patched = []
 
-        for m in _KERNEL_MODULES:
-            mod = importlib.import_module(f"dsv32ref.kernels.{m}")
-            for name in dir(mod):
-                obj = getattr(mod, name)
-                if name.startswith("_") and name.endswith("_kernel") and hasattr(obj, "__getitem__"):
-                    self._patched.append((mod, name, obj))
-                    setattr(mod, name, Proxy(obj, name))
+    class Proxy:
+        def __init__(self, fn, name):
+            self.fn, self.name = fn, name
+
+        def __getitem__(self, grid):
+            launch = self.fn[grid]
+            return lambda *a, **k: on_launch(self.name, launch, a, k)
+
+    for m in _KERNEL_MODULES:
+        mod = importlib.import_module(f"dsv32ref.kernels.{m}")  # by path: the package re-exports launchers
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if name.startswith("_") and name.endswith("_kernel") and hasattr(obj, "__getitem__"):
+                patched.append((mod, name, obj))
+                setattr(mod, name, Proxy(obj, name))
+    return patched
+
+
+def restore_triton_launches(patched: list) -> None:
+    for mod, name, obj in patched:
+        setattr(mod, name, obj)

@@ -16,6 +16,7 @@ H = 64, half the FLOPs over the same rows: memory-bound.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from dsv32ref.checks import check_same_device, check_tensor
 
-__all__ = ["sparse_mla_paged", "SparseMLAConfig", "DEFAULT_CONFIG"]
+__all__ = ["sparse_mla_paged", "DEFAULT_CONFIG"]
 
 
 @triton.jit
@@ -149,17 +150,19 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
 ASSUMED_SMS = 4
 
 
-class SparseMLAConfig(dict):
-    """Tile sizes: BLOCK_H heads x BLOCK_N keys per step, BLOCK_DV output columns per program;
-    Q_RELOAD re-reads the query tile every step (fewer registers, more L1 traffic)."""
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
+# Tile configs: BLOCK_H heads x BLOCK_N keys per step, BLOCK_DV output columns per program; Q_RELOAD re-reads
+# the query tile every step (fewer registers, more L1 traffic); WARP_SPECIALIZE splits loads from math.
 # Best of the tile sweep in data/kernels.json (H200, bf16, DeepSeek-V3.2 and GLM-5.2 at 512 query tokens):
 # 64 heads x 64 keys per step, all 512 output columns in one program, warp-specialised loop.
-DEFAULT_CONFIG = SparseMLAConfig(BLOCK_H=64, BLOCK_N=64, BLOCK_DV=512, num_warps=8, num_stages=2, Q_RELOAD=True,
+DEFAULT_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, BLOCK_DV=512, num_warps=8, num_stages=2, Q_RELOAD=True,
                                  WARP_SPECIALIZE=True)
 # fp32 tiles take twice the shared memory: smaller key tiles, no multi-stage buffering.
-FP32_CONFIG = SparseMLAConfig(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False,
+FP32_CONFIG = dict(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False,
                               WARP_SPECIALIZE=False)
 
 
@@ -218,7 +221,7 @@ def sparse_mla_paged(
     head_blocks, K = triton.cdiv(H, block_h), topk_indices.shape[1]
     splits = cfg.get("NUM_SPLITS")
     if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else ASSUMED_SMS
+        sms = _num_sms(q.device.index) if q.is_cuda else ASSUMED_SMS
         splits = triton.next_power_of_2(triton.cdiv(2 * sms, T * head_blocks)) if block_dv == d_lat else 1
     splits = max(1, min(int(splits), 16, triton.next_power_of_2(triton.cdiv(K, cfg["BLOCK_N"]))))
     if splits & (splits - 1) or (splits > 1 and block_dv != d_lat):

@@ -66,9 +66,9 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     def set_form(self, form: str) -> None:
         """Switch every attention layer between the "absorbed" and "naive" forms (same weights)."""
+        if form not in ("absorbed", "naive"):
+            raise ValueError(f"form: expected 'absorbed' or 'naive', got {form!r}")
         for layer in self.model.layers:
-            if form not in ("absorbed", "naive"):
-                raise ValueError(f"form: expected 'absorbed' or 'naive', got {form!r}")
             layer.self_attn.form = form
 
     def new_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> PagedKVCache:

@@ -16,8 +16,6 @@
 # Everything runs in float64 on the CPU, so agreement is to rounding error.
 
 # %%
-import math
-
 import matplotlib.pyplot as plt
 import torch
 

@@ -30,16 +30,13 @@ import matplotlib.pyplot as plt
 
 from dsv32ref import AttentionMetadata, ModelConfig
 from dsv32ref.cache import gather_tokens
+from dsv32ref.checks import rel_err
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_topk_paged, sparse_mla_paged
 from dsv32ref.reference import apply_rope, indexer_scores, layer_norm, rms_norm, sparse_mla, topk_indices
 from dsv32ref.reference.rope import RotaryEmbedding
 
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # A small shape that is legal for compiled kernels too (tensor-core tiles need dims >= 16).
@@ -223,14 +220,45 @@ plt.show()
 
 # %% [markdown]
 # ## Reading the numbers
-# - `fused_norm_rope` and `fused_q` reach 60–70 % of the copy bandwidth once there are thousands of
-#   tokens; at decode sizes they take a few microseconds, which under CUDA graphs is what a launch costs.
-# - `indexer_topk` beats the PyTorch path (scores materialised per head, then `torch.topk`) at every
-#   measured size from 32k context up, because it never writes the [T, H_I, S] intermediate. Few long
-#   rows are cut into 8192-key chunks selected in parallel, then merged.
-# - `sparse_mla` is the kernel furthest from its bound. The tile sweep in the data file shows why the
-#   Triton version plateaus: the best tile (64 heads x 64 keys, all 512 output columns, warp-specialised)
-#   needs 221 KB of shared memory and 255 registers per thread, so one program runs per SM, and each
-#   step's gather of 64 scattered 1152-byte rows is exposed latency rather than bandwidth (sorting the
-#   indices, for DRAM locality, changed nothing). FlashMLA reaches far higher rates with hand-scheduled
-#   warpgroups; closing that gap is open work.
+# The figures quoted here are computed from the data file, not typed in.
+
+# %%
+def best(kernel, key, model=None, T=None):
+    rows = [r for r in data["results"] if r["kernel"] == kernel and (model is None or r["model"] == model)
+            and (T is None or r["T"] == T)]
+    return max(r[key] for r in rows)
+
+
+for k in ("fused_norm_rope", "fused_q"):
+    print(f"{k:<16} best fraction of copy bandwidth at 8192 tokens: {best(k, 'fraction_of_bound', T=8192):.0%}")
+wins = [r for r in data["results"] if r["kernel"] == "indexer_topk" and r["context"] >= 32768 and r.get("torch_ms")]
+print(f"indexer_topk faster than the PyTorch path in {sum(r['ms'] < r['torch_ms'] for r in wins)} of {len(wins)} "
+      f"measured cases at >= 32k context")
+for m in ("deepseek-v3.2", "glm-5.2"):
+    r = max((r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == m), key=lambda r: r["T"])
+    print(f"sparse_mla {m:<14} at {r['T']} tokens: {r['fraction_of_bound']:.0%} of the {r['bound']} bound")
+sweep_ok = [r for r in data["sparse_mla_tile_sweep"] if r.get("ok")]
+top = min(sweep_ok, key=lambda r: r["ms"])
+res = [x for x in data["resources"] if x["kernel"] == "_sparse_mla_kernel" and x["n_regs"]]
+print("best tile:", {k: v for k, v in top["config"].items()})
+print("sparse_mla builds in the sweep: registers/thread", sorted({x["n_regs"] for x in res}),
+      " shared memory KiB", sorted({x["shared_bytes"] // 1024 for x in res}))
+# A sweep-only run (data/sparse_mla_sweep.json, its own provenance) also timed the best tile with each
+# token's top-k indices sorted, i.e. with far better DRAM locality, beside the same tile unsorted.
+sweep = json.load(open("../data/sparse_mla_sweep.json"))["sparse_mla_tile_sweep"]
+for m in ("deepseek-v3.2", "glm-5.2"):
+    probe = next(r for r in sweep if r["model"] == m and r.get("probe"))
+    same = next(r for r in sweep if r["model"] == m and not r.get("probe") and r["config"] == probe["config"])
+    print(f"{m:<14} sorted indices / unsorted: {probe['ms'] / same['ms']:.2f}")
+
+# %% [markdown]
+# - `fused_norm_rope` and `fused_q` approach the copy bandwidth once there are thousands of tokens; at
+#   decode sizes they take a few microseconds, which under CUDA graphs is what a launch costs.
+# - `indexer_topk` beats the PyTorch path (scores materialised per head, then `torch.topk`) because it
+#   never writes the [T, H_I, S] intermediate. Few long rows are cut into chunks selected in parallel,
+#   then merged.
+# - `sparse_mla` is the kernel furthest from its bound. The best tiles use close to the whole register file
+#   and most of the shared memory of an SM (the resource report above), so one program runs per SM and each
+#   step's gather of scattered 1152-byte latent rows is exposed latency rather than bandwidth: sorting each
+#   token's indices for DRAM locality does not change the time (ratio above). FlashMLA reaches far higher
+#   rates with hand-scheduled warpgroups; closing that gap is open work.

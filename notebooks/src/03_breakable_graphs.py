@@ -158,7 +158,7 @@ for ax, boundary in zip(axes, BOUNDARIES):
                     device="cpu", dtype=torch.bfloat16)
     L = predict(eng, StepInput([(0, prompt, 0)]))
     events = [e for e in L.events if e[0] not in ("embed", "other")]
-    for i, (region, op, direct) in enumerate(events):
+    for i, (_, _, direct) in enumerate(events):
         ax.barh(0, 1, left=i, color=COLORS[direct], edgecolor="white")
     starts = {}
     for i, (region, _, _) in enumerate(events):

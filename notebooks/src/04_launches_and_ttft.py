@@ -152,5 +152,5 @@ plt.show()
 #   other; pinning down that variance (host jitter per eager region, launch gaps) is the next step.
 # - As in the seeds, capturing the UV BMM beat leaving it in the eager region (`narrow_copy` and
 #   `narrow_out` vs `narrow`) by more than the one launch it removes per layer.
-# - The floor includes reading ~55 GiB of weights per forward on one GPU (all attention at full width):
-#   far more than one TP4 rank reads, so our absolute times are not the seeds'.
+# - The floor includes reading every weight of the model per forward on one GPU (all attention at full
+#   width): far more than one TP4 rank reads, so our absolute times are not the seeds'.
