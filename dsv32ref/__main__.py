@@ -148,18 +148,20 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", default=None)
     cm = sub.add_parser("capture", help="start-up and capture memory of each boundary on the GPU")
     cm.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
-    cm.add_argument("--utilization", type=float, action="append", help="gpu_memory_utilization (repeatable)")
+    cm.add_argument("--heads-per-rank", type=int, default=None,
+                    help="attention heads on this GPU (e.g. 16: one rank of GLM-5.2 at TP4); default all")
+    cm.add_argument("--no-threshold", action="store_true", help="skip the threshold check runs")
     cm.add_argument("--out", default=None)
-    cm.add_argument("--snapshots", default=None, help="folder for allocator-history snapshots")
     args = parser.parse_args(argv)
     if args.cmd == "capture":
-        from dsv32ref.experiments.capture_memory import run as capture_run
+        from dsv32ref.experiments.capture_memory import run_plan
 
         if not torch.cuda.is_available():
             print("capture needs a CUDA GPU")
             return 2
-        capture_run(args.model, utilizations=tuple(args.utilization or [0.9]),
-                    out=args.out or f"data/capture_memory_{args.model}.json", snapshot_dir=args.snapshots)
+        tag = f"_h{args.heads_per_rank}" if args.heads_per_rank else ""
+        run_plan(args.model, heads_per_rank=args.heads_per_rank, threshold_runs=not args.no_threshold,
+                 out=args.out or f"data/capture_memory_{args.model}{tag}.json")
         return 0
     if args.cmd == "kernels":
         from dsv32ref.bench.kernels import main as bench_main

@@ -138,14 +138,107 @@ def test_ttft_experiment_control_flow_on_cpu(tmp_path):
 
 def test_capture_memory_experiment_control_flow_on_cpu(tmp_path):
     """Issue 5's start-up memory run, on emulated graphs: every variant starts, captures every size
-    PIECEWISE largest first then FULL, and leaves a log per capture."""
+    PIECEWISE largest first then FULL, and leaves a log per capture with its static buffers, which match
+    the memory model."""
+    from dsv32ref.engine.memory_model import predict
     from dsv32ref.experiments.capture_memory import run
 
     cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
                                                     n_routed_experts=4, num_experts_per_tok=2)
-    res = run("glm-5.2", variants=("narrow", "narrow_copy"), device="cpu", config=cfg, capture_sizes=[1, 2, 4],
-              max_num_seqs=2, max_model_len=32, max_num_batched_tokens=4, out=str(tmp_path / "m.json"))
+    runs = [{"boundary": b} for b in ("narrow", "narrow_copy", "narrow_copy_shared", "narrow_out")]
+    res = run("glm-5.2", runs=runs, device="cpu", config=cfg, capture_sizes=[1, 2, 4], max_num_seqs=2,
+              max_model_len=32, max_num_batched_tokens=4, out=str(tmp_path / "m.json"))
     for r in res["runs"]:
         assert r["failed"] is None
         assert [(c["phase"], c["size"]) for c in r["capture_log"]] == [
             ("PIECEWISE", 4), ("PIECEWISE", 2), ("PIECEWISE", 1), ("FULL", 2), ("FULL", 1)]
+        want = predict(cfg, r["boundary"], [1, 2, 4], 2, 4, dtype_bytes=4, estimate=False)["static_buffers"]
+        assert r["capture_log"][-1]["static_buffers"] == r["after"]["static_buffers"] == want, r["boundary"]
+    per_layer_token = cfg.num_attention_heads * cfg.kv_lora_rank * 4  # fp32 on the CPU
+    copy = next(r for r in res["runs"] if r["boundary"] == "narrow_copy")
+    assert [c["static_buffers"] for c in copy["capture_log"]] == [  # grows with every new size, then stays
+        2 * per_layer_token * n for n in (4, 6, 7, 7, 7)]
+
+
+def test_memory_model_arithmetic():
+    """Hand counts for GLM-5.2 with 16 heads per rank: per token and layer 16 x 512 x 2 = 16 KiB; the default
+    sizes up to 512 sum to 1 + 2 + 4 + 8 x (1 + ... + 31) + 17 x (256 + 512) / 2 = 10503 tokens; FULL sizes (up to 256) are a subset; the estimate sees 512, 496, 256
+    and 248 before the KV cache is sized."""
+    from dsv32ref.config import ModelConfig
+    from dsv32ref.engine.memory_model import estimate_static_part, predict
+
+    cfg = ModelConfig.preset("glm-5.2").replace(num_attention_heads=16)
+    L, kib16 = 78, 16 * 1024
+    assert 7 + 8 * 496 + 17 * 384 == 10503 and 7 + 8 * 496 + 256 == 4231
+    p = predict(cfg, "narrow_copy")
+    assert p["static_buffers"] == L * kib16 * 10503
+    assert p["static_before_kv_sizing"] == L * kib16 * (512 + 496 + 256 + 248)
+    assert p["graph_outputs"] == (10503 + 4231) * 6144 * 2
+    assert predict(cfg, "narrow_copy", estimate=False)["static_before_kv_sizing"] == L * kib16 * 512
+    assert predict(cfg, "narrow_copy_shared")["static_buffers"] == 512 * kib16
+    assert predict(cfg, "narrow")["static_buffers"] == predict(cfg, "narrow_out")["static_buffers"] == 0
+    # estimate: PIECEWISE first capture (512) adds nothing new, second (496) x 50; FULL first 256, second 248 x 34
+    assert estimate_static_part(cfg, "narrow_copy") == L * kib16 * (256 + 496 * 50 + 248 * 34)
+    assert estimate_static_part(cfg, "narrow") == 0
+
+
+def test_shared_copy_buffer_is_checked():
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    m = EngineModel.from_reference(ref, "narrow_copy_shared")
+    m.reserve_copy_buffer(4)
+    a = m.layers[0].self_attn
+    assert all(layer.self_attn.shared_out is a.shared_out for layer in m.layers)
+    from dsv32ref.engine.context import ForwardContext  # noqa: F401  (the check fires before any context is read)
+
+    with pytest.raises(ValueError, match=r"narrow_copy_shared: the shared copy buffer holds \[4, "):
+        a._copy_target(torch.zeros(5, 8))
+    assert m.release_static_buffers(include_shared=True) == 4 * a.H * a.kv_lora * 4 and a.shared_out is None
+
+
+@pytest.mark.gpu
+def test_capture_out_of_memory_on_gpu_is_reported_and_recoverable():
+    """A real out-of-memory during capture: the allocator is capped just above what `narrow` needs, so
+    narrow_copy's per-size static buffers run out. The error names phase, size and the ledger; afterwards
+    no graph is left, the static buffers are freed, and the engine still answers (eagerly) with the tokens
+    that `narrow` gives."""
+    from dsv32ref import init_dummy_weights
+    from dsv32ref.graphs import CaptureError
+
+    cfg = tiny_model("tiny-glm-5.2").config.replace(num_attention_heads=16, kv_lora_rank=128)
+    ref = init_dummy_weights(tiny_model("tiny-glm-5.2").__class__(cfg), 0).to("cuda", torch.bfloat16).eval()
+
+    def engine(boundary):
+        ec = EngineConfig(boundary=boundary, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=512,
+                          block_size=16, num_blocks=16)
+        return LLMEngine(cfg, ec, device="cuda", dtype=torch.bfloat16, model=EngineModel.from_reference(ref, boundary))
+
+    prompt = [3, 4, 5, 6, 7]
+    eng = engine("narrow")
+    want, _ = eng.generate(prompt, 3)  # eagerly (nothing captured yet), as the fallback will run
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    eng.capture()
+    narrow_need = torch.cuda.memory_reserved() - before
+    eng.release_graphs()
+    del eng
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    eng = engine("narrow_copy")
+    torch.cuda.synchronize()
+    base_alloc = torch.cuda.memory_allocated()
+    limit = torch.cuda.memory_reserved() + narrow_need + 32 * 2**20
+    torch.cuda.set_per_process_memory_fraction(limit / total)
+    try:
+        with pytest.raises(CaptureError) as e:
+            eng.capture()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    msg = str(e.value)
+    assert "PIECEWISE capture of size" in msg and "OutOfMemoryError" in msg, msg
+    assert "memory ledger at the failure: " in msg and "static_buffers" in msg and "narrow_copy_shared" in msg
+    assert eng.runner.piecewise == {} and eng.runner.full == {} and eng.runner.mode is CUDAGraphMode.NONE
+    assert eng.model.static_buffer_bytes() == 0
+    assert torch.cuda.memory_allocated() <= base_alloc + 2**20  # nothing half-captured holds memory
+    got, _ = eng.generate(prompt, 3)
+    assert got == want

@@ -2,6 +2,6 @@
 paged KV cache sized from a memory budget, breakable-graph capture, sequential requests."""
 
 from dsv32ref.engine.engine import EngineConfig, LLMEngine, StepInput, build_model
-from dsv32ref.engine.model import BOUNDARIES, EngineModel
+from dsv32ref.engine.model import BOUNDARIES, COPY_BOUNDARIES, EngineModel
 
-__all__ = ["BOUNDARIES", "EngineConfig", "EngineModel", "LLMEngine", "StepInput", "build_model"]
+__all__ = ["BOUNDARIES", "COPY_BOUNDARIES", "EngineConfig", "EngineModel", "LLMEngine", "StepInput", "build_model"]

@@ -34,6 +34,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     capture_sizes: list[int] | None = None  # default: the engine's sizes up to max_num_batched_tokens
     num_blocks: int | None = None  # None: sized from the memory budget (capped at what max_num_seqs can use)
+    estimate_graph_memory: bool = True  # subtract the serving engine's graph-memory estimate from the KV budget
     seed: int = 0
 
     def __post_init__(self):
@@ -74,9 +75,12 @@ class LLMEngine:
         ec = self.ec
         self.model = model if model is not None else build_model(config, ec.boundary, device, dtype, ec.seed)
         self.model.set_boundary(ec.boundary)
+        n_max = max(ec.capture_sizes + [ec.max_num_batched_tokens])
+        if ec.boundary == "narrow_copy_shared":  # allocated before memory profiling, so the budget sees it
+            self.model.reserve_copy_buffer(n_max)
         cos, sin = RotaryEmbedding(config).to(self.device)(torch.arange(ec.max_model_len, device=self.device))
         self.cos, self.sin = cos.contiguous(), sin.contiguous()
-        n_max, seqs = max(ec.capture_sizes + [ec.max_num_batched_tokens]), ec.max_num_seqs
+        seqs = ec.max_num_seqs
         self.max_blocks_per_seq = -(-ec.max_model_len // ec.block_size)
         i32, i64 = dict(dtype=torch.int32, device=self.device), dict(dtype=torch.int64, device=self.device)
         self.input_ids = torch.zeros(n_max, **i64)
@@ -113,23 +117,27 @@ class LLMEngine:
             torch.cuda.synchronize()
             weights = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            self._profile_run()
-            peak = torch.cuda.max_memory_allocated()
+            estimate = self._profile_run()
+            peak = self.memory["profile_peak"]
             free, total = torch.cuda.mem_get_info()
-            budget = total * ec.gpu_memory_utilization - peak
-            self.memory.update(total=total, weights=weights, peak_activations=peak - weights, budget=budget)
+            budget = total * ec.gpu_memory_utilization - peak - estimate
+            self.memory.update(total=total, weights=weights, peak_activations=peak - weights, graph_estimate=estimate,
+                               budget=budget)
             num_blocks = min(int(budget // per_block), usable)
             if num_blocks < 1:
-                raise RuntimeError(f"KV cache: no memory left at gpu_memory_utilization={ec.gpu_memory_utilization} "
-                                   f"(total {total / 2**30:.1f} GiB, weights + peak activations {peak / 2**30:.1f} GiB)")
+                raise RuntimeError(
+                    f"KV cache: no memory left at gpu_memory_utilization={ec.gpu_memory_utilization} (total "
+                    f"{total / 2**30:.1f} GiB; weights + peak activations {peak / 2**30:.1f} GiB; graph-memory "
+                    f"estimate {estimate / 2**30:.1f} GiB; static copy buffers {self.model.static_buffer_bytes() / 2**30:.1f} GiB)")
         else:
             num_blocks = usable
         self.kv_cache = PagedKVCache(c, num_blocks, ec.block_size, self.dtype, self.device)
         self.memory.update(kv_cache=self.kv_cache.nbytes(), num_blocks=num_blocks)
 
     @torch.no_grad()
-    def _profile_run(self) -> None:
-        """The largest prefill step, eagerly, with a throwaway one-block-per-request cache."""
+    def _profile_run(self) -> int:
+        """The largest prefill step, eagerly, with a throwaway cache; then the graph-memory estimate with the
+        same cache. Records the peak in self.memory["profile_peak"]; returns the estimate in bytes."""
         n = self.ec.max_num_batched_tokens
         self.kv_cache = PagedKVCache(self.config, -(-n // self.ec.block_size) + 1, self.ec.block_size, self.dtype,
                                      self.device)
@@ -137,7 +145,43 @@ class LLMEngine:
         with set_forward_context(ctx):
             self.model(self.input_ids[:n])
         torch.cuda.synchronize()
+        self.memory["profile_peak"] = torch.cuda.max_memory_allocated()
+        estimate = self._estimate_graph_memory() if self.ec.estimate_graph_memory else 0
         del self.kv_cache
+        return estimate
+
+    def _estimate_graph_memory(self) -> int:
+        """The serving engine's graph-memory estimate (vLLM's profile_cudagraph_memory), made before the KV
+        cache exists: per mode, capture the two largest sizes into a temporary pool, each measured as the drop
+        in free device memory; estimate = max over modes of the first capture + sum over modes of the second
+        capture (at least 1 MiB) x (number of sizes - 1). The graphs are released afterwards; whatever the
+        model keeps (narrow_copy's static buffers) stays allocated."""
+        if self.ec.mode is CUDAGraphMode.NONE:
+            return 0
+        pool = torch.cuda.graph_pool_handle()
+        runner = GraphRunner(self._forward_for_capture, self.ec.mode, self.ec.capture_sizes,
+                             lambda: CudaGraphBackend(pool), max_full_size=self.ec.max_num_seqs,
+                             prepare=self._prepare_capture)
+        first, per_graph, detail = {}, {}, {}
+        try:
+            for phase, sizes in runner.phase_sizes():
+                samples = []
+                for size in sizes[:2]:
+                    torch.cuda.synchronize()
+                    before = torch.cuda.mem_get_info()[0]
+                    runner.capture(phase, size)
+                    torch.cuda.synchronize()
+                    samples.append(before - torch.cuda.mem_get_info()[0])
+                first[phase] = samples[0]
+                per_graph[phase] = max(samples[1] if len(samples) > 1 else 0, 2**20) * (len(sizes) - 1)
+                detail[phase] = {"sizes": len(sizes), "samples": samples, "per_graph_total": per_graph[phase]}
+        finally:
+            runner.release()
+            del runner
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        self.memory["graph_estimate_detail"] = detail
+        return max(first.values()) + sum(per_graph.values()) if first else 0
 
     # ---- contexts ---------------------------------------------------------------------------------------
     def _context(self, size: int, qsl: list[int], seq_lens: list[int], uniform: bool) -> ForwardContext:
@@ -187,28 +231,35 @@ class LLMEngine:
             ledger = self.memory_ledger()
             self.runner.release()
             self.runner.mode = CUDAGraphMode.NONE
+            released = self.model.release_static_buffers()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-            raise CaptureError(f"{e}\nmemory ledger at the failure: {_fmt_ledger(ledger)}\n"
-                               f"all graphs were released; the engine now runs eagerly (mode NONE). Lower "
-                               f"gpu_memory_utilization or the largest capture size to leave room for the "
-                               f"graphs.") from e
+            self.memory["failed"] = str(e)
+            hint = ("narrow_copy keeps a static buffer per layer and captured size; use narrow_copy_shared or "
+                    "narrow_out, or " if self.ec.boundary == "narrow_copy" else "")
+            raise CaptureError(
+                f"{e}\nmemory ledger at the failure: {_fmt_ledger(ledger)}\n"
+                f"what is left: all graphs released, {released / 2**30:.2f} GiB of static copy buffers released, "
+                f"the engine now runs eagerly (mode NONE). To capture: {hint}lower gpu_memory_utilization (the KV "
+                f"cache takes the rest of the budget) or the largest capture size (max_num_batched_tokens).") from e
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.memory["captured"] = self.memory_ledger()
         return time.perf_counter() - t0
 
     def _record_capture(self, phase: str, size: int) -> None:
-        entry = {"phase": phase, "size": size}
+        entry = {"phase": phase, "size": size, "static_buffers": self.model.static_buffer_bytes()}
         if self.device.type == "cuda":
-            entry.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved())
+            entry.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
+                         free=torch.cuda.mem_get_info()[0])
         self.capture_log.append(entry)
 
     def memory_ledger(self) -> dict:
         """Bytes: what the allocator holds now, next to the start-up accounting (weights, peak activations,
         budget, KV cache)."""
-        led = {k: v for k, v in self.memory.items() if not isinstance(v, dict)}
+        led = {k: v for k, v in self.memory.items() if not isinstance(v, (dict, str))}
+        led["static_buffers"] = self.model.static_buffer_bytes()
         if self.device.type == "cuda":
             led.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
                        free=torch.cuda.mem_get_info()[0])

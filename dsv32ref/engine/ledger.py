@@ -144,8 +144,31 @@ def idle_time_us(intervals) -> float:
     return span_us(intervals) - busy
 
 
+def _gpu_ms_by_region(engine, prompt: list[int]) -> dict:
+    """One more request with graphs off (mode NONE): kernel time of each dsv32ref:: region, so that graph-
+    launched work can be attributed too (the kernels are the same; only how they are launched differs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mode, engine.runner.mode = engine.runner.mode, type(engine.runner.mode).NONE
+    try:
+        engine.generate(prompt, 1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompt, 1)
+            torch.cuda.synchronize()
+    finally:
+        engine.runner.mode = mode
+    by = Counter()
+    for e in prof.events():
+        if e.name.startswith("dsv32ref::"):
+            inner = sum(c.device_time_total for c in e.cpu_children if c.name.startswith("dsv32ref::"))
+            by[e.name[len("dsv32ref::"):]] += (e.device_time_total - inner) / 1e3
+    return dict(by.most_common())
+
+
 def measure(engine, prompt: list[int]) -> dict:
-    """Profile one request (one prefill step) on the GPU: direct launches by region, graph launches, the floor."""
+    """Profile one request (one prefill step) on the GPU: direct launches by region, graph launches, the floor,
+    kernel time by kernel name; on a GPU also kernel time by region from one eager request."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.device.type == "cuda"
@@ -166,6 +189,7 @@ def measure(engine, prompt: list[int]) -> dict:
         return p.name[len("dsv32ref::"):] if p is not None else "other"
 
     direct, memcpy, graph_launches, kernel_us, kernels = Counter(), Counter(), 0, 0.0, 0
+    by_name = Counter()
     intervals, eager_us, eager_calls = [], 0.0, 0
     for e in events:
         if e.name in LAUNCH_APIS:
@@ -176,6 +200,7 @@ def measure(engine, prompt: list[int]) -> dict:
             graph_launches += 1
         elif e.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us += e.time_range.elapsed_us()
+            by_name[e.name[:80]] += e.time_range.elapsed_us() / 1e3
             kernels += 1
             intervals.append((e.time_range.start, e.time_range.end))
         elif e.name.startswith("eager::"):
@@ -185,4 +210,6 @@ def measure(engine, prompt: list[int]) -> dict:
             "memcpy": dict(memcpy), "gpu_busy_ms": kernel_us / 1e3, "kernels": kernels,
             "gpu_idle_ms": idle_time_us(intervals) / 1e3, "gpu_span_ms": span_us(intervals) / 1e3,
             "eager_region_host_ms": eager_us / 1e3, "eager_region_calls": eager_calls,
+            "kernel_ms_by_name": dict(by_name.most_common(25)),
+            "gpu_ms_by_region_eager": _gpu_ms_by_region(engine, prompt) if cuda else None,
             "note": "'other': launches outside the model forward (logits, sampling, input copies)"}

@@ -6,12 +6,17 @@ The attention's `boundary` decides what runs eagerly between graph segments unde
                   indexer wq_b GEMM, fused-Q, indexer, attention, UV BMM): the engine before the change
     narrow        only the indexer, the attention and the UV BMM are eager; the attention output is
                   allocated inside the region and consumed there by the UV BMM, no copy: the change
-    narrow_copy   the attention output is copied into a buffer the graph owns, so the UV BMM is captured:
-                  the alternative the change rejected
-    narrow_out    the attention kernel writes straight into the graph-owned buffer, UV BMM captured, no
-                  copy: the follow-up the change's authors asked for (forward_mqa with an `out`)
+    narrow_copy   the attention output is copied into a static buffer, so the UV BMM is captured: the
+                  alternative the change rejected. "Static" read as the layer keeping one buffer per token
+                  count it has run (created on first use, so each captured size replays at a stable
+                  address): the reading FACTS.md section 4 hypothesises; issue 5 measures what it costs
+    narrow_copy_shared  the same copy into ONE static buffer shared by every layer and sized for the
+                  largest step (layers run one after another, and the UV BMM consumes the buffer before the
+                  next layer's attention writes it): the copy variant made safe
+    narrow_out    the attention kernel writes straight into a graph-owned activation buffer, UV BMM
+                  captured, no copy: the follow-up the change's authors asked for (forward_mqa with `out`)
 
-All four compute the same function. Under FULL capture (uniform decode) every region is captured.
+All five compute the same function. Under FULL capture (uniform decode) every region is captured.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from dsv32ref.engine.labels import region
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 
-BOUNDARIES = ("wide", "narrow", "narrow_copy", "narrow_out")
+BOUNDARIES = ("wide", "narrow", "narrow_copy", "narrow_copy_shared", "narrow_out")
+COPY_BOUNDARIES = ("narrow_copy", "narrow_copy_shared")
 
 
 class TensorParallel:
@@ -76,6 +82,22 @@ class EngineDSAAttention(nn.Module):
             self.wk_weights_proj = _param(c.index_head_dim + c.index_n_heads, c.hidden_size)  # [wk ; weights_proj]
             self.k_norm_weight = _param(c.index_head_dim)
             self.k_norm_bias = _param(c.index_head_dim)
+        self.static_out: dict[int, torch.Tensor] = {}  # narrow_copy: token count -> [T, H, kv_lora] buffer
+        self.shared_out: torch.Tensor | None = None  # narrow_copy_shared: [max_tokens, H, kv_lora], all layers
+
+    def _copy_target(self, x: torch.Tensor) -> torch.Tensor:
+        """The static buffer the copy variants copy the attention output into: [T, H, kv_lora]."""
+        T = x.shape[0]
+        if self.boundary == "narrow_copy_shared":
+            if self.shared_out is None or self.shared_out.shape[0] < T:
+                have = None if self.shared_out is None else list(self.shared_out.shape)
+                raise ValueError(f"narrow_copy_shared: the shared copy buffer holds {have} but a step of {T} tokens "
+                                 f"needs [{T}, {self.H}, {self.kv_lora}]; call EngineModel.reserve_copy_buffer(max_tokens)")
+            return self.shared_out[:T]
+        buf = self.static_out.get(T)
+        if buf is None:  # kept by the layer from now on: one per token count, for the process's lifetime
+            buf = self.static_out[T] = x.new_empty(T, self.H, self.kv_lora)
+        return buf
 
     # ---- the graph-safe part ------------------------------------------------------------------------
     def _prepare(self, q_c_raw, kv, k_raw, w_raw):
@@ -194,10 +216,11 @@ class EngineDSAAttention(nn.Module):
             if self.boundary == "narrow":
                 self._sparse_indexer_and_attn(q_mqa, q_idx, w_idx, out)
             else:
-                o_lat = x.new_empty(T, self.H, self.kv_lora)  # graph-owned
-                if self.boundary == "narrow_copy":
+                if self.boundary in COPY_BOUNDARIES:
+                    o_lat = self._copy_target(x)  # static: per layer and size, or one for all layers
                     self._sparse_indexer_and_attn_copy(q_mqa, q_idx, w_idx, o_lat)
                 else:
+                    o_lat = x.new_empty(T, self.H, self.kv_lora)  # graph-owned activation
                     self._sparse_indexer_and_attn_out(q_mqa, q_idx, w_idx, o_lat)
                 self._uv(o_lat, out)
         with region("o_proj"):
@@ -290,6 +313,36 @@ class EngineModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.boundary = boundary
         self.boundary = boundary
+
+    def reserve_copy_buffer(self, max_tokens: int) -> torch.Tensor:
+        """narrow_copy_shared: one [max_tokens, H, kv_lora] buffer, handed to every layer (allocated once, before
+        the engine's memory profiling, so the KV-cache budget sees it)."""
+        a = self.layers[0].self_attn
+        buf = self.layers[0].self_attn.shared_out
+        if buf is None or buf.shape[0] < max_tokens:
+            buf = self.embed_tokens.new_empty(max_tokens, a.H, a.kv_lora)
+        for layer in self.layers:
+            layer.self_attn.shared_out = buf
+        return buf
+
+    def release_static_buffers(self, include_shared: bool = False) -> int:
+        """Drop narrow_copy's per-size static buffers (after a failed capture, or between experiments), and the
+        shared buffer too if asked; returns the bytes released."""
+        before = self.static_buffer_bytes()
+        for layer in self.layers:
+            layer.self_attn.static_out.clear()
+            if include_shared:
+                layer.self_attn.shared_out = None
+        return before - self.static_buffer_bytes()
+
+    def static_buffer_bytes(self) -> int:
+        """Bytes the copy variants' static buffers hold now (each shared buffer counted once)."""
+        seen: dict[int, int] = {}
+        for layer in self.layers:
+            a = layer.self_attn
+            for t in list(a.static_out.values()) + ([a.shared_out] if a.shared_out is not None else []):
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N] -> hidden states [N, hidden] before the final norm (what a graph captures)."""

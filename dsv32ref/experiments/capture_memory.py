@@ -1,12 +1,14 @@
 """Start-up memory of each eager boundary under FULL_AND_PIECEWISE capture (issue 5's measurement).
 
-For each variant and each gpu_memory_utilization: build the engine on the shared model (profile run,
-KV cache sized to the budget, as the serving engine does), capture every default size (PIECEWISE largest
-first, then FULL), and record the memory ledger after each phase and each captured size, whether and
-where the capture failed, and a compact summary of the allocator's segments (which memory pool holds what).
-With `snapshot_dir`, the allocator history (`torch.cuda.memory._record_memory_history`) is dumped per run.
+Each run builds an engine on a shared model the way the serving engine starts: a profile run (largest
+prefill step), the graph-memory estimate (two largest captures per mode in a temporary pool, extrapolated),
+the KV cache sized to gpu_memory_utilization, then every PIECEWISE size largest first, then every FULL size,
+into one pool. Recorded per run: the start-up ledger, the allocator's state after every captured size
+(allocated, reserved, free, static copy buffers), where and why a capture failed, the pools' segments, what
+is still allocated after capture grouped by the line that allocated it (from the allocator's own history,
+`torch.cuda.memory._record_memory_history`), and the memory model's prediction beside the measurement.
 
-    python -m dsv32ref.experiments.capture_memory OUT.json [SNAPSHOT_DIR]
+    python -m dsv32ref capture [--heads-per-rank 16] [--utilization 0.9] ...
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ from __future__ import annotations
 import gc
 import json
 import os
-import sys
 import time
 
 import torch
 
+from dsv32ref.engine.memory_model import copy_buffer_bytes_per_token, predict
+from dsv32ref.graphs.runner import default_capture_sizes
 from dsv32ref.experiments.ttft import REDUCTION, reduced_config
 
 
-def _segments_summary() -> list[dict]:
-    """Allocator segments grouped by pool: how many bytes each pool reserves and how much is in use."""
+def _pools() -> list[dict]:
+    """Allocator segments grouped by pool: bytes reserved and in use per pool."""
     pools: dict = {}
     for seg in torch.cuda.memory._snapshot().get("segments", []):
         key = str(seg.get("segment_pool_id", "default"))
@@ -34,65 +37,187 @@ def _segments_summary() -> list[dict]:
     return sorted(pools.values(), key=lambda p: -p["reserved"])
 
 
-def run(preset: str = "glm-5.2", variants=("narrow", "narrow_copy", "narrow_out"), utilizations=(0.9,),
+def _site(frames: list[dict]) -> str:
+    """The innermost frame in dsv32ref that is not the graph runtime: the line that asked for the memory."""
+    for f in frames:
+        name = f.get("filename", "")
+        if "dsv32ref" in name and "graphs/" not in name:
+            return f"{name.split('dsv32ref/')[-1]}:{f.get('line')} {f.get('name')}"
+    return "(outside dsv32ref)"
+
+
+def live_by_site(snapshot: dict, top: int = 10) -> list[dict]:
+    """Blocks still allocated, grouped by allocating line and pool (needs history recorded with stacks)."""
+    sites: dict = {}
+    for seg in snapshot.get("segments", []):
+        pool = "graph pool" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default pool"
+        for b in seg.get("blocks", []):
+            if b.get("state") != "active_allocated":
+                continue
+            key = (_site(b.get("frames", [])), pool)
+            s = sites.setdefault(key, {"site": key[0], "pool": key[1], "blocks": 0, "bytes": 0})
+            s["blocks"] += 1
+            s["bytes"] += b.get("size", 0)
+    return sorted(sites.values(), key=lambda s: -s["bytes"])[:top]
+
+
+def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank: int | None = None,
         max_num_seqs: int = 256, max_model_len: int = 8192, max_num_batched_tokens: int = 512,
-        device: str = "cuda", config=None, capture_sizes=None, out: str | None = None,
-        snapshot_dir: str | None = None) -> dict:
+        device: str = "cuda", config=None, capture_sizes=None, out: str | None = None, history: bool = True) -> dict:
+    """`runs`: one dict per engine start-up, keys boundary, gpu_memory_utilization, estimate_graph_memory,
+    max_num_batched_tokens, history (record the allocator history for it); defaults fill the rest."""
     from dsv32ref.engine import EngineConfig, LLMEngine, build_model
     from dsv32ref.graphs import CaptureError, CUDAGraphMode
     from dsv32ref.provenance import provenance
 
     cuda = device == "cuda"
     config = config or reduced_config(preset)
-    model = build_model(config, variants[0], device, torch.bfloat16 if cuda else torch.float32, seed=0)
+    if heads_per_rank:
+        config = config.replace(num_attention_heads=heads_per_rank)
+    runs = runs or [{"boundary": b} for b in ("narrow", "narrow_copy", "narrow_copy_shared", "narrow_out")]
+    model = build_model(config, runs[0]["boundary"], device, torch.bfloat16 if cuda else torch.float32, seed=0)
     result = {"provenance": provenance(), "preset": preset, "reduction": REDUCTION,
+              "heads_per_rank": config.num_attention_heads,
               "settings": {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-                           "max_num_batched_tokens": max_num_batched_tokens, "mode": "full_and_piecewise"},
+                           "max_num_batched_tokens": max_num_batched_tokens, "mode": "full_and_piecewise",
+                           "capture_sizes": capture_sizes or "default"},
               "runs": []}
-    for util in utilizations:
-        for v in variants:
-            if cuda and snapshot_dir:
-                torch.cuda.memory._record_memory_history(max_entries=200_000)
-            entry = {"variant": v, "gpu_memory_utilization": util, "failed": None}
-            eng = None
-            t0 = time.time()
+    for spec in runs:
+        r = {"boundary": "narrow", "gpu_memory_utilization": 0.9, "estimate_graph_memory": True,
+             "max_num_batched_tokens": max_num_batched_tokens, "history": False, **spec}
+        rec = cuda and history and r["history"]
+        entry = {**r, "failed": None, "failed_at": None}
+        entry["predicted"] = predict(config, r["boundary"], capture_sizes, max_num_seqs, r["max_num_batched_tokens"],
+                                     estimate=r["estimate_graph_memory"])
+        eng = None
+        t0 = time.time()
+        if rec:
+            torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
+        try:
+            ec = EngineConfig(boundary=r["boundary"], mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_num_seqs=max_num_seqs,
+                              max_model_len=max_model_len, max_num_batched_tokens=r["max_num_batched_tokens"],
+                              gpu_memory_utilization=r["gpu_memory_utilization"], capture_sizes=capture_sizes,
+                              estimate_graph_memory=r["estimate_graph_memory"])
             try:
-                ec = EngineConfig(boundary=v, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_num_seqs=max_num_seqs,
-                                  max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                                  gpu_memory_utilization=util, capture_sizes=capture_sizes)
                 eng = LLMEngine(config, ec, device=device, dtype=model.lm_head.dtype, model=model)
-                entry["startup"] = dict(eng.memory)
-                try:
-                    entry["capture_s"] = eng.capture()
-                except CaptureError as e:
-                    entry["failed"] = str(e)
-                entry["capture_log"] = eng.capture_log
-                entry["after"] = eng.memory_ledger()
-                if cuda:
-                    entry["pools"] = _segments_summary()
-            except Exception as e:  # noqa: BLE001 - a failure before capture (KV cache sizing) is a result too
-                entry["failed"] = f"{type(e).__name__}: {e}"
-            finally:
-                if cuda and snapshot_dir:
-                    os.makedirs(snapshot_dir, exist_ok=True)
-                    torch.cuda.memory._dump_snapshot(os.path.join(snapshot_dir, f"{v}_{util}.pickle"))
-                    torch.cuda.memory._record_memory_history(enabled=None)
-                if eng is not None:
-                    eng.release_graphs()
-                    del eng
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
-            entry["wall_s"] = time.time() - t0
-            result["runs"].append(entry)
-            status = "FAILED " + entry["failed"].splitlines()[0] if entry["failed"] else "ok"
-            print(f"  {v:<12} util {util:.2f}: {status} ({entry['wall_s']:.0f} s)", flush=True)
-            if out:
-                os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
-                with open(out, "w") as f:
-                    json.dump(result, f, indent=1, default=str)
+            except RuntimeError as e:  # the KV cache could not be sized: a start-up failure before capture
+                entry.update(failed=f"{type(e).__name__}: {e}", failed_at="KV cache sizing")
+                raise
+            entry["startup"] = {k: v for k, v in eng.memory.items()}
+            entry["before_capture"] = eng.memory_ledger()
+            if cuda:
+                total, free = entry["startup"]["total"], torch.cuda.mem_get_info()[0]
+                entry["before_capture"]["non_torch"] = total - free - torch.cuda.memory_reserved()
+            try:
+                entry["capture_s"] = eng.capture()
+            except CaptureError as e:
+                entry["failed"] = str(e)
+                done = len(eng.capture_log)
+                order = [(p, s) for p, sizes in eng.runner.phase_sizes() for s in sizes]
+                entry["failed_at"] = "%s size %d" % order[done] if done < len(order) else "after capture"
+            entry["capture_log"] = eng.capture_log
+            entry["after"] = eng.memory_ledger()
+            if cuda:
+                entry["pools"] = _pools()
+                if rec:
+                    entry["live_by_site"] = live_by_site(torch.cuda.memory._snapshot())
+            if entry["failed"] is None:
+                entry["retained_by_capture"] = entry["after"]["allocated"] - entry["before_capture"]["allocated"] \
+                    if cuda else None
+        except RuntimeError:
+            if entry["failed"] is None:
+                raise
+        finally:
+            if rec:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            if eng is not None:
+                eng.release_graphs()
+                del eng
+            model.release_static_buffers(include_shared=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        entry["wall_s"] = time.time() - t0
+        result["runs"].append(entry)
+        status = f"FAILED at {entry['failed_at']}" if entry["failed"] else "ok"
+        print(f"  {r['boundary']:<19} util {r['gpu_memory_utilization']:.2f} estimate "
+              f"{'on ' if r['estimate_graph_memory'] else 'off'} max tokens {r['max_num_batched_tokens']}: {status} "
+              f"({entry['wall_s']:.0f} s)", flush=True)
+        if out:
+            os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1, default=str)
     return result
 
 
-if __name__ == "__main__":
-    run(out=sys.argv[1] if len(sys.argv) > 1 else None, snapshot_dir=sys.argv[2] if len(sys.argv) > 2 else None)
+def _new_static(config, max_tokens: int) -> int:
+    """narrow_copy, estimate off: static bytes capture adds (every size but the profile run's largest)."""
+    sizes = default_capture_sizes(max_tokens)
+    return config.num_hidden_layers * copy_buffer_bytes_per_token(config) * (sum(sizes) - max_tokens)
+
+
+def predict_failure(config, free_before: int, capture_drop: int, max_tokens: int = 512) -> dict:
+    """Where narrow_copy (estimate off) runs out, from arithmetic plus two measurements of `narrow` at the same
+    settings: the free memory before capture and the drop in free memory its capture causes (pool, graph
+    outputs and graph objects). Capture goes PIECEWISE largest first; each new size adds L x T x H x kv_lora
+    x 2 bytes of static buffers that stay. Fails at the first size where static + drop > free."""
+    per = config.num_hidden_layers * copy_buffer_bytes_per_token(config)
+    cum = 0
+    for size in default_capture_sizes(max_tokens)[::-1][1:]:
+        cum += size * per
+        if cum + capture_drop > free_before:
+            return {"fails_at": f"PIECEWISE size {size}", "static_at_failure": cum}
+    return {"fails_at": None, "static_at_failure": None, "margin": free_before - cum - capture_drop}
+
+
+def threshold(config, free_before: int, capture_drop: int, total: int, util: float) -> dict:
+    """The largest max_num_batched_tokens (a default capture-size list) at which narrow_copy (estimate off)
+    still starts at `util`, and the utilisation above which it fails at max_num_batched_tokens = 512."""
+    ok = [m for m in default_capture_sizes(512) if m >= 8 and _new_static(config, m) + capture_drop <= free_before]
+    u = util + (free_before - capture_drop - _new_static(config, 512)) / total
+    return {"max_tokens_ok": max(ok) if ok else None, "utilization_at_512": u}
+
+
+PLAN = [  # issue 5 at default settings (util 0.9, max_num_seqs 256, capture sizes up to 512)
+    {"boundary": "narrow", "history": True},
+    {"boundary": "narrow", "estimate_graph_memory": False},
+    {"boundary": "narrow_copy"},
+    {"boundary": "narrow_copy", "estimate_graph_memory": False, "history": True},
+    {"boundary": "narrow_copy_shared"},
+    {"boundary": "narrow_out"},
+]
+
+
+def run_plan(preset: str = "glm-5.2", heads_per_rank: int | None = None, out: str | None = None,
+             threshold_runs: bool = True, **kw) -> dict:
+    """PLAN, then the predicted threshold of narrow_copy (estimate off) checked on both sides: by the largest
+    capture size when it lies below 512, else by the utilisation."""
+    res = run(preset, list(PLAN), heads_per_rank=heads_per_rank, out=out, **kw)
+    if not threshold_runs:
+        return res
+    config = reduced_config(preset)
+    if heads_per_rank:
+        config = config.replace(num_attention_heads=heads_per_rank)
+    base = next(r for r in res["runs"] if r["boundary"] == "narrow" and not r["estimate_graph_memory"])
+    free, total = base["before_capture"]["free"], base["startup"]["total"]
+    drop = free - base["after"]["free"]
+    res["threshold_predicted"] = {**threshold(config, free, drop, total, 0.9),
+                                  **predict_failure(config, free, drop), "free_before_capture": free,
+                                  "capture_drop_narrow": drop}
+    t = res["threshold_predicted"]
+    if t["max_tokens_ok"] is not None and t["max_tokens_ok"] < 512:
+        sizes = default_capture_sizes(512)
+        nxt = sizes[sizes.index(t["max_tokens_ok"]) + 1]
+        extra = [{"boundary": "narrow_copy", "estimate_graph_memory": False, "max_num_batched_tokens": m}
+                 for m in (t["max_tokens_ok"], nxt)]
+    else:
+        u = t["utilization_at_512"]
+        extra = [{"boundary": "narrow_copy", "estimate_graph_memory": False, "gpu_memory_utilization": round(x, 3)}
+                 for x in (u - 0.01, min(u + 0.01, 0.99))]
+    more = run(preset, extra, heads_per_rank=heads_per_rank, **kw)
+    res["runs"] += [dict(r, threshold_check=True) for r in more["runs"]]
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return res

@@ -75,13 +75,19 @@ class GraphRunner:
         i = bisect.bisect_left(self.capture_sizes, num_tokens)
         return self.capture_sizes[i] if i < len(self.capture_sizes) else None
 
+    def phase_sizes(self) -> list[tuple[str, list[int]]]:
+        """[(phase, sizes largest first)] in capture order: PIECEWISE, then FULL (sizes up to max_full_size)."""
+        out = []
+        if self.mode.has_piecewise:
+            out.append(("PIECEWISE", sorted(self.capture_sizes, reverse=True)))
+        if self.mode.has_full:
+            cap = self.max_full_size if self.max_full_size is not None else max(self.capture_sizes)
+            out.append(("FULL", [s for s in sorted(self.capture_sizes, reverse=True) if s <= cap]))
+        return out
+
     def capture_all(self) -> None:
-        phases = ([("PIECEWISE", False)] if self.mode.has_piecewise else []) + \
-                 ([("FULL", True)] if self.mode.has_full else [])
-        for phase, full in phases:
-            for size in sorted(self.capture_sizes, reverse=True):
-                if full and self.max_full_size is not None and size > self.max_full_size:
-                    continue
+        for phase, sizes in self.phase_sizes():
+            for size in sizes:
                 self.capture(phase, size)
 
     def capture(self, phase: str, size: int) -> None:

@@ -1,0 +1,99 @@
+"""Capture memory of each eager boundary, in plain arithmetic (runs on a CPU).
+
+What the start-up leaves allocated after FULL_AND_PIECEWISE capture, beyond the weights and the KV cache:
+
+    static copy buffers  narrow_copy: every layer keeps one [T, H, kv_lora] buffer per token count T it has
+                         run: the profile run (max_num_batched_tokens), the estimate's captures and every
+                         captured size (FULL sizes are a subset of the PIECEWISE ones, so FULL adds none);
+                         narrow_copy_shared: one [max size, H, kv_lora] buffer for all layers; others: none
+    graph outputs        the runner keeps each captured graph's output [T, hidden]: one per size and phase
+    retained             the two together: what stays allocated once capture is over
+
+and the serving engine's graph-memory estimate, which sizes the KV cache: per mode, the first of the two
+largest captures (shared pool) plus the second one's growth times (number of sizes - 1). For narrow_copy
+the second capture's growth is dominated by that size's new static buffers, so the estimate scales with
+(sizes - 1) x the second-largest size, where the real cost is the sum of the sizes.
+
+Every figure is bytes; the allocator rounds blocks to 512 B, which these shapes already are.
+"""
+
+from __future__ import annotations
+
+from dsv32ref.config import ModelConfig
+from dsv32ref.graphs.runner import default_capture_sizes
+
+GiB = 2**30
+
+
+def phase_sizes(capture_sizes: list[int], max_num_seqs: int) -> dict[str, list[int]]:
+    """PIECEWISE: every size; FULL (uniform decode): the sizes up to max_num_seqs. Largest first."""
+    sizes = sorted(set(capture_sizes), reverse=True)
+    return {"PIECEWISE": sizes, "FULL": [s for s in sizes if s <= max_num_seqs]}
+
+
+def copy_buffer_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    """One layer's attention output in the latent space, one token: H x kv_lora."""
+    return config.num_attention_heads * config.kv_lora_rank * dtype_bytes
+
+
+def predict(config: ModelConfig, boundary: str, capture_sizes: list[int] | None = None, max_num_seqs: int = 256,
+            max_num_batched_tokens: int = 512, dtype_bytes: int = 2, estimate: bool = True) -> dict:
+    """Retained bytes after start-up (static copy buffers + graph outputs), and the static buffers that exist
+    before the KV cache is sized (profile run and estimate), for one boundary."""
+    sizes = capture_sizes or default_capture_sizes(max_num_batched_tokens)
+    ph = phase_sizes(sizes, max_num_seqs)
+    per_tok = copy_buffer_bytes_per_token(config, dtype_bytes)
+    L = config.num_hidden_layers
+    n_max = max(sizes + [max_num_batched_tokens])
+    before_kv_sizes = {max_num_batched_tokens}
+    if estimate:
+        for s in ph.values():
+            before_kv_sizes.update(s[:2])
+    if boundary == "narrow_copy":
+        all_sizes = set(ph["PIECEWISE"]) | set(ph["FULL"]) | before_kv_sizes
+        static = L * per_tok * sum(all_sizes)
+        static_before_kv = L * per_tok * sum(before_kv_sizes)
+    elif boundary == "narrow_copy_shared":
+        static = static_before_kv = per_tok * n_max
+    else:
+        static = static_before_kv = 0
+    outputs = sum(sum(s) for s in ph.values()) * config.hidden_size * dtype_bytes
+    return {"boundary": boundary, "static_buffers": static, "static_before_kv_sizing": static_before_kv,
+            "graph_outputs": outputs, "retained": static + outputs,
+            "sizes": {k: len(v) for k, v in ph.items()}, "copy_bytes_per_token_layer": per_tok}
+
+
+def estimate_static_part(config: ModelConfig, boundary: str, capture_sizes: list[int] | None = None,
+                         max_num_seqs: int = 256, max_num_batched_tokens: int = 512, dtype_bytes: int = 2) -> int:
+    """The share of the serving engine's estimate that narrow_copy's new static buffers contribute: per mode,
+    the first capture's new buffers (none: the profile run made them for the largest size, unless the mode's
+    largest size is new) plus the second capture's new buffers x (sizes - 1). Zero for the other boundaries."""
+    if boundary != "narrow_copy":
+        return 0
+    sizes = capture_sizes or default_capture_sizes(max_num_batched_tokens)
+    per_layer_tok = copy_buffer_bytes_per_token(config, dtype_bytes) * config.num_hidden_layers
+    seen = {max_num_batched_tokens}
+    firsts, per_graph = [], 0
+    for s in phase_sizes(sizes, max_num_seqs).values():
+        new = []
+        for size in s[:2]:
+            new.append(0 if size in seen else size * per_layer_tok)
+            seen.add(size)
+        firsts.append(new[0])
+        per_graph += (new[1] if len(new) > 1 else 0) * (len(s) - 1)
+    return max(firsts) + per_graph
+
+
+def free_for_capture(total: int, util: float, weights: int, peak: int, estimate: int, static_before_kv: int,
+                     non_torch: int) -> float:
+    """Device memory free once the KV cache exists: the KV cache takes total x util - peak - estimate, and what
+    stays allocated besides is the weights, the static buffers made while profiling, and non-torch memory
+    (CUDA context, library workspaces). = total x (1 - util) + (peak - weights) + estimate - static - non_torch."""
+    return total * (1 - util) + (peak - weights) + estimate - static_before_kv - non_torch
+
+
+def threshold_utilization(total: int, need: int, weights: int, peak: int, estimate: int, static_before_kv: int,
+                          non_torch: int) -> float:
+    """The gpu_memory_utilization above which capture runs out: free_for_capture(util) = need, where `need` is
+    what capture allocates (new static buffers + graph outputs + the pool's activations + graph objects)."""
+    return 1 - (need - (peak - weights) - estimate + static_before_kv + non_torch) / total
