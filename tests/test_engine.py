@@ -204,7 +204,9 @@ def test_capture_out_of_memory_on_gpu_is_reported_and_recoverable():
     from dsv32ref import init_dummy_weights
     from dsv32ref.graphs import CaptureError
 
-    cfg = tiny_model("tiny-glm-5.2").config.replace(num_attention_heads=16, kv_lora_rank=128)
+    cfg = tiny_model("tiny-glm-5.2").config.replace(hidden_size=256, q_lora_rank=64, kv_lora_rank=128, qk_rope_head_dim=16,
+                                                    qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=16,
+                                                    index_n_heads=16, index_head_dim=32, index_topk=16)
     ref = init_dummy_weights(tiny_model("tiny-glm-5.2").__class__(cfg), 0).to("cuda", torch.bfloat16).eval()
 
     def engine(boundary):

@@ -144,9 +144,17 @@ def idle_time_us(intervals) -> float:
     return span_us(intervals) - busy
 
 
+def _is_annotation(e) -> bool:
+    """record_function ranges also appear on the GPU timeline (user annotations): they are not kernels."""
+    return getattr(e, "is_user_annotation", False) or e.name.startswith(("dsv32ref::", "eager::"))
+
+
 def _gpu_ms_by_region(engine, prompt: list[int]) -> dict:
     """One more request with graphs off (mode NONE): kernel time of each dsv32ref:: region, so that graph-
-    launched work can be attributed too (the kernels are the same; only how they are launched differs)."""
+    launched work can be attributed too (the kernels are the same; only how they are launched differs).
+    A kernel belongs to the innermost region annotation on the GPU timeline that contains its start."""
+    import bisect
+
     from torch.profiler import ProfilerActivity, profile
 
     mode, engine.runner.mode = engine.runner.mode, type(engine.runner.mode).NONE
@@ -158,11 +166,19 @@ def _gpu_ms_by_region(engine, prompt: list[int]) -> dict:
             torch.cuda.synchronize()
     finally:
         engine.runner.mode = mode
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ann = sorted((e.time_range.start, e.time_range.end, e.name[len("dsv32ref::"):]) for e in gpu
+                 if e.name.startswith("dsv32ref::"))
+    starts = [a[0] for a in ann]
     by = Counter()
-    for e in prof.events():
-        if e.name.startswith("dsv32ref::"):
-            inner = sum(c.device_time_total for c in e.cpu_children if c.name.startswith("dsv32ref::"))
-            by[e.name[len("dsv32ref::"):]] += (e.device_time_total - inner) / 1e3
+    for e in gpu:
+        if _is_annotation(e):
+            continue
+        t, best = e.time_range.start, None
+        for s0, e0, name in ann[max(0, bisect.bisect_right(starts, t) - 64): bisect.bisect_right(starts, t)]:
+            if s0 <= t < e0 and (best is None or e0 - s0 < best[0]):
+                best = (e0 - s0, name)
+        by[best[1] if best else "other"] += e.time_range.elapsed_us() / 1e3
     return dict(by.most_common())
 
 
@@ -198,12 +214,12 @@ def measure(engine, prompt: list[int]) -> dict:
             memcpy[region_of(e)] += 1
         elif e.name == "cudaGraphLaunch":
             graph_launches += 1
-        elif e.device_type == torch.autograd.DeviceType.CUDA:
+        elif e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e):
             kernel_us += e.time_range.elapsed_us()
             by_name[e.name[:80]] += e.time_range.elapsed_us() / 1e3
             kernels += 1
             intervals.append((e.time_range.start, e.time_range.end))
-        elif e.name.startswith("eager::"):
+        elif e.name.startswith("eager::") and e.device_type == torch.autograd.DeviceType.CPU:
             eager_us += e.time_range.elapsed_us()
             eager_calls += 1
     return {"direct": dict(direct), "direct_total": sum(direct.values()), "graph_launches": graph_launches,
