@@ -105,6 +105,7 @@ def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank:
                 raise
             entry["startup"] = {k: v for k, v in eng.memory.items()}
             entry["before_capture"] = eng.memory_ledger()
+            order = [(p, s) for p, sizes in eng.runner.phase_sizes() for s in sizes]
             if cuda:
                 total, free = entry["startup"]["total"], torch.cuda.mem_get_info()[0]
                 entry["before_capture"]["non_torch"] = total - free - torch.cuda.memory_reserved()
@@ -113,7 +114,6 @@ def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank:
             except CaptureError as e:
                 entry["failed"] = str(e)
                 done = len(eng.capture_log)
-                order = [(p, s) for p, sizes in eng.runner.phase_sizes() for s in sizes]
                 entry["failed_at"] = "%s size %d" % order[done] if done < len(order) else "after capture"
             entry["capture_log"] = eng.capture_log
             entry["after"] = eng.memory_ledger()

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["eager_break", "BreakableCapture", "BreakableGraph", "CaptureError", "eager_breaks_enabled",
-           "weak_alias", "CudaGraphBackend"]
+           "weak_alias", "CudaGraphBackend", "capture_stream"]
 
 
 class CaptureError(RuntimeError):
@@ -92,12 +92,34 @@ def _alias_args(args: tuple, kwargs: dict):
 
 # ---- graph backends ------------------------------------------------------------------------------------
 
-class CudaGraphBackend:
-    """torch.cuda.CUDAGraph segments on a side stream, all in one memory pool."""
+_CAPTURE_STREAMS: dict = {}
 
-    def __init__(self, pool=None):
+
+def capture_stream(device=None) -> "torch.cuda.Stream":
+    """The one side stream every capture on a device runs on (the serving engine's graph_capture stream).
+
+    One stream, not a new one per capture: the caching allocator reuses a freed block only for allocations
+    on the stream that allocated it, so captures spread over many streams each grow the shared pool by a full
+    set of activations (measured: 32 streams, 7 GiB of pool for 0.2 GiB of activations), and cuBLAS keeps a
+    32 MiB workspace per stream. The workspace is created here, outside any capture, by one small GEMM."""
+    dev = torch.cuda.current_device() if device is None else torch.device(device).index
+    if dev not in _CAPTURE_STREAMS:
+        s = torch.cuda.Stream(device=dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            a = torch.ones(16, 16, device=f"cuda:{dev}", dtype=torch.bfloat16)
+            torch.mm(a, a)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        _CAPTURE_STREAMS[dev] = s
+    return _CAPTURE_STREAMS[dev]
+
+
+class CudaGraphBackend:
+    """torch.cuda.CUDAGraph segments on the device's capture stream, all in one memory pool."""
+
+    def __init__(self, pool=None, stream=None):
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream()
+        self.stream = stream if stream is not None else capture_stream()
 
     def begin(self):
         g = torch.cuda.CUDAGraph()
