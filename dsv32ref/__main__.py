@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     cm.add_argument("--heads-per-rank", type=int, default=None,
                     help="attention heads on this GPU (e.g. 16: one rank of GLM-5.2 at TP4); default all")
     cm.add_argument("--no-threshold", action="store_true", help="skip the threshold check runs")
+    cm.add_argument("--plan", default="default", choices=["default", "history"],
+                    help="default: every boundary + threshold checks; history: narrow_copy with allocator history")
     cm.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.cmd == "capture":
@@ -159,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("capture needs a CUDA GPU")
             return 2
-        tag = f"_h{args.heads_per_rank}" if args.heads_per_rank else ""
-        run_plan(args.model, heads_per_rank=args.heads_per_rank, threshold_runs=not args.no_threshold,
+        tag = (f"_h{args.heads_per_rank}" if args.heads_per_rank else "") + ("_history" if args.plan == "history" else "")
+        run_plan(args.model, heads_per_rank=args.heads_per_rank, threshold_runs=not args.no_threshold, plan=args.plan,
                  out=args.out or f"data/capture_memory_{args.model}{tag}.json")
         return 0
     if args.cmd == "kernels":

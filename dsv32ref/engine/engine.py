@@ -101,6 +101,7 @@ class LLMEngine:
                                   max_full_size=ec.max_num_seqs, prepare=self._prepare_capture,
                                   on_capture=self._record_capture)
         self.capture_log: list[dict] = []  # per captured (phase, size): what the allocator holds after it
+        self.on_capture_failure = None  # called once a capture failed, before anything is released
         self._capture_ctx: ForwardContext | None = None
         self._next_seq = 0
 
@@ -228,7 +229,10 @@ class LLMEngine:
             with torch.no_grad():
                 self.runner.capture_all()
         except CaptureError as e:
+            _drop_frames(e)  # the traceback's frames hold the failed forward's activations
             ledger = self.memory_ledger()
+            if self.on_capture_failure is not None:
+                self.on_capture_failure()
             self.runner.release()
             self.runner.mode = CUDAGraphMode.NONE
             released = self.model.release_static_buffers()
@@ -331,6 +335,18 @@ class LLMEngine:
         finally:
             self.allocator.release(seq_id)
         return out, ttft
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Clear the local variables of every finished frame in an exception chain (tensors of a failed forward)."""
+    import traceback
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _fmt_ledger(ledger: dict) -> str:

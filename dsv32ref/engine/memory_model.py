@@ -60,6 +60,7 @@ def predict(config: ModelConfig, boundary: str, capture_sizes: list[int] | None 
     outputs = sum(sum(s) for s in ph.values()) * config.hidden_size * dtype_bytes
     return {"boundary": boundary, "static_buffers": static, "static_before_kv_sizing": static_before_kv,
             "graph_outputs": outputs, "retained": static + outputs,
+            "retained_by_capture": static - static_before_kv + outputs,
             "sizes": {k: len(v) for k, v in ph.items()}, "copy_bytes_per_token_layer": per_tok}
 
 
@@ -82,6 +83,31 @@ def estimate_static_part(config: ModelConfig, boundary: str, capture_sizes: list
         firsts.append(new[0])
         per_graph += (new[1] if len(new) > 1 else 0) * (len(s) - 1)
     return max(firsts) + per_graph
+
+
+def capture_outcome(config: ModelConfig, available: int, piecewise_overhead: int, full_overhead: int,
+                    boundary: str = "narrow_copy", max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
+                    made_before: set[int] | None = None, dtype_bytes: int = 2) -> dict:
+    """Walk start-up capture in order and say where it runs out.
+
+    available: device memory capture can use (free + the allocator's cached free blocks) when it starts;
+    piecewise_overhead / full_overhead: what each phase costs `narrow` at the same settings (pool growth,
+    graph outputs, graph objects), measured; each new token count then adds narrow_copy's static buffers,
+    L x T x H x kv_lora x 2 bytes, for every size not already made (`made_before`: sizes the profile run and
+    the estimate created). Returns the failing (phase, size) or None, and the memory left or missing."""
+    sizes = default_capture_sizes(max_num_batched_tokens)
+    made = set(made_before or {max_num_batched_tokens})
+    per = config.num_hidden_layers * copy_buffer_bytes_per_token(config, dtype_bytes) if boundary == "narrow_copy" else 0
+    used = 0
+    for phase, phase_list in phase_sizes(sizes, max_num_seqs).items():
+        used += piecewise_overhead if phase == "PIECEWISE" else full_overhead
+        for size in phase_list:
+            if size not in made:
+                made.add(size)
+                used += size * per
+            if used > available:
+                return {"fails_at": (phase, size), "short_by": used - available}
+    return {"fails_at": None, "left": available - used}
 
 
 def free_for_capture(total: int, util: float, weights: int, peak: int, estimate: int, static_before_kv: int,
