@@ -120,10 +120,18 @@ def print_recorded_results(data_dir: str = "data") -> None:
         print(f"  {os.path.basename(f):<32} {p.get('device', '?')}, {p.get('date', '?')[:10]}, commit {p.get('git_commit', '?')[:10]}")
         for v, r in (d.get("variants") or {}).items():
             if "mean_ms" in r:
-                print(f"    {v:<12} TTFT mean {r['mean_ms']:.2f} ms (p99 {r['p99_ms']:.2f}), floor {r['ledger']['gpu_busy_ms']:.2f} ms, "
+                led = r["ledger"]
+                clean = "kernel_ms_by_name" in led and not any(k.startswith("dsv32ref::") for k in led["kernel_ms_by_name"])
+                floor = f"{led['gpu_busy_ms']:.2f} ms" if clean else "n/a (range annotations were counted as kernels)"
+                print(f"    {v:<12} TTFT mean {r['mean_ms']:.2f} ms (p99 {r['p99_ms']:.2f}), floor {floor}, "
                       f"direct launches {r['ledger']['direct_total']}, graph launches {r['ledger']['graph_launches']}")
             elif "direct_total" in r:
                 print(f"    {v:<12} predicted direct launches {r['direct_total']}, graph launches {r['graph_launches']}")
+        for r in d.get("runs") or []:  # capture memory: one engine start-up per run
+            extra = "" if r["max_num_batched_tokens"] == 512 else f", max tokens {r['max_num_batched_tokens']}"
+            outcome = f"out of memory at {r['failed_at']}" if r["failed"] else "starts"
+            print(f"    {r['boundary']:<19} util {r['gpu_memory_utilization']:.3g}, estimate "
+                  f"{'on' if r['estimate_graph_memory'] else 'off'}{extra}: {outcome}")
 
 
 def main(argv: list[str] | None = None) -> int:

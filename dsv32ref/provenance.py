@@ -32,9 +32,11 @@ def provenance(argv: list[str] | None = None) -> dict:
     """Device, driver, versions, UTC date, git commit (DSV32REF_GIT_COMMIT when .git is absent), command."""
     import triton
 
-    commit = os.environ.get("DSV32REF_GIT_COMMIT") or _run(["git", "rev-parse", "HEAD"]) or "unknown"
-    if _run(["git", "status", "--porcelain", "--untracked-files=no"]):
-        commit += "-dirty"
+    commit = os.environ.get("DSV32REF_GIT_COMMIT")
+    if not commit:  # (a copy without .git, e.g. the device's, passes the commit in; its `git status` means nothing)
+        commit = _run(["git", "rev-parse", "HEAD"]) or "unknown"
+        if _run(["git", "status", "--porcelain", "--untracked-files=no"]):
+            commit += "-dirty"
     gpu = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name(0) if gpu else f"CPU ({platform.processor() or platform.machine()})",

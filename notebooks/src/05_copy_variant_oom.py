@@ -124,6 +124,29 @@ plt.show()
 #    12.5 GiB. At 0.9 that fraction plus the buffers made during profiling happened to be enough to start;
 #    that is luck of sampling, not accounting: with less spare memory it fails the same way.
 
+# %% [markdown]
+# The allocator's own account (`torch.cuda.memory._record_memory_history` with Python stacks, a separate
+# run of the same two start-ups): the blocks still allocated, grouped by the line of our code that
+# allocated them and by pool, after a successful capture (estimate on) and at the moment the FULL phase
+# ran out (estimate off), before the engine released anything.
+
+# %%
+hist = load("capture_memory_glm-5.2_h16_history.json")
+for r in hist["runs"]:
+    sites = r.get("live_by_site_at_failure") or r["live_by_site"]
+    when = f"at the failure ({r['failed_at']})" if r["failed"] else "after capture"
+    print(f"{label(r)}, {when}:")
+    for site in sites[:5]:
+        print(f"   {site['site']:<34}{site['pool']:<14}{site['blocks']:>6} blocks {site['bytes'] / GiB:>8.2f} GiB")
+copy_blocks = [x for x in hist["runs"][0]["live_by_site"] if "_copy_target" in x["site"]][0]["blocks"]
+print(f"_copy_target blocks: {copy_blocks} = {config.num_hidden_layers} layers x {copy_blocks // config.num_hidden_layers} sizes")
+
+# %% [markdown]
+# `cache.py` is the KV cache, "(outside dsv32ref)" the weights; the third line is the mechanism: one block
+# per layer and token count, all in the default pool, alive until the process ends. The graph pool holds
+# only the graph outputs (`model.py` forward). The allocator counts the buffers slightly above L x T x H x
+# 512 x 2 because it serves some requests from larger cached blocks without splitting them.
+
 # %%
 est = next(r for r in runs if r["boundary"] == "narrow_copy" and r["estimate_graph_memory"])
 print("estimate detail (narrow_copy):", json.dumps(est["startup"]["graph_estimate_detail"]))
