@@ -182,6 +182,21 @@ def test_memory_model_arithmetic():
     assert estimate_static_part(cfg, "narrow") == 0
 
 
+def test_capture_outcome_walks_the_capture_order():
+    """Two layers, 2 heads x kv_lora 4 x 2 bytes = 16 B per token and layer, so 32 B per new token; sizes
+    up to 16 are [1, 2, 4, 8, 16], FULL (max_num_seqs 4) [4, 2, 1]; the profile run made 16 already."""
+    from dsv32ref.engine.memory_model import capture_outcome
+
+    cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=4,
+                                                    indexer_types=("full", "shared"))
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=4)
+    need_pw = 100 + 32 * (8 + 4 + 2 + 1)  # overhead + every new PIECEWISE size
+    assert capture_outcome(cfg, need_pw + 50, 100, 50, **kw) == {"fails_at": None, "left": 0}
+    assert capture_outcome(cfg, need_pw + 49, 100, 50, **kw) == {"fails_at": ("FULL", 4), "short_by": 1}
+    assert capture_outcome(cfg, 100 + 32 * 8, 100, 50, **kw)["fails_at"] == ("PIECEWISE", 4)
+    assert capture_outcome(cfg, 150, 100, 50, boundary="narrow", **kw) == {"fails_at": None, "left": 0}
+
+
 def test_shared_copy_buffer_is_checked():
     ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
     m = EngineModel.from_reference(ref, "narrow_copy_shared")

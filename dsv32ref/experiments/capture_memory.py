@@ -61,26 +61,6 @@ def live_by_site(snapshot: dict, top: int = 10) -> list[dict]:
     return sorted(sites.values(), key=lambda s: -s["bytes"])[:top]
 
 
-def allocation_timeline(snapshot: dict, points: int = 400) -> list[tuple[int, int, int]]:
-    """From the allocator's trace: (event index, bytes live in narrow_copy's static copy buffers, bytes live
-    in everything else allocated since recording began), sampled to at most `points` rows."""
-    events = [e for trace in snapshot.get("device_traces", []) for e in trace
-              if e.get("action") in ("alloc", "free_completed")]
-    step = max(1, len(events) // points)
-    live, rows, copy_b, other_b = {}, [], 0, 0
-    for i, e in enumerate(events):
-        is_copy = "_copy_target" in _site(e.get("frames", []))
-        if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], is_copy)
-            copy_b, other_b = (copy_b + e["size"], other_b) if is_copy else (copy_b, other_b + e["size"])
-        elif e["addr"] in live:
-            size, was_copy = live.pop(e["addr"])
-            copy_b, other_b = (copy_b - size, other_b) if was_copy else (copy_b, other_b - size)
-        if i % step == 0 or i == len(events) - 1:
-            rows.append((i, copy_b, other_b))
-    return rows
-
-
 def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank: int | None = None,
         max_num_seqs: int = 256, max_model_len: int = 8192, max_num_batched_tokens: int = 512,
         device: str = "cuda", config=None, capture_sizes=None, out: str | None = None, history: bool = True) -> dict:
@@ -143,9 +123,7 @@ def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank:
             if cuda:
                 entry["pools"] = _pools()
                 if rec:
-                    snap = torch.cuda.memory._snapshot()
-                    entry["live_by_site"] = live_by_site(snap)
-                    entry["allocation_timeline"] = allocation_timeline(snap)
+                    entry["live_by_site"] = live_by_site(torch.cuda.memory._snapshot())
             if entry["failed"] is None:
                 entry["retained_by_capture"] = entry["after"]["allocated"] - entry["before_capture"]["allocated"] \
                     if cuda else None
