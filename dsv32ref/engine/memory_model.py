@@ -9,10 +9,10 @@ What the start-up leaves allocated after FULL_AND_PIECEWISE capture, beyond the 
     graph outputs        the runner keeps each captured graph's output [T, hidden]: one per size and phase
     retained             the two together: what stays allocated once capture is over
 
-and the serving engine's graph-memory estimate, which sizes the KV cache: per mode, the first of the two
-largest captures (shared pool) plus the second one's growth times (number of sizes - 1). For narrow_copy
-the second capture's growth is dominated by that size's new static buffers, so the estimate scales with
-(sizes - 1) x the second-largest size, where the real cost is the sum of the sizes.
+and, walking capture in order, where narrow_copy runs out (capture_outcome) and the threshold (threshold),
+from what `narrow` costs at the same settings (measured) plus the static buffers of every new size.
+The serving engine's graph-memory estimate is not modelled: it samples two captures per mode and what
+they measure depends on the allocator's cached blocks (notebook 05 shows one sample of 0 bytes).
 
 Every figure is bytes; the allocator rounds blocks to 512 B, which these shapes already are.
 """
@@ -64,27 +64,6 @@ def predict(config: ModelConfig, boundary: str, capture_sizes: list[int] | None 
             "sizes": {k: len(v) for k, v in ph.items()}, "copy_bytes_per_token_layer": per_tok}
 
 
-def estimate_static_part(config: ModelConfig, boundary: str, capture_sizes: list[int] | None = None,
-                         max_num_seqs: int = 256, max_num_batched_tokens: int = 512, dtype_bytes: int = 2) -> int:
-    """The share of the serving engine's estimate that narrow_copy's new static buffers contribute: per mode,
-    the first capture's new buffers (none: the profile run made them for the largest size, unless the mode's
-    largest size is new) plus the second capture's new buffers x (sizes - 1). Zero for the other boundaries."""
-    if boundary != "narrow_copy":
-        return 0
-    sizes = capture_sizes or default_capture_sizes(max_num_batched_tokens)
-    per_layer_tok = copy_buffer_bytes_per_token(config, dtype_bytes) * config.num_hidden_layers
-    seen = {max_num_batched_tokens}
-    firsts, per_graph = [], 0
-    for s in phase_sizes(sizes, max_num_seqs).values():
-        new = []
-        for size in s[:2]:
-            new.append(0 if size in seen else size * per_layer_tok)
-            seen.add(size)
-        firsts.append(new[0])
-        per_graph += (new[1] if len(new) > 1 else 0) * (len(s) - 1)
-    return max(firsts) + per_graph
-
-
 def capture_outcome(config: ModelConfig, available: int, piecewise_overhead: int, full_overhead: int,
                     boundary: str = "narrow_copy", max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
                     made_before: set[int] | None = None, dtype_bytes: int = 2) -> dict:
@@ -110,16 +89,15 @@ def capture_outcome(config: ModelConfig, available: int, piecewise_overhead: int
     return {"fails_at": None, "left": available - used}
 
 
-def free_for_capture(total: int, util: float, weights: int, peak: int, estimate: int, static_before_kv: int,
-                     non_torch: int) -> float:
-    """Device memory free once the KV cache exists: the KV cache takes total x util - peak - estimate, and what
-    stays allocated besides is the weights, the static buffers made while profiling, and non-torch memory
-    (CUDA context, library workspaces). = total x (1 - util) + (peak - weights) + estimate - static - non_torch."""
-    return total * (1 - util) + (peak - weights) + estimate - static_before_kv - non_torch
-
-
-def threshold_utilization(total: int, need: int, weights: int, peak: int, estimate: int, static_before_kv: int,
-                          non_torch: int) -> float:
-    """The gpu_memory_utilization above which capture runs out: free_for_capture(util) = need, where `need` is
-    what capture allocates (new static buffers + graph outputs + the pool's activations + graph objects)."""
-    return 1 - (need - (peak - weights) - estimate + static_before_kv + non_torch) / total
+def threshold(config: ModelConfig, available: int, piecewise_overhead: int, full_overhead: int, total: int,
+              util: float, max_num_seqs: int = 256) -> dict:
+    """Where narrow_copy (estimate off) stops starting, from capture_outcome: the largest max_num_batched_tokens
+    (default size lists) that still fits `available`, and the gpu_memory_utilization at which sizes up to 512
+    just fit (each 0.01 of utilisation moves 0.01 x total between the KV cache and capture)."""
+    ok = [m for m in default_capture_sizes(512) if m >= 8 and capture_outcome(
+        config, available, piecewise_overhead, full_overhead, max_num_batched_tokens=m,
+        max_num_seqs=max_num_seqs)["fails_at"] is None]
+    o = capture_outcome(config, available, piecewise_overhead, full_overhead, max_num_seqs=max_num_seqs)
+    margin = o["left"] if o["fails_at"] is None else -o["short_by"]
+    return {"max_tokens_ok": max(ok) if ok else None, "utilization_at_512": util + margin / total,
+            "fails_at": o["fails_at"], "margin": margin}

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from dsv32ref.engine.memory_model import copy_buffer_bytes_per_token, predict
+from dsv32ref.engine.memory_model import predict, threshold
 from dsv32ref.graphs.runner import default_capture_sizes
 from dsv32ref.experiments.ttft import REDUCTION, reduced_config
 
@@ -154,34 +154,6 @@ def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank:
     return result
 
 
-def _new_static(config, max_tokens: int) -> int:
-    """narrow_copy, estimate off: static bytes capture adds (every size but the profile run's largest)."""
-    sizes = default_capture_sizes(max_tokens)
-    return config.num_hidden_layers * copy_buffer_bytes_per_token(config) * (sum(sizes) - max_tokens)
-
-
-def predict_failure(config, free_before: int, capture_drop: int, max_tokens: int = 512) -> dict:
-    """Where narrow_copy (estimate off) runs out, from arithmetic plus two measurements of `narrow` at the same
-    settings: the free memory before capture and the drop in free memory its capture causes (pool, graph
-    outputs and graph objects). Capture goes PIECEWISE largest first; each new size adds L x T x H x kv_lora
-    x 2 bytes of static buffers that stay. Fails at the first size where static + drop > free."""
-    per = config.num_hidden_layers * copy_buffer_bytes_per_token(config)
-    cum = 0
-    for size in default_capture_sizes(max_tokens)[::-1][1:]:
-        cum += size * per
-        if cum + capture_drop > free_before:
-            return {"fails_at": f"PIECEWISE size {size}", "static_at_failure": cum}
-    return {"fails_at": None, "static_at_failure": None, "margin": free_before - cum - capture_drop}
-
-
-def threshold(config, free_before: int, capture_drop: int, total: int, util: float) -> dict:
-    """The largest max_num_batched_tokens (a default capture-size list) at which narrow_copy (estimate off)
-    still starts at `util`, and the utilisation above which it fails at max_num_batched_tokens = 512."""
-    ok = [m for m in default_capture_sizes(512) if m >= 8 and _new_static(config, m) + capture_drop <= free_before]
-    u = util + (free_before - capture_drop - _new_static(config, 512)) / total
-    return {"max_tokens_ok": max(ok) if ok else None, "utilization_at_512": u}
-
-
 PLAN = [  # issue 5 at default settings (util 0.9, max_num_seqs 256, capture sizes up to 512)
     {"boundary": "narrow", "history": True},
     {"boundary": "narrow", "estimate_graph_memory": False},
@@ -209,12 +181,13 @@ def run_plan(preset: str = "glm-5.2", heads_per_rank: int | None = None, out: st
     if heads_per_rank:
         config = config.replace(num_attention_heads=heads_per_rank)
     base = next(r for r in res["runs"] if r["boundary"] == "narrow" and not r["estimate_graph_memory"])
-    free, total = base["before_capture"]["free"], base["startup"]["total"]
-    drop = free - base["after"]["free"]
-    res["threshold_predicted"] = {**threshold(config, free, drop, total, 0.9),
-                                  **predict_failure(config, free, drop), "free_before_capture": free,
-                                  "capture_drop_narrow": drop}
-    t = res["threshold_predicted"]
+    b, log = base["before_capture"], base["capture_log"]
+    pw_end = [c for c in log if c["phase"] == "PIECEWISE"][-1]
+    available = b["free"] + b["reserved"] - b["allocated"]
+    pw_cost, full_cost = b["free"] - pw_end["free"], pw_end["free"] - log[-1]["free"]
+    t = res["threshold_predicted"] = {
+        **threshold(config, available, pw_cost, full_cost, base["startup"]["total"], base["gpu_memory_utilization"]),
+        "available": available, "piecewise_cost_narrow": pw_cost, "full_cost_narrow": full_cost}
     if t["max_tokens_ok"] is not None and t["max_tokens_ok"] < 512:
         sizes = default_capture_sizes(512)
         nxt = sizes[sizes.index(t["max_tokens_ok"]) + 1]
