@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
     t.add_argument("--requests", type=int, default=256)
     t.add_argument("--warmup", type=int, default=8)
+    t.add_argument("--tp", type=int, default=1, help="ranks (GPUs): tensor parallel attention/MLP, expert parallel MoE")
     t.add_argument("--out", default=None)
     cm = sub.add_parser("capture", help="start-up and capture memory of each boundary on the GPU")
     cm.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
@@ -186,12 +187,22 @@ def main(argv: list[str] | None = None) -> int:
         predict_all(args.model, out=args.out or f"data/ledger_predicted_{args.model}.json")
         return 0
     if args.cmd == "ttft":
-        from dsv32ref.experiments.ttft import run
+        from dsv32ref.experiments.ttft import rank_main, run
 
-        if not torch.cuda.is_available():
-            print("ttft needs a CUDA GPU; the recorded results are in data/ (see `dsv32ref summary`)")
+        if not torch.cuda.is_available() or torch.cuda.device_count() < args.tp:
+            print(f"ttft needs {args.tp} CUDA GPU(s); the recorded results are in data/ (see `dsv32ref summary`)")
             return 2
-        run(args.model, n_requests=args.requests, warmup=args.warmup, out=args.out or f"data/ttft_{args.model}.json")
+        tag = f"_tp{args.tp}" if args.tp > 1 else ""
+        out = args.out or f"data/ttft_{args.model}{tag}.json"
+        if args.tp > 1:
+            import os
+
+            from dsv32ref.parallel import spawn
+
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+            spawn(rank_main, args.tp, args.model, args.requests, args.warmup, out)
+        else:
+            run(args.model, n_requests=args.requests, warmup=args.warmup, out=out)
         return 0
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     print_presets()

@@ -74,3 +74,22 @@ def test_shard_rejects_indivisible_sizes():
     model = EngineModel(_config())
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by the tensor-parallel size 3"):
         model.shard(TensorParallel(0, 3))
+
+
+def test_ttft_experiment_under_tensor_parallel(tmp_path):
+    """`dsv32ref ttft --tp N`'s control flow with gloo on emulated graphs: every rank runs the same requests in
+    lockstep, rank 0 writes the result, and the greedy tokens equal the single-process run's."""
+    import json
+
+    from dsv32ref.experiments.ttft import rank_main, run
+
+    config = _config().replace(n_routed_experts=4, num_experts_per_tok=2)
+    variants = ("narrow", "narrow_out")
+    out = tmp_path / "tp.json"
+    spawn(rank_main, 2, "glm-5.2", 3, 1, str(out), "cpu", config, variants, backend="gloo")
+    got = json.loads(out.read_text())
+    assert got["protocol"]["tensor_parallel"] == got["protocol"]["expert_parallel"] == 2
+    assert set(got["variants"]) == set(variants) and got["same_tokens_across_variants"]
+    assert all(len(r["ttft_ms"]) == 3 for r in got["variants"].values())
+    single = run("glm-5.2", variants=variants, n_requests=3, warmup=1, device="cpu", config=config)
+    assert got["first_tokens"] == single["first_tokens"]

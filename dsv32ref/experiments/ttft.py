@@ -48,9 +48,13 @@ def _stats(ms: list[float]) -> dict:
 
 def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: int = 8, prompt_len: int = 8,
         mode: str = "full_and_piecewise", seed: int = 0, out: str | None = None, device: str = "cuda",
-        config: ModelConfig | None = None) -> dict:
+        config: ModelConfig | None = None, tp_rank: int = 0, tp_size: int = 1) -> dict:
     """The experiment; `device="cpu"` (with a tiny `config`) runs the same control flow on emulated graphs
-    as a smoke test, without timings that mean anything."""
+    as a smoke test, without timings that mean anything.
+
+    With tp_size > 1 (inside torch.distributed, one call per rank: `dsv32ref ttft --tp N`), every rank holds its
+    shard (heads and MLP columns split, experts split: TP = EP) and runs the same requests in lockstep, the
+    collectives keeping them together; rank 0 reports its own timings and ledger."""
     from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, build_model
     from dsv32ref.engine.ledger import measure
     from dsv32ref.graphs import CUDAGraphMode
@@ -61,7 +65,15 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     cuda = device == "cuda"
     t0 = time.time()
     model = build_model(config, variants[0], device, torch.bfloat16 if cuda else torch.float32, seed)
-    if cuda:
+    lead = tp_rank == 0
+    if tp_size > 1:
+        import torch.distributed as dist
+
+        from dsv32ref.engine.model import TensorParallel
+
+        model.shard(TensorParallel(tp_rank, tp_size, dist.group.WORLD))
+        out = out if lead else None
+    if cuda and lead:
         torch.cuda.synchronize()
         print(f"{preset}: model built in {time.time() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
               f"of weights", flush=True)
@@ -69,7 +81,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     prompts = torch.randint(0, config.vocab_size, (warmup + n_requests, prompt_len), generator=g).tolist()
     result = {"provenance": provenance(), "preset": preset, "reduction": REDUCTION, "protocol": {
         "requests": n_requests, "warmup": warmup, "prompt_len": prompt_len, "output_tokens": 1, "concurrency": 1,
-        "mode": mode}, "variants": {}}
+        "mode": mode, "tensor_parallel": tp_size, "expert_parallel": tp_size}, "variants": {}}
     result["protocol"]["order"] = "interleaved: request i runs on every variant in turn (rotating the order)"
     engines = {}
     for v in variants:  # every variant captured up front, so that run-to-run drift hits them all alike
@@ -91,7 +103,8 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
             wall[v] += time.perf_counter() - t0
             ttft[v].append(t * 1e3)
             first_tokens[v].append(tok[0])
-        _progress(i + 1, n_requests, "TTFT, all variants")
+        if lead:
+            _progress(i + 1, n_requests, "TTFT, all variants")
     for v in variants:
         eng, cap_s = engines[v]
         ledger = measure(eng, prompts[warmup])
@@ -101,6 +114,8 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
                                  "ttft_over_floor": statistics.fmean(ttft[v]) / ledger["gpu_busy_ms"]
                                  if ledger["gpu_busy_ms"] else None}
         r = result["variants"][v]
+        if not lead:
+            continue
         print(f"  {v:<12} TTFT mean {r['mean_ms']:.2f} ms, median {r['median_ms']:.2f}, p99 {r['p99_ms']:.2f}, "
               f"{r['req_per_s']:.1f} req/s; direct launches {ledger['direct_total']}, graph launches "
               f"{ledger['graph_launches']}, floor {ledger['gpu_busy_ms']:.2f} ms, GPU idle {ledger['gpu_idle_ms']:.2f} ms, "
@@ -115,6 +130,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
         torch.cuda.empty_cache()
     base = first_tokens[variants[0]]
     result["same_tokens_across_variants"] = all(t == base for t in first_tokens.values())
+    result["first_tokens"] = base  # of every timed request: compares runs (one GPU vs TP) token by token
     if "wide" in result["variants"] and "narrow" in result["variants"]:
         result["wide_over_narrow"] = result["variants"]["wide"]["mean_ms"] / result["variants"]["narrow"]["mean_ms"]
     if out:
@@ -130,3 +146,10 @@ def _write(result: dict, path: str) -> None:
 
 if __name__ == "__main__":
     run(out=sys.argv[1] if len(sys.argv) > 1 else None)
+
+
+def rank_main(rank: int, world_size: int, preset: str, n_requests: int, warmup: int, out: str | None,
+              device: str = "cuda", config: ModelConfig | None = None, variants=None) -> None:
+    """One rank of `dsv32ref ttft --tp N` (started by dsv32ref.parallel.spawn)."""
+    run(preset, variants=variants, n_requests=n_requests, warmup=warmup, out=out, device=device, config=config,
+        tp_rank=rank, tp_size=world_size)
