@@ -17,6 +17,13 @@ def _engine(ref, boundary, device="cpu", mode=CUDAGraphMode.NONE):
                      model=EngineModel.from_reference(ref, boundary))
 
 
+def _gpu_config(preset: str, **overrides):
+    """Widths the compiled kernels accept (dot K >= 16), small enough for quick GPU tests."""
+    widths = dict(hidden_size=256, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                  v_head_dim=32, num_attention_heads=16, index_n_heads=16, index_head_dim=32, index_topk=16)
+    return tiny_model(preset).config.replace(**{**widths, **overrides})
+
+
 def _reference_logits(ref, tokens):
     with torch.no_grad():
         return ref(torch.tensor(tokens))
@@ -64,9 +71,7 @@ def test_engine_config_validation():
 def test_graph_replay_matches_eager_for_every_variant_and_mode(preset):
     """bf16 on the GPU with compiled kernels; sizes padded to capture sizes. Replays equal eager bitwise
     where the same kernels run on the same inputs; padding changes GEMM shapes, so compare within bf16."""
-    cfg = tiny_model(preset).config.replace(hidden_size=256, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16,
-                                            qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=16,
-                                            index_n_heads=16, index_head_dim=32, index_topk=16)
+    cfg = _gpu_config(preset)
     ref = tiny_model(preset, dtype=torch.float32).__class__(cfg)
     from dsv32ref import init_dummy_weights
 
@@ -220,9 +225,7 @@ def test_capture_out_of_memory_on_gpu_is_reported_and_recoverable():
     from dsv32ref import init_dummy_weights
     from dsv32ref.graphs import CaptureError
 
-    cfg = tiny_model("tiny-glm-5.2").config.replace(hidden_size=256, q_lora_rank=64, kv_lora_rank=128, qk_rope_head_dim=16,
-                                                    qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=16,
-                                                    index_n_heads=16, index_head_dim=32, index_topk=16)
+    cfg = _gpu_config("tiny-glm-5.2", kv_lora_rank=128)
     ref = init_dummy_weights(tiny_model("tiny-glm-5.2").__class__(cfg), 0).to("cuda", torch.bfloat16).eval()
 
     def engine(boundary):

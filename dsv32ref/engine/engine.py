@@ -239,7 +239,6 @@ class LLMEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-            self.memory["failed"] = str(e)
             hint = ("narrow_copy keeps a static buffer per layer and captured size; use narrow_copy_shared or "
                     "narrow_out, or " if self.ec.boundary == "narrow_copy" else "")
             raise CaptureError(
@@ -262,7 +261,7 @@ class LLMEngine:
     def memory_ledger(self) -> dict:
         """Bytes: what the allocator holds now, next to the start-up accounting (weights, peak activations,
         budget, KV cache)."""
-        led = {k: v for k, v in self.memory.items() if not isinstance(v, (dict, str))}
+        led = {k: v for k, v in self.memory.items() if not isinstance(v, dict)}
         led["static_buffers"] = self.model.static_buffer_bytes()
         if self.device.type == "cuda":
             led.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),

@@ -20,15 +20,13 @@ Every figure is bytes; the allocator rounds blocks to 512 B, which these shapes 
 from __future__ import annotations
 
 from dsv32ref.config import ModelConfig
-from dsv32ref.graphs.runner import default_capture_sizes
-
-GiB = 2**30
+from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
+from dsv32ref.graphs.runner import phase_sizes as _runner_phase_sizes
 
 
 def phase_sizes(capture_sizes: list[int], max_num_seqs: int) -> dict[str, list[int]]:
-    """PIECEWISE: every size; FULL (uniform decode): the sizes up to max_num_seqs. Largest first."""
-    sizes = sorted(set(capture_sizes), reverse=True)
-    return {"PIECEWISE": sizes, "FULL": [s for s in sizes if s <= max_num_seqs]}
+    """The engine's capture order under FULL_AND_PIECEWISE (the runner's own phase_sizes), as a dict."""
+    return dict(_runner_phase_sizes(CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes, max_num_seqs))
 
 
 def copy_buffer_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:

@@ -318,7 +318,7 @@ class EngineModel(nn.Module):
         """narrow_copy_shared: one [max_tokens, H, kv_lora] buffer, handed to every layer (allocated once, before
         the engine's memory profiling, so the KV-cache budget sees it)."""
         a = self.layers[0].self_attn
-        buf = self.layers[0].self_attn.shared_out
+        buf = a.shared_out
         if buf is None or buf.shape[0] < max_tokens:
             buf = self.embed_tokens.new_empty(max_tokens, a.H, a.kv_lora)
         for layer in self.layers:

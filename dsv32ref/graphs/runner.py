@@ -40,6 +40,17 @@ def default_capture_sizes(max_size: int = 512) -> list[int]:
     return [s for s in sizes if s <= max_size]
 
 
+def phase_sizes(mode: CUDAGraphMode, capture_sizes: list[int], max_full_size: int | None = None
+                ) -> list[tuple[str, list[int]]]:
+    """[(phase, sizes largest first)] in capture order: PIECEWISE (every size), then FULL (sizes up to
+    max_full_size: uniform decode has at most one token per sequence)."""
+    sizes = sorted(set(capture_sizes), reverse=True)
+    out = [("PIECEWISE", sizes)] if mode.has_piecewise else []
+    if mode.has_full:
+        out.append(("FULL", [s for s in sizes if max_full_size is None or s <= max_full_size]))
+    return out
+
+
 @dataclass
 class _Captured:
     graph: BreakableGraph
@@ -76,14 +87,7 @@ class GraphRunner:
         return self.capture_sizes[i] if i < len(self.capture_sizes) else None
 
     def phase_sizes(self) -> list[tuple[str, list[int]]]:
-        """[(phase, sizes largest first)] in capture order: PIECEWISE, then FULL (sizes up to max_full_size)."""
-        out = []
-        if self.mode.has_piecewise:
-            out.append(("PIECEWISE", sorted(self.capture_sizes, reverse=True)))
-        if self.mode.has_full:
-            cap = self.max_full_size if self.max_full_size is not None else max(self.capture_sizes)
-            out.append(("FULL", [s for s in sorted(self.capture_sizes, reverse=True) if s <= cap]))
-        return out
+        return phase_sizes(self.mode, self.capture_sizes, self.max_full_size)
 
     def capture_all(self) -> None:
         for phase, sizes in self.phase_sizes():
