@@ -154,7 +154,9 @@ def test_topk_ties_negative_zero_and_small_rows(device):
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 @pytest.mark.parametrize("heads", ["deepseek", "glm"])
 @pytest.mark.parametrize("splits,valid_first", [(None, False), (1, True), (4, True)])
-def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, seed):
+@pytest.mark.parametrize("addressing", [dict(SLOTS=True), dict(SLOTS=False, PREFETCH=True),
+                                        dict(SLOTS=False, PREFETCH=False)], ids=["slots", "prefetch", "inline"])
+def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, addressing, seed):
     z = _sizes(device)
     H = z["H"] if heads == "deepseek" else max(z["H"] // 2, 2)
     if device == "cpu" and heads == "glm":
@@ -172,7 +174,7 @@ def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, seed):
     topk[1] = -1  # no valid key: out 0, lse +inf
     out = torch.full((T, H, z["d_lat"]), float("nan"), **f)
     lse = torch.full((T, H), float("nan"), device=device)
-    config = None if splits is None else {"NUM_SPLITS": splits}
+    config = dict(addressing, **({} if splits is None else {"NUM_SPLITS": splits}))
     sparse_mla_paged(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse,
                      config=config, valid_first=valid_first)
     for b in range(meta.num_reqs):

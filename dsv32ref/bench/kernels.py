@@ -327,12 +327,14 @@ def resource_report() -> list[dict]:
     return rows
 
 
-SPARSE_CONFIGS = [  # (BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages, Q_RELOAD, WARP_SPECIALIZE)
-    dict(BLOCK_H=h, BLOCK_N=n, BLOCK_DV=dv, num_warps=w, num_stages=st, Q_RELOAD=qr, WARP_SPECIALIZE=ws)
-    for h, n, dv, w, st, qr, ws in [
-        (64, 64, 512, 8, 2, True, True), (64, 64, 512, 8, 2, False, True), (64, 64, 512, 8, 1, True, True),
-        (64, 128, 512, 8, 1, True, True), (64, 64, 256, 8, 2, True, True), (64, 32, 512, 8, 3, True, True),
-        (64, 64, 512, 16, 2, True, True), (64, 32, 512, 8, 2, True, False),
+SPARSE_CONFIGS = [  # (BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages, SLOTS, PREFETCH)
+    dict(BLOCK_H=h, BLOCK_N=n, BLOCK_DV=dv, num_warps=w, num_stages=st, Q_RELOAD=True, WARP_SPECIALIZE=True,
+         SLOTS=sl, PREFETCH=pf)
+    for h, n, dv, w, st, sl, pf in [
+        (64, 64, 512, 8, 2, False, True), (64, 64, 512, 8, 2, False, False), (64, 32, 512, 8, 3, False, True),
+        (64, 64, 512, 8, 2, True, False), (64, 64, 512, 8, 2, True, True), (64, 32, 512, 8, 3, True, False),
+        (64, 32, 512, 8, 3, True, True), (64, 32, 512, 8, 4, True, True), (64, 16, 512, 8, 6, True, True),
+        (64, 16, 512, 8, 4, True, True), (64, 64, 512, 16, 2, True, True),
     ]
 ]
 

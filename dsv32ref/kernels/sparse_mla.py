@@ -28,6 +28,9 @@ from dsv32ref.checks import check_same_device, check_tensor
 __all__ = ["sparse_mla_paged", "DEFAULT_CONFIG"]
 
 
+SLOT_CHUNK = tl.constexpr(2048)  # top-k entries resolved to cache rows per step of the SLOTS prologue
+
+
 @triton.jit
 def _key_rows(idx_row_ptr, offs_n, K, seq_len, bt_row_ptr, block_size, stride_cb, stride_cs):
     """Top-k slots offs_n of one token -> (element offsets of their latent rows int64, valid mask)."""
@@ -39,6 +42,13 @@ def _key_rows(idx_row_ptr, offs_n, K, seq_len, bt_row_ptr, block_size, stride_cb
 
 
 @triton.jit
+def _slot_rows(slots_row_ptr, offs_n, K, stride_cs):
+    """Resolved top-k slots offs_n of one token -> (element offsets of their latent rows int64, valid mask)."""
+    slot = tl.load(slots_row_ptr + offs_n, mask=offs_n < K, other=-1)
+    return slot.to(tl.int64) * stride_cs, slot >= 0
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, H, D_LAT + D_ROPE]
     cache_ptr, stride_cb, stride_cs,  # latent cache [NB, BS, D_LAT + D_ROPE]
@@ -47,12 +57,13 @@ def _sparse_mla_kernel(
     idx_ptr, stride_it,  # top-k [T, K] int32 (token positions, -1 = none)
     out_ptr, stride_ot, stride_oh,  # out [T, H, D_LAT]; with splits: partial out fp32 [T, H, NUM_SPLITS, D_LAT]
     lse_ptr, stride_lt,  # lse [T, H] fp32; with splits: partial lse [T, H, NUM_SPLITS]
+    slots_ptr,  # with SLOTS: int32 workspace [T, K], each key's row in the flattened cache (-1: skip)
     sm_scale_log2,  # sm_scale * log2(e): softmax in base 2
     H, K, block_size,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr, SLOTS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -83,14 +94,41 @@ def _sparse_mla_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    # The address of a key takes two dependent loads (top-k index, then block id). They are issued one
-    # iteration ahead, so the latent-row gather of iteration i waits on nothing but registers.
     offs_n = tl.arange(0, BLOCK_N)
-    row, valid = _key_rows(idx_ptr + t * stride_it, it0 * BLOCK_N + offs_n, k_end, seq_len,
-                           block_table_ptr + req * stride_bt, block_size, stride_cb, stride_cs)
+    idx_row_ptr = idx_ptr + t * stride_it
+    bt_row_ptr = block_table_ptr + req * stride_bt
+    if SLOTS:
+        # The address of a key takes two dependent loads (top-k index, then block id). Resolve this
+        # program's whole slice of the top-k to cache rows once, before the loop: the loop's gather then
+        # waits on one contiguous load, which the compiler's pipeliner issues stages ahead.
+        slots_row_ptr = slots_ptr + t * K
+        k_stop = tl.minimum(it1 * BLOCK_N, k_end)
+        for k0 in tl.range(it0 * BLOCK_N, k_stop, SLOT_CHUNK):
+            offs_k = k0 + tl.arange(0, SLOT_CHUNK)
+            idx = tl.load(idx_row_ptr + offs_k, mask=offs_k < k_stop, other=-1)
+            ok = (idx >= 0) & (idx < seq_len)
+            pos = tl.where(ok, idx, 0)
+            blk = tl.load(bt_row_ptr + pos // block_size, mask=ok, other=0)
+            tl.store(slots_row_ptr + offs_k, tl.where(ok, blk * block_size + pos % block_size, -1), mask=offs_k < k_stop)
+        tl.debug_barrier()  # this program's writes are visible to all its threads
+        if PREFETCH:
+            row, valid = _slot_rows(slots_row_ptr, it0 * BLOCK_N + offs_n, k_end, stride_cs)
+    else:
+        slots_row_ptr = slots_ptr
+        # Without the workspace, the two dependent loads are issued one iteration ahead instead.
+        row, valid = _key_rows(idx_row_ptr, it0 * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr, block_size,
+                               stride_cb, stride_cs)
     for it in tl.range(it0, it1, warp_specialize=WARP_SPECIALIZE):
-        row_next, valid_next = _key_rows(idx_ptr + t * stride_it, (it + 1) * BLOCK_N + offs_n, k_end, seq_len,
-                                         block_table_ptr + req * stride_bt, block_size, stride_cb, stride_cs)
+        if SLOTS and PREFETCH:
+            row_next, valid_next = _slot_rows(slots_row_ptr, (it + 1) * BLOCK_N + offs_n, k_end, stride_cs)
+        elif SLOTS:
+            row, valid = _slot_rows(slots_row_ptr, it * BLOCK_N + offs_n, k_end, stride_cs)
+        elif PREFETCH:
+            row_next, valid_next = _key_rows(idx_row_ptr, (it + 1) * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr,
+                                             block_size, stride_cb, stride_cs)
+        else:
+            row, valid = _key_rows(idx_row_ptr, it * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr, block_size,
+                                   stride_cb, stride_cs)
         if Q_RELOAD:  # re-read q from L1/L2 each step instead of holding it in registers
             q_lat = tl.load(q_row + offs_lat[None, :], mask=h_mask[:, None], other=0.0)
             q_pe = tl.load(q_row + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0)
@@ -110,7 +148,8 @@ def _sparse_mla_kernel(
             v = tl.load(cache_ptr + row[:, None] + offs_dv[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, BLOCK_DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-        row, valid = row_next, valid_next
+        if PREFETCH:
+            row, valid = row_next, valid_next
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -234,6 +273,10 @@ def sparse_mla_paged(
     else:
         o_arg, o_s0, o_s1, l_arg, l_s0 = out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0)
         grid = (T, head_blocks, d_lat // block_dv)
+    # SLOTS resolves the top-k to flat cache rows (block * BS + offset) in a workspace: needs the cache's
+    # blocks laid out back to back, as a contiguous [NB, BS, D] tensor has them.
+    use_slots = cfg.get("SLOTS", False) and latent_cache.stride(0) == latent_cache.shape[1] * latent_cache.stride(1)
+    slots = torch.empty(T, K, dtype=torch.int32, device=q.device) if use_slots else topk_indices
     _sparse_mla_kernel[grid](
         q, q.stride(0), q.stride(1),
         latent_cache, latent_cache.stride(0), latent_cache.stride(1),
@@ -241,10 +284,12 @@ def sparse_mla_paged(
         topk_indices, topk_indices.stride(0),
         o_arg, o_s0, o_s1,
         l_arg, l_s0,
+        slots,
         sm_scale * math.log2(math.e), H, K, latent_cache.shape[1],
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q_RELOAD=cfg["Q_RELOAD"],
         WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"], NUM_SPLITS=splits, VALID_FIRST=valid_first,
+        SLOTS=use_slots, PREFETCH=cfg.get("PREFETCH", True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
