@@ -188,6 +188,31 @@ def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, addressing, 
     assert (out[1] == 0).all()
 
 
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+def test_sparse_mla_unpacked_cache_matches_packed(device, dtype, tol, seed):
+    """SLOTS flattens (block, offset) to one row index, which needs the cache's blocks back to back. A view
+    whose blocks are not (every other block of a larger pool) falls back to addresses resolved in the loop:
+    same output, bit for bit, as the packed copy of the same cache."""
+    z = _sizes(device)
+    meta, nb = _meta(device, *_shape_for(device, ([9, 4], [2, 3]), ([3000, 500], [5, 64])), z["block"])
+    T, f = meta.num_tokens, dict(device=device, dtype=dtype)
+    q = torch.randn(T, z["H"], z["d_lat"] + z["rope"], **f)
+    pool = torch.randn(nb, 2, z["block"], z["d_lat"] + z["rope"], **f)
+    unpacked = pool[:, 0]  # [NB, BS, D] with stride(0) = 2 * BS * D
+    topk = torch.stack([torch.randint(0, int(p) + 1, (z["k"],), device=device) for p in meta.positions]).int()
+    outs = []
+    for cache in (unpacked, unpacked.contiguous()):
+        out = torch.full((T, z["H"], z["d_lat"]), float("nan"), **f)
+        sparse_mla_paged(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    for b in range(meta.num_reqs):
+        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        kv = gather_tokens(unpacked.contiguous(), meta.block_table[b], meta.seq_lens_cpu[b])
+        ref, _ = sparse_mla(q[t0:t1].double(), kv.double(), topk[t0:t1], 0.1, z["d_lat"])
+        assert rel_err(outs[0][t0:t1], ref) <= tol
+
+
 @CPU
 def test_launchers_reject_bad_inputs():
     q, cache = torch.zeros(2, 4, 40), torch.zeros(3, 4, 40)

@@ -10,8 +10,14 @@ Work per query token (DeepSeek-V3.2: H = 128, k = 2048, D_LAT = 512, D_ROPE = 64
     FLOPs  = 2 H k (D_LAT + D_ROPE) [QK] + 2 H k D_LAT [PV]          = 570 MFLOP
     bytes >= k (D_LAT + D_ROPE) * 2 [gathered rows, bf16] + H (D_LAT + D_ROPE + D_LAT) * 2 [q, out]
            = 2.36 MB + 0.28 MB
-so about 216 FLOP/byte at H = 128: past the H200's ridge (~185 FLOP/B measured): compute-bound. At GLM-5.2's
-H = 64, half the FLOPs over the same rows: memory-bound.
+so about 216 FLOP/byte at H = 128: past the H200's ridge (160-185 FLOP/B measured): compute-bound. At GLM-5.2's
+H = 64, half the FLOPs over the same rows: memory-bound if every gathered row comes from HBM (decode batches);
+in a long prefill the rows are shared by many tokens and sit in L2, and the compute bound applies.
+
+Addresses. A key's row is block_table[top-k index / BS] * BS + index % BS: two dependent loads. Resolved
+inside the loop, each thread chains ~16 of them per step and the compiler serialises them under register
+pressure; that, not bandwidth, was the kernel's limit (notebook 02). By default (SLOTS) a prologue resolves
+the program's slice of the top-k into an int32 workspace once, and the loop reads it back.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ def _sparse_mla_kernel(
     H, K, block_size,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr, SLOTS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -98,9 +104,9 @@ def _sparse_mla_kernel(
     idx_row_ptr = idx_ptr + t * stride_it
     bt_row_ptr = block_table_ptr + req * stride_bt
     if SLOTS:
-        # The address of a key takes two dependent loads (top-k index, then block id). Resolve this
-        # program's whole slice of the top-k to cache rows once, before the loop: the loop's gather then
-        # waits on one contiguous load, which the compiler's pipeliner issues stages ahead.
+        # A key's address takes two dependent loads (top-k index, then block id). Resolve this program's
+        # slice of the top-k to flat cache rows once, before the loop, into the workspace: each step then
+        # needs one independent, contiguous load before its gather, instead of a chain of two per key.
         slots_row_ptr = slots_ptr + t * K
         k_stop = tl.minimum(it1 * BLOCK_N, k_end)
         for k0 in tl.range(it0 * BLOCK_N, k_stop, SLOT_CHUNK):
@@ -115,10 +121,11 @@ def _sparse_mla_kernel(
             row, valid = _slot_rows(slots_row_ptr, it0 * BLOCK_N + offs_n, k_end, stride_cs)
     else:
         slots_row_ptr = slots_ptr
-        # Without the workspace, the two dependent loads are issued one iteration ahead instead.
-        row, valid = _key_rows(idx_row_ptr, it0 * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr, block_size,
-                               stride_cb, stride_cs)
-    for it in tl.range(it0, it1, warp_specialize=WARP_SPECIALIZE):
+        if PREFETCH:
+            row, valid = _key_rows(idx_row_ptr, it0 * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr, block_size,
+                                   stride_cb, stride_cs)
+    for it in tl.range(it0, it1):
+        # Rows of this step's keys; with PREFETCH they were resolved last step, and the next step's are now.
         if SLOTS and PREFETCH:
             row_next, valid_next = _slot_rows(slots_row_ptr, (it + 1) * BLOCK_N + offs_n, k_end, stride_cs)
         elif SLOTS:
@@ -194,15 +201,18 @@ def _num_sms(index: int | None) -> int:
     return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
-# Tile configs: BLOCK_H heads x BLOCK_N keys per step, BLOCK_DV output columns per program; Q_RELOAD re-reads
-# the query tile every step (fewer registers, more L1 traffic); WARP_SPECIALIZE splits loads from math.
-# Best of the tile sweep in data/kernels.json (H200, bf16, DeepSeek-V3.2 and GLM-5.2 at 512 query tokens):
-# 64 heads x 64 keys per step, all 512 output columns in one program, warp-specialised loop.
+# Tile configs: BLOCK_H heads x BLOCK_N keys per step, BLOCK_DV output columns per program; num_stages-1 key
+# tiles are in flight (cp.async) while one is used. Q_RELOAD re-reads the query tile every step. SLOTS
+# resolves the top-k to cache rows once per program (a workspace); PREFETCH resolves step i+1's rows during
+# step i. Best of the tile sweep in data/kernels.json (H200, bf16, both models at 512 query tokens):
+# 64 heads x 64 keys per step, all 512 output columns in one program, SLOTS, no prefetch. The sweep
+# (notebook 02) shows why: with addresses resolved in the loop, each thread chains ~16 index -> block-table
+# loads per step, which the compiler serialises under register pressure; the prefetch made that worse.
 DEFAULT_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, BLOCK_DV=512, num_warps=8, num_stages=2, Q_RELOAD=True,
-                                 WARP_SPECIALIZE=True)
+                      SLOTS=True, PREFETCH=False)
 # fp32 tiles take twice the shared memory: smaller key tiles, no multi-stage buffering.
 FP32_CONFIG = dict(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False,
-                              WARP_SPECIALIZE=False)
+                   SLOTS=True, PREFETCH=False)
 
 
 def sparse_mla_paged(
@@ -229,9 +239,10 @@ def sparse_mla_paged(
     D_LAT is taken as out.shape[-1] (kv_lora_rank); both it and D_ROPE must be powers of two.
     valid_first   the valid indices of each row come first (as the indexer writes them): only the first
                   min(K, seq_len) slots are visited. Off by default (FlashMLA accepts any order).
-    When T x head blocks leaves the GPU idle (decode), the top-k is split across NUM_SPLITS programs
-    (config["NUM_SPLITS"], default: enough to fill the GPU twice) and the partial results are merged by
-    a second launch; the split count depends only on shapes, so it is fixed within a captured graph.
+    When T x head blocks leaves SMs idle (decode), the top-k is split across NUM_SPLITS programs
+    (config["NUM_SPLITS"], default: the largest power of two that keeps all programs in one wave) and the
+    partial results are merged by a second launch; the split count depends only on shapes, so it is fixed
+    within a captured graph. With SLOTS (the default) each call also allocates an int32 [T, K] workspace.
     """
     T, H, D = check_tensor("q", q, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32)).shape
     cfg = dict(FP32_CONFIG if q.dtype == torch.float32 else DEFAULT_CONFIG, **(config or {}))
@@ -261,7 +272,10 @@ def sparse_mla_paged(
     splits = cfg.get("NUM_SPLITS")
     if splits is None:
         sms = _num_sms(q.device.index) if q.is_cuda else ASSUMED_SMS
-        splits = triton.next_power_of_2(triton.cdiv(2 * sms, T * head_blocks)) if block_dv == d_lat else 1
+        # Split the top-k only while the programs leave SMs idle: a bf16 program takes most of an SM's shared
+        # memory (one per SM), so splitting a full wave further adds waves and a combine, not parallelism.
+        fill = sms // (T * head_blocks)
+        splits = 1 << (fill.bit_length() - 1) if fill >= 2 and block_dv == d_lat else 1
     splits = max(1, min(int(splits), 16, triton.next_power_of_2(triton.cdiv(K, cfg["BLOCK_N"]))))
     if splits & (splits - 1) or (splits > 1 and block_dv != d_lat):
         raise ValueError(f"sparse_mla_paged: NUM_SPLITS must be a power of two and needs BLOCK_DV == {d_lat}")
@@ -275,7 +289,7 @@ def sparse_mla_paged(
         grid = (T, head_blocks, d_lat // block_dv)
     # SLOTS resolves the top-k to flat cache rows (block * BS + offset) in a workspace: needs the cache's
     # blocks laid out back to back, as a contiguous [NB, BS, D] tensor has them.
-    use_slots = cfg.get("SLOTS", False) and latent_cache.stride(0) == latent_cache.shape[1] * latent_cache.stride(1)
+    use_slots = cfg["SLOTS"] and latent_cache.stride(0) == latent_cache.shape[1] * latent_cache.stride(1)
     slots = torch.empty(T, K, dtype=torch.int32, device=q.device) if use_slots else topk_indices
     _sparse_mla_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -288,8 +302,8 @@ def sparse_mla_paged(
         sm_scale * math.log2(math.e), H, K, latent_cache.shape[1],
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q_RELOAD=cfg["Q_RELOAD"],
-        WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"], NUM_SPLITS=splits, VALID_FIRST=valid_first,
-        SLOTS=use_slots, PREFETCH=cfg.get("PREFETCH", True),
+        NUM_SPLITS=splits, VALID_FIRST=valid_first,
+        SLOTS=use_slots, PREFETCH=cfg["PREFETCH"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
