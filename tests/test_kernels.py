@@ -12,7 +12,8 @@ from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
 from dsv32ref.kernels.fused_q import fused_q
 from dsv32ref.kernels.indexer_topk import indexer_topk_paged, topk_from_scores
 from dsv32ref.kernels.sparse_mla import sparse_mla_paged
-from dsv32ref.reference import apply_rope, indexer_scores, layer_norm, rms_norm, sparse_mla, topk_indices
+from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
+                                sparse_mla, topk_indices)
 from dsv32ref.reference.rope import RotaryEmbedding
 from helpers import rel_err
 
@@ -99,6 +100,41 @@ def test_fused_q(device, dtype, tol, interleaved, seed):
     want_i = torch.cat((apply_rope(q_idx[..., : z["rope"]], c, s, interleaved), q_idx[..., z["rope"]:]), -1)
     assert rel_err(q_mqa, want) <= tol and rel_err(qi_out, want_i) <= tol
     assert rel_err(w_out, w * z["h_i"] ** -0.5) <= 1e-6
+
+
+# On CPU fp32 and fp16: triton 3.6's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even),
+# which moves the bf16 intermediates this test compares exactly.
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, marks=CPU),
+                                          pytest.param("cpu", torch.float16, marks=CPU),
+                                          pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fused_q_fp8_deployed_numerics(device, dtype, interleaved, seed):
+    """fp8 q_idx_out: the kernel's fp8 values and folded scales against the reference numerics
+    fp8_quantize(hadamard_transform(RoPE(q_idx))). The Hadamard sums run in a different order (butterflies vs
+    a matmul), so a value may land one fp8 step away where the reference sits on a rounding boundary."""
+    z = _sizes(device)
+    T, d_i = _shape_for(device, 6, 300), 32 if device == "cpu" else z["d_i"]
+    f = dict(device=device, dtype=dtype)
+    q_lat, q = torch.randn(T, z["H"], z["d_lat"], **f), torch.randn(T, z["H"], z["nope"] + z["rope"], **f)
+    q_idx = torch.randn(T, z["h_i"], d_i, **f) * torch.rand(T, z["h_i"], 1, **f) * 50  # spread of scales
+    q_idx[0, 0] = 0  # amax clamped to 1e-4
+    w = torch.randn(T, z["h_i"], device=device)
+    pos = torch.randint(0, 4000, (T,), device=device)
+    cfg = ModelConfig.preset("deepseek-v3.2").replace(qk_rope_head_dim=z["rope"], index_head_dim=d_i)
+    cos, sin = RotaryEmbedding(cfg).to(device)(torch.arange(4096, device=device))
+    q_mqa = torch.empty(T, z["H"], z["d_lat"] + z["rope"], **f)
+    q8 = torch.full((T, z["h_i"], d_i), float("nan"), device=device).to(torch.float8_e4m3fn)
+    w_out = torch.full_like(w, float("nan"))
+    fused_q(q_lat, q, q_mqa, pos, cos, sin, q_idx, q8, w, w_out, indexer_interleaved=interleaved)
+    roped = torch.cat((apply_rope(q_idx[..., : z["rope"]], cos[pos], sin[pos], interleaved), q_idx[..., z["rope"]:]), -1)
+    want8, want_scale = fp8_quantize(hadamard_transform(roped), block=d_i)  # scale (T, H_I, 1)
+    scale = w_out / (w * z["h_i"] ** -0.5)
+    assert torch.equal(scale, want_scale[..., 0])
+    got, want = q8.float(), want8.float()
+    step = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -6))) - 3)  # one e4m3 step at want
+    assert ((got - want).abs() <= step).all()
+    assert (got == want).float().mean() >= 0.99
+    assert torch.equal(q8[0, 0].float(), torch.zeros(d_i, device=device))
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)

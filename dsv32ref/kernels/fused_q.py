@@ -22,6 +22,60 @@ __all__ = ["fused_q"]
 
 
 @triton.jit
+def _fwht(x, N: tl.constexpr, LOG2_N: tl.constexpr):
+    """Walsh-Hadamard transform (Sylvester order, unnormalised) of a length-N vector: LOG2_N butterflies."""
+    for stage in tl.static_range(LOG2_N):
+        y = tl.permute(tl.reshape(x, (N // (2 << stage), 2, 1 << stage)), (0, 2, 1))  # (N/2h, h, 2): pairs (i, i+h)
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
+    return x
+
+
+@triton.jit
+def _pow2_f32(k):
+    """2^k as fp32 for an integer k in the normal range, exactly (built from its exponent bits)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """Round fp32 v (|v| <= 448) to the nearest fp8 e4m3 value, ties to even, staying in fp32: the cast
+    afterwards is exact (triton 3.6's interpreter rounds the fp32 -> fp8 cast wrongly across binades)."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |v|) for normal v
+    ulp_exp = tl.maximum(e, -6) - 3  # e4m3: 3 mantissa bits; subnormals below 2^-6 share the ulp 2^-9
+    y = v * _pow2_f32(-ulp_exp)
+    y = (y + 12582912.0) - 12582912.0  # round to an integer, ties to even (1.5 * 2^23 trick; |y| < 16)
+    return y * _pow2_f32(ulp_exp)
+
+
+@triton.jit
+def _rope_hadamard_fp8(src, cos, sin, hadamard_scale, ROPE: tl.constexpr, D_I: tl.constexpr, LOG2_D_I: tl.constexpr,
+                       INTERLEAVED: tl.constexpr, DTYPE: tl.constexpr):
+    """Deployed numerics of one indexer query head: RoPE, then the orthonormal Hadamard transform, each
+    rounded to the activation dtype as the unfused path stores them, then fp8 e4m3 with one ue8m0 (power of
+    two) scale for the D_I (<= 128) values. Returns (fp8 values (D_I,), scale)."""
+    oi = tl.arange(0, D_I)
+    if INTERLEAVED:  # pairs (2i, 2i+1) share angle i
+        partner, angle, first = oi ^ 1, oi // 2, (oi % 2) == 0
+    else:  # pairs (i, i + ROPE/2)
+        partner = tl.where(oi < ROPE // 2, oi + ROPE // 2, oi - ROPE // 2)
+        angle, first = oi % (ROPE // 2), oi < ROPE // 2
+    roped = oi < ROPE
+    x = tl.load(src + oi).to(tl.float32)
+    xp = tl.load(src + partner, mask=roped, other=0.0).to(tl.float32)
+    c = tl.load(cos + angle, mask=roped, other=1.0)
+    s = tl.load(sin + angle, mask=roped, other=0.0)
+    x = tl.where(roped, x * c + tl.where(first, -xp, xp) * s, x).to(DTYPE).to(tl.float32)  # a c - b s | b c + a s
+    x = (_fwht(x, D_I, LOG2_D_I) * hadamard_scale).to(DTYPE).to(tl.float32)
+    # ue8m0 scale s = 2^k, the least k with amax <= 448 * 2^k (= ceil(log2(amax / 448)), without a division)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4)
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 448 = 1.75 * 2^8
+    q = tl.minimum(tl.maximum(x * _pow2_f32(-k), -448.0), 448.0)
+    return _round_to_e4m3_grid(q).to(tl.float8e4nv), _pow2_f32(k)
+
+
+@triton.jit
 def _fused_q_kernel(
     q_lat_ptr, stride_lt, stride_lh,  # q~ [T, H, D_LAT] (W_UK BMM output)
     q_ptr, stride_qt, stride_qh,  # q [T, H, NOPE + ROPE] (q_b_proj output); q_pe at offset NOPE
@@ -29,9 +83,9 @@ def _fused_q_kernel(
     qi_ptr, stride_it, stride_ih,  # indexer q [T, H_I, D_I] (wq_b output)
     qi_out_ptr, stride_ot, stride_oh,  # out [T, H_I, D_I]
     w_ptr, stride_wt, w_out_ptr, stride_wo,  # weights_proj output [T, H_I] fp32 -> scaled
-    pos_ptr, cos_ptr, sin_ptr, stride_cs, weight_scale, H, H_I,
+    pos_ptr, cos_ptr, sin_ptr, stride_cs, weight_scale, hadamard_scale, H, H_I,
     NOPE: tl.constexpr, ROPE: tl.constexpr, D_LAT: tl.constexpr, D_I: tl.constexpr,
-    INDEXER_INTERLEAVED: tl.constexpr, HAS_INDEXER: tl.constexpr,
+    INDEXER_INTERLEAVED: tl.constexpr, HAS_INDEXER: tl.constexpr, FP8: tl.constexpr, LOG2_D_I: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -48,11 +102,17 @@ def _fused_q_kernel(
             src = qi_ptr + t * stride_it + h * stride_ih
             out = qi_out_ptr + t * stride_ot + h * stride_oh
             oi = tl.arange(0, D_I)
-            nope = oi >= ROPE
-            tl.store(out + oi, tl.load(src + oi, mask=nope).to(qi_out_ptr.dtype.element_ty), mask=nope)
-            _rope_pairs(src, out, cos, sin, ROPE // 2, INDEXER_INTERLEAVED)
             w = tl.load(w_ptr + t * stride_wt + h)
-            tl.store(w_out_ptr + t * stride_wo + h, w * weight_scale)
+            if FP8:
+                q8, q_scale = _rope_hadamard_fp8(src, cos, sin, hadamard_scale, ROPE, D_I, LOG2_D_I,
+                                                 INDEXER_INTERLEAVED, qi_ptr.dtype.element_ty)
+                tl.store(out + oi, q8)
+                tl.store(w_out_ptr + t * stride_wo + h, w * weight_scale * q_scale)  # ReLU(s q.k) = s ReLU(q.k), s > 0
+            else:
+                nope = oi >= ROPE
+                tl.store(out + oi, tl.load(src + oi, mask=nope).to(qi_out_ptr.dtype.element_ty), mask=nope)
+                _rope_pairs(src, out, cos, sin, ROPE // 2, INDEXER_INTERLEAVED)
+                tl.store(w_out_ptr + t * stride_wo + h, w * weight_scale)
 
 
 def fused_q(
@@ -67,6 +127,9 @@ def fused_q(
 
     q_lat [T, H, D_LAT]; q [T, H, nope + rope]; q_mqa [T, H, D_LAT + rope]; cos/sin fp32 [max_pos, rope/2];
     q_idx / q_idx_out [T, H_I, D_I]; weights / weights_out fp32 [T, H_I].
+    Deployed numerics: a float8_e4m3fn q_idx_out (D_I <= 128) receives fp8(Hadamard(RoPE(q_idx)) / s), with
+    one ue8m0 scale s per head folded into weights_out (weights * index_n_heads^-1/2 * s), as DeepSeek's
+    inference code does. fp8_round_trip(hadamard_transform(.)) in dsv32ref.reference is the same numerics.
     """
     T, H, d_lat = check_tensor("q_lat", q_lat, shape=(None, None, None)).shape
     rope = 2 * check_tensor("cos", cos, shape=(None, None), dtype=torch.float32).shape[1]
@@ -78,7 +141,7 @@ def fused_q(
     h_i, d_i = 1, 16
     if has_indexer:
         _, h_i, d_i = check_tensor("q_idx", q_idx, shape=(T, None, None)).shape
-        check_tensor("q_idx_out", q_idx_out, shape=(T, h_i, d_i))
+        check_tensor("q_idx_out", q_idx_out, shape=(T, h_i, d_i), dtype=(q_idx.dtype, torch.float8_e4m3fn))
         check_tensor("weights", weights, shape=(T, h_i), dtype=torch.float32)
         check_tensor("weights_out", weights_out, shape=(T, h_i), dtype=torch.float32)
     for name, v in (("kv_lora_rank", d_lat), ("qk_rope_head_dim", rope), ("index_head_dim", d_i)):
@@ -87,7 +150,11 @@ def fused_q(
     for name, x in (("q_lat", q_lat), ("q", q), ("q_mqa", q_mqa), ("q_idx", q_idx), ("q_idx_out", q_idx_out)):
         if x is not None and x.stride(-1) != 1:
             raise ValueError(f"fused_q: {name} must have a contiguous last dim, got strides {x.stride()}")
-    check_same_device(q_lat=q_lat, q=q, q_mqa=q_mqa, positions=positions, cos=cos, q_idx=q_idx, weights=weights)
+    fp8 = has_indexer and q_idx_out.dtype == torch.float8_e4m3fn
+    if fp8 and d_i > 128:
+        raise ValueError(f"fused_q: fp8 q_idx_out needs index_head_dim <= 128 (one scale per head), got {d_i}")
+    check_same_device(q_lat=q_lat, q=q, q_mqa=q_mqa, positions=positions, cos=cos, q_idx=q_idx, q_idx_out=q_idx_out,
+                      weights=weights, weights_out=weights_out)
     if T == 0:
         return
     qi, qo, w, wo = (q_idx, q_idx_out, weights, weights_out) if has_indexer else (q, q, cos, cos)
@@ -96,7 +163,7 @@ def fused_q(
         q_mqa, q_mqa.stride(0), q_mqa.stride(1),
         qi, qi.stride(0), qi.stride(1), qo, qo.stride(0), qo.stride(1),
         w, w.stride(0), wo, wo.stride(0),
-        positions, cos, sin, cos.stride(0), h_i ** -0.5, H, h_i,
+        positions, cos, sin, cos.stride(0), h_i ** -0.5, d_i ** -0.5, H, h_i,
         NOPE=nope, ROPE=rope, D_LAT=d_lat, D_I=d_i, INDEXER_INTERLEAVED=indexer_interleaved,
-        HAS_INDEXER=has_indexer, num_warps=4,
+        HAS_INDEXER=has_indexer, FP8=fp8, LOG2_D_I=d_i.bit_length() - 1, num_warps=4,
     )
