@@ -129,12 +129,14 @@ def test_fused_q_fp8_deployed_numerics(device, dtype, interleaved, seed):
     roped = torch.cat((apply_rope(q_idx[..., : z["rope"]], cos[pos], sin[pos], interleaved), q_idx[..., z["rope"]:]), -1)
     want8, want_scale = fp8_quantize(hadamard_transform(roped), block=d_i)  # scale (T, H_I, 1)
     scale = w_out / (w * z["h_i"] ** -0.5)
-    assert torch.equal(scale, want_scale[..., 0])
+    flipped = (scale != want_scale[..., 0]).sum().item()
+    assert flipped == 0, f"{flipped} scales differ, e.g. {scale[scale != want_scale[..., 0]][:4]} vs {want_scale[..., 0][scale != want_scale[..., 0]][:4]}"
     got, want = q8.float(), want8.float()
     step = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -6))) - 3)  # one e4m3 step at want
-    assert ((got - want).abs() <= step).all()
-    assert (got == want).float().mean() >= 0.99
-    assert torch.equal(q8[0, 0].float(), torch.zeros(d_i, device=device))
+    far = (got - want).abs() > step
+    assert not far.any(), f"{far.sum().item()} values beyond one step: {got[far][:4]} vs {want[far][:4]}"
+    assert (got == want).float().mean() >= 0.99, (got == want).float().mean()
+    assert torch.equal(q8[0, 0].float(), torch.zeros(d_i, device=device)), q8[0, 0].float()
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)

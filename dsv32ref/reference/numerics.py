@@ -28,11 +28,15 @@ def _hadamard(n: int) -> torch.Tensor:
     return h * n ** -0.5
 
 
+@functools.lru_cache(maxsize=16)
+def _hadamard_on(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return _hadamard(n).to(device=device, dtype=dtype)  # one copy per device: no host copy per call
+
+
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """x @ H_n (orthonormal Sylvester Hadamard) over the last dim, computed in >= fp32."""
     dt = torch.promote_types(x.dtype, torch.float32)
-    h = _hadamard(x.shape[-1]).to(device=x.device, dtype=dt)
-    return (x.to(dt) @ h).to(x.dtype)
+    return (x.to(dt) @ _hadamard_on(x.shape[-1], x.device, dt)).to(x.dtype)
 
 
 def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:

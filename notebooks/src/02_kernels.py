@@ -8,7 +8,7 @@
 # | kernel | what it fuses | launches per layer | graph-safe |
 # |---|---|---|---|
 # | `fused_norm_rope` | RMSNorm(q_c); RMSNorm(c_kv) + interleaved RoPE(k_pe) + latent-cache write; LayerNorm + RoPE + indexer-cache write | 1 | yes |
-# | `fused_q` | RoPE(q_pe) + MQA query assembly [q̃ ∣ q_pe]; indexer-query RoPE; indexer weights × H_I^-½ | 1 | yes |
+# | `fused_q` | RoPE(q_pe) + MQA query assembly [q̃ ∣ q_pe]; indexer-query RoPE; indexer weights × H_I^-½ (deployed numerics: + Hadamard, fp8 e4m3, scale folded into the weights) | 1 | yes |
 # | `indexer_topk` | scores Σ_h w·ReLU(q·k) over the paged key cache, then a radix-select top-k (2 or 3 launches) | 2–3 | yes |
 # | `sparse_mla` | gather the top-k latent rows, QKᵀ, online softmax, PV, lse (+ a combine launch when split) | 1–2 | yes |
 #
@@ -32,7 +32,8 @@ from dsv32ref import AttentionMetadata, ModelConfig
 from dsv32ref.cache import gather_tokens
 from dsv32ref.checks import rel_err
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_topk_paged, sparse_mla_paged
-from dsv32ref.reference import apply_rope, indexer_scores, layer_norm, rms_norm, sparse_mla, topk_indices
+from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
+                                sparse_mla, topk_indices)
 from dsv32ref.reference.rope import RotaryEmbedding
 
 torch.manual_seed(0)
@@ -88,6 +89,19 @@ want_qi = torch.cat((apply_rope(q_idx_raw[..., :ROPE], c, s, False), q_idx_raw[.
 print("MQA query   :", rel_err(q_mqa, want_q) < 1e-5)
 print("indexer q   :", rel_err(q_idx, want_qi) < 1e-5)
 print("weights     :", rel_err(w_idx, w_raw * H_I ** -0.5) < 1e-6)
+
+# %% [markdown]
+# Under deployed numerics (DeepSeek's inference code) the indexer query is also rotated by a Hadamard
+# transform and stored as fp8 e4m3 with one power-of-two (ue8m0) scale per head; the scale moves into the
+# head's weight, which is exact because ReLU(s q·k) = s ReLU(q·k) for s > 0. The kernel does this when
+# its output tensor is fp8. The reference is `fp8_quantize(hadamard_transform(RoPE(q)))`.
+
+# %%
+q_idx8, w_idx8 = torch.empty(T, H_I, D_I, device=device, dtype=torch.float8_e4m3fn), torch.empty_like(w_raw)
+fused_q(q_lat, q, q_mqa, meta.positions, cos, sin, q_idx_raw, q_idx8, w_raw, w_idx8, indexer_interleaved=False)
+want8, want_scale = fp8_quantize(hadamard_transform(want_qi), block=D_I)
+print("fp8 values equal the reference's :", f"{(q_idx8.float() == want8.float()).float().mean().item():.1%}")
+print("scales folded into the weights   :", torch.equal(w_idx8, w_raw * H_I ** -0.5 * want_scale[..., 0]))
 
 # %% [markdown]
 # ## `indexer_topk`: scores without the [T, H_I, S] intermediate, then a radix select
@@ -156,21 +170,23 @@ print(f"every case matched its reference: {all(r['ok'] for r in data['results'])
 
 # %%
 LABELS = {"ms": "ms", "torch_ms": "torch ms", "ms_topk": "top-k ms", "fraction_of_bound": "of bound",
-          "achieved_TFLOPs": "TFLOP/s", "achieved_GBps": "GB/s", "context": "context", "T": "T", "bound": "bound"}
+          "fraction_of_compute": "of compute", "fraction_of_memory": "of HBM", "achieved_TFLOPs": "TFLOP/s",
+          "achieved_GBps": "GB/s", "context": "context", "T": "T", "bound": "bound", "shape": "shape"}
 
 
 def table(kernel, cols):
     rows = [r for r in data["results"] if r["kernel"] == kernel]
-    print(f"{'model':<15}" + "".join(f"{LABELS[c]:>11}" for c in cols))
+    print(f"{'model':<15}" + "".join(f"{LABELS[c]:>13}" for c in cols))
     for r in rows:
         vals = []
         for c in cols:
             v = r.get(c)
-            vals.append("-" if v is None else f"{v:.1%}" if c == "fraction_of_bound" else f"{v:.4g}" if isinstance(v, float) else str(v))
-        print(f"{r['model']:<15}" + "".join(f"{v:>11}" for v in vals))
+            vals.append("-" if v is None else f"{v:.1%}" if c.startswith("fraction") else f"{v:.4g}" if isinstance(v, float) else str(v))
+        print(f"{r['model']:<15}" + "".join(f"{v:>13}" for v in vals))
 
 
-table("sparse_mla", ["T", "ms", "torch_ms", "bound", "fraction_of_bound", "achieved_TFLOPs"])
+table("sparse_mla", ["shape", "T", "ms", "torch_ms", "bound", "fraction_of_bound", "fraction_of_compute",
+                     "fraction_of_memory", "achieved_TFLOPs"])
 
 # %%
 table("indexer_topk", ["T", "context", "ms", "ms_topk", "torch_ms", "bound", "fraction_of_bound"])
@@ -178,6 +194,7 @@ table("indexer_topk", ["T", "context", "ms", "ms_topk", "torch_ms", "bound", "fr
 # %%
 table("fused_norm_rope", ["T", "ms", "torch_ms", "fraction_of_bound", "achieved_GBps"])
 table("fused_q", ["T", "ms", "torch_ms", "fraction_of_bound", "achieved_GBps"])
+table("fused_q_fp8", ["T", "ms", "torch_ms", "fraction_of_bound", "achieved_GBps"])
 
 # %% [markdown]
 # ## Roofline
@@ -208,17 +225,87 @@ plt.show()
 fig, axes = plt.subplots(1, 2, figsize=(11, 4))
 for ax, model in zip(axes, ("deepseek-v3.2", "glm-5.2")):
     rows = [r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == model]
-    ax.plot([r["T"] for r in rows], [r["ms"] for r in rows], "o-", label="Triton sparse_mla")
+    for shape, style in (("one request", "o-"), ("decode batch", "d-")):
+        sel = [r for r in rows if r["shape"] == shape]
+        ax.plot([r["T"] for r in sel], [r["ms"] for r in sel], style, label=f"Triton sparse_mla ({shape})")
     tr = [r for r in rows if r.get("torch_ms")]
-    ax.plot([r["T"] for r in tr], [r["torch_ms"] for r in tr], "s--", label="PyTorch gather + matmul")
-    ax.plot([r["T"] for r in rows], [r["floor_ms"] for r in rows], ":", color="gray", label="roofline floor")
+    ax.plot([r["T"] for r in tr], [r["torch_ms"] for r in tr], "s--", label="PyTorch gather + matmul (one request)")
+    one = [r for r in rows if r["shape"] == "one request"]
+    ax.plot([r["T"] for r in one], [r["floor_ms"] for r in one], ":", color="gray", label="roofline floor (one request)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("query tokens")
     ax.set_ylabel("ms")
     ax.set_title(f"sparse_mla, {model} (top-k 2048)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
 plt.show()
+
+# %% [markdown]
+# ## Which bound applies to `sparse_mla`
+# FLOPs per query token are 2·H·k·(576 + 512). The bytes are the fewest the kernel must move from HBM:
+# each distinct latent row once, plus q, out and the indices. In one request the query tokens pick from
+# the same cache, so the distinct rows are far fewer than the rows gathered (the gathers move every
+# token's k rows to the SMs, mostly from L2); in a batch of decode requests every row is distinct.
+# Whichever floor is higher is the bound.
+
+# %%
+for r in [r for r in data["results"] if r["kernel"] == "sparse_mla" and r["T"] in (64, 512)]:
+    print(f"{r['model']:<14} {r['shape']:<13} T={r['T']:<4} FLOP per distinct byte {r['flops'] / r['bytes']:6.0f}"
+          f"  per gathered byte {r['flops'] / r['bytes_gathered']:4.0f}  -> {r['bound']}-bound")
+print(f"ridge of the measured ceilings: {ceil['bf16_gemm_TFLOPs'] * 1e3 / ceil['copy_GBps']:.0f} FLOP/byte")
+
+# %% [markdown]
+# ## Why `sparse_mla` was slow, and what fixed it
+# A key's address takes two dependent loads: its top-k index, then the block-table entry of that index.
+# The tile sweep below (512 query tokens, same run) times three ways to get them: resolved inside the loop
+# each step; resolved one step ahead (what this kernel used to do); resolved once per program into an
+# int32 workspace before the loop (`SLOTS`, now the default), so each step needs one independent,
+# contiguous load before its gather.
+
+# %%
+sweep = data["sparse_mla_tile_sweep"]
+
+
+def sweep_ms(model, **want):
+    hits = [r for r in sweep if r["model"] == model and r.get("ok") and all(r["config"][k] == v for k, v in want.items())]
+    return min(r["ms"] for r in hits)
+
+
+base = dict(BLOCK_N=64, num_warps=8, num_stages=2, Q_RELOAD=True)
+for m in ("deepseek-v3.2", "glm-5.2"):
+    t_loop = sweep_ms(m, SLOTS=False, PREFETCH=False, **base)
+    t_ahead = sweep_ms(m, SLOTS=False, PREFETCH=True, **base)
+    t_slots = sweep_ms(m, SLOTS=True, PREFETCH=False, **base)
+    print(f"{m:<14} in the loop {t_loop:.3f} ms | one step ahead {t_ahead:.3f} ms | SLOTS {t_slots:.3f} ms"
+          f"  (speed-up over the old default: {t_ahead / t_slots:.2f}x)")
+top = min((r for r in sweep if r.get("ok")), key=lambda r: r["ms"])
+print("best tile:", top["config"])
+res = [x for x in data["resources"] if x["kernel"] == "_sparse_mla_kernel" and x["n_regs"]]
+print("sparse_mla builds in the sweep: registers/thread", sorted({x["n_regs"] for x in res}),
+      " shared memory KiB", sorted({x["shared_bytes"] // 1024 for x in res}))
+
+# %% [markdown]
+# The compiled code shows why (SASS of the sm_90a build, read with `cuobjdump`): with addresses resolved
+# in the loop, each thread holds ~16 of the tile's 64 rows and issues an index load then a block-table
+# load for each, and at 255 registers the compiler reuses the same registers, so the pairs run one after
+# another: about 30 dependent global loads per step before the gather can be issued. Resolving one step
+# ahead kept the same loads in the loop and added live registers (spills), so it was slower still. With
+# `SLOTS` the step's row numbers are 16 independent loads from a row the program wrote itself, and the
+# kernel has no spills. What is left: the gather of step i+1 is issued after step i's PV and waited for at
+# the top of step i+1 (the pipeliner's placement; a third 72 KiB tile does not fit next to the 72 KiB
+# query tile), and both warpgroups compute the same QKᵀ (Triton gives a chained dot all warps along M, so
+# the 64-row tile is replicated across the two warpgroups): the tensor cores do 1.5x the useful work.
+#
+# A sweep-only run before this change (`data/sparse_mla_sweep.json`, its own provenance) timed the old
+# default with each token's top-k indices sorted, i.e. with far better DRAM locality: no change, as
+# expected when the limit is the dependent-load chain and not the memory system.
+
+# %%
+old = json.load(open("../data/sparse_mla_sweep.json"))["sparse_mla_tile_sweep"]
+for m in ("deepseek-v3.2", "glm-5.2"):
+    probe = next(r for r in old if r["model"] == m and r.get("probe"))
+    same = next(r for r in old if r["model"] == m and not r.get("probe") and r["config"] == probe["config"])
+    print(f"{m:<14} sorted indices / unsorted: {probe['ms'] / same['ms']:.2f}")
 
 # %% [markdown]
 # ## Reading the numbers
@@ -231,36 +318,28 @@ def best(kernel, key, model=None, T=None):
     return max(r[key] for r in rows)
 
 
-for k in ("fused_norm_rope", "fused_q"):
+for k in ("fused_norm_rope", "fused_q", "fused_q_fp8"):
     print(f"{k:<16} best fraction of copy bandwidth at 8192 tokens: {best(k, 'fraction_of_bound', T=8192):.0%}")
 wins = [r for r in data["results"] if r["kernel"] == "indexer_topk" and r["context"] >= 32768 and r.get("torch_ms")]
 print(f"indexer_topk faster than the PyTorch path in {sum(r['ms'] < r['torch_ms'] for r in wins)} of {len(wins)} "
       f"measured cases at >= 32k context")
 for m in ("deepseek-v3.2", "glm-5.2"):
-    r = max((r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == m), key=lambda r: r["T"])
-    print(f"sparse_mla {m:<14} at {r['T']} tokens: {r['fraction_of_bound']:.0%} of the {r['bound']} bound")
-sweep_ok = [r for r in data["sparse_mla_tile_sweep"] if r.get("ok")]
-top = min(sweep_ok, key=lambda r: r["ms"])
-res = [x for x in data["resources"] if x["kernel"] == "_sparse_mla_kernel" and x["n_regs"]]
-print("best tile:", {k: v for k, v in top["config"].items()})
-print("sparse_mla builds in the sweep: registers/thread", sorted({x["n_regs"] for x in res}),
-      " shared memory KiB", sorted({x["shared_bytes"] // 1024 for x in res}))
-# A sweep-only run (data/sparse_mla_sweep.json, its own provenance) also timed the best tile with each
-# token's top-k indices sorted, i.e. with far better DRAM locality, beside the same tile unsorted.
-sweep = json.load(open("../data/sparse_mla_sweep.json"))["sparse_mla_tile_sweep"]
-for m in ("deepseek-v3.2", "glm-5.2"):
-    probe = next(r for r in sweep if r["model"] == m and r.get("probe"))
-    same = next(r for r in sweep if r["model"] == m and not r.get("probe") and r["config"] == probe["config"])
-    print(f"{m:<14} sorted indices / unsorted: {probe['ms'] / same['ms']:.2f}")
+    for shape in ("one request", "decode batch"):
+        rows = [r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == m and r["shape"] == shape
+                and r["T"] >= 64]
+        lo = min(rows, key=lambda r: r["fraction_of_bound"])
+        print(f"sparse_mla {m:<14} {shape:<13} >= 64 tokens: {lo['fraction_of_bound']:.1%} (T={lo['T']}) to "
+              f"{max(r['fraction_of_bound'] for r in rows):.1%} of the {'/'.join(sorted({r['bound'] for r in rows}))} bound")
 
 # %% [markdown]
 # - `fused_norm_rope` and `fused_q` approach the copy bandwidth once there are thousands of tokens; at
-#   decode sizes they take a few microseconds, which under CUDA graphs is what a launch costs.
+#   decode sizes they take a few microseconds, which under CUDA graphs is what a launch costs. The fp8
+#   variant of `fused_q` does the Hadamard butterflies in registers and writes half the bytes for the
+#   indexer query; it runs at a lower fraction of the copy bandwidth (the butterflies' shuffles).
 # - `indexer_topk` beats the PyTorch path (scores materialised per head, then `torch.topk`) because it
 #   never writes the [T, H_I, S] intermediate. Few long rows are cut into chunks selected in parallel,
 #   then merged.
-# - `sparse_mla` is the kernel furthest from its bound. The best tiles use close to the whole register file
-#   and most of the shared memory of an SM (the resource report above), so one program runs per SM and each
-#   step's gather of scattered 1152-byte latent rows is exposed latency rather than bandwidth: sorting each
-#   token's indices for DRAM locality does not change the time (ratio above). FlashMLA reaches far higher
-#   rates with hand-scheduled warpgroups; closing that gap is open work.
+# - `sparse_mla` at 64 query tokens and more runs at about a third of the bf16 tensor-core rate. With
+#   fewer tokens than SMs the top-k is split across programs and merged by a second launch; that merge,
+#   and the fp32 partial results it reads, cost the most at 64 tokens of GLM-5.2 (one head block per token).
+#   Decode with one or eight tokens is latency-bound: a few steps per program, plus the prologue and the merge.
