@@ -95,6 +95,7 @@ def test_graph_replay_matches_eager_for_every_variant_and_mode(preset):
             assert rel_err(o[0], base[0]) < 2e-2 and rel_err(o[1], base[1]) < 2e-2, (boundary, mode)
 
 
+@CPU
 def test_failed_capture_releases_graphs_and_falls_back_to_eager(monkeypatch, seed):
     """A capture that fails (as an out-of-memory would) names phase and size, keeps the engine usable."""
     ref = tiny_model("tiny-glm-5.2", dtype=torch.float32, seed=seed).__class__(
@@ -124,6 +125,7 @@ def test_failed_capture_releases_graphs_and_falls_back_to_eager(monkeypatch, see
     assert how == "NONE" and len(toks) == 1
 
 
+@CPU
 def test_ttft_experiment_control_flow_on_cpu(tmp_path):
     """The TTFT experiment end to end on emulated graphs: every variant captured, interleaved requests,
     ledger per variant, same tokens everywhere. (Timings on a CPU mean nothing; the GPU run records them.)"""
@@ -141,6 +143,7 @@ def test_ttft_experiment_control_flow_on_cpu(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["protocol"]["order"].startswith("interleaved")
 
 
+@CPU
 def test_capture_memory_experiment_control_flow_on_cpu(tmp_path):
     """Issue 5's start-up memory run, on emulated graphs: every variant starts, captures every size
     PIECEWISE largest first then FULL, and leaves a log per capture with its static buffers, which match

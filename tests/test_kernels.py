@@ -110,8 +110,12 @@ def test_fused_q(device, dtype, tol, interleaved, seed):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_fused_q_fp8_deployed_numerics(device, dtype, interleaved, seed):
     """fp8 q_idx_out: the kernel's fp8 values and folded scales against the reference numerics
-    fp8_quantize(hadamard_transform(RoPE(q_idx))). The Hadamard sums run in a different order (butterflies vs
-    a matmul), so a value may land one fp8 step away where the reference sits on a rounding boundary."""
+    fp8_quantize(hadamard_transform(RoPE(q_idx))). Both round RoPE's output to the activation dtype, but
+    the GPU may contract a*c - b*s into an FMA on either side: a roped value can differ by one bf16 ulp
+    (<= 2^-7 |x|). The orthonormal transform spreads each such difference over all outputs (/ sqrt(n)),
+    so a small output, after cancellation, can move by more than one fp8 step. Bound: one step for the
+    quantisation, one for the output's own rounding, plus sum_i 2^-7 |x_i| / sqrt(n) over the roped values
+    (in fp8 units). Almost all values must match exactly."""
     z = _sizes(device)
     T, d_i = _shape_for(device, 6, 300), 32 if device == "cpu" else z["d_i"]
     f = dict(device=device, dtype=dtype)
@@ -133,9 +137,10 @@ def test_fused_q_fp8_deployed_numerics(device, dtype, interleaved, seed):
     assert flipped == 0, f"{flipped} scales differ, e.g. {scale[scale != want_scale[..., 0]][:4]} vs {want_scale[..., 0][scale != want_scale[..., 0]][:4]}"
     got, want = q8.float(), want8.float()
     step = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -6))) - 3)  # one e4m3 step at want
-    far = (got - want).abs() > step
-    assert not far.any(), f"{far.sum().item()} values beyond one step: {got[far][:4]} vs {want[far][:4]}"
-    assert (got == want).float().mean() >= 0.99, (got == want).float().mean()
+    spread = 2.0 ** -7 * roped[..., : z["rope"]].float().abs().sum(-1, keepdim=True) / d_i ** 0.5 / want_scale
+    far = (got - want).abs() > 2 * step + spread
+    assert not far.any(), f"{far.sum().item()} values off: {got[far][:4]} vs {want[far][:4]}"
+    assert (got == want).float().mean() >= 0.999, (got == want).float().mean()
     assert torch.equal(q8[0, 0].float(), torch.zeros(d_i, device=device)), q8[0, 0].float()
 
 
