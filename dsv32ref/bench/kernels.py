@@ -196,6 +196,22 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     return res
 
 
+def bench_combine(z, T, splits):
+    """The split path's second launch alone: merge `splits` fp32 partial outputs per (token, head)."""
+    H, d = z["H"], z["d_lat"]
+    part_o = torch.randn(T, H, splits, d, device=DEV)
+    part_lse = torch.randn(T, H, splits, device=DEV)
+    out = torch.empty(T, H, d, device=DEV, dtype=BF16)
+    lse = torch.empty(T, H, device=DEV)
+    run = lambda: _combine_splits_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), lse, lse.stride(0),
+                                                 H, NUM_SPLITS=splits, D_LAT=d, num_warps=4)
+    res = {"kernel": "sparse_mla_merge", "model": z["name"], "T": T, "splits": splits, "probe": "splits"}
+    res.update(timed(run))
+    nbytes = part_o.numel() * 4 + part_lse.numel() * 4 + out.numel() * 2 + lse.numel() * 4
+    res.update(bytes=nbytes, achieved_GBps=nbytes / res["ms"] / 1e6)
+    return res
+
+
 # ---- indexer top-k ---------------------------------------------------------------------------------
 
 def torch_indexer_topk(q, w, keys, positions, scale, k):
@@ -378,6 +394,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="data/kernels.json")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sparse_mla tile sweep (and a sorted-index probe)")
+    ap.add_argument("--splits-probe", action="store_true",
+                    help="only sparse_mla at 64 tokens with 1, 2, 4, 8 top-k splits, and the merge launch alone")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -397,6 +415,20 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1, default=str)
 
     models = [shapes("deepseek-v3.2"), shapes("glm-5.2")]
+    if args.splits_probe:  # what splitting the top-k costs when the programs would not fill the GPU
+        for z in models:
+            for batch in (False, True):
+                for splits in (1, 2, 4, 8):
+                    r = bench_sparse_mla(z, 64, 32768, ceil, config={"NUM_SPLITS": splits}, torch_path=False, batch=batch)
+                    r["probe"] = "splits"
+                    results.append(r)
+                    print(f"splits {z['name']} {r['shape']} {splits}: {r['ms']:.4f} ms ok={r['ok']}", flush=True)
+                    save()
+            for splits in (2, 4, 8):
+                results.append(bench_combine(z, 64, splits))
+                print(f"merge alone {z['name']} {splits}: {results[-1]['ms']:.4f} ms", flush=True)
+                save()
+        return 0 if all(r.get("ok", True) for r in results) else 1
     for z in models:  # tile sweep for sparse_mla at a prefill-like size, then every size with the best tile
         for cfg in SPARSE_CONFIGS:
             try:
