@@ -287,16 +287,29 @@ print("sparse_mla builds in the sweep: registers/thread", sorted({x["n_regs"] fo
       " shared memory KiB", sorted({x["shared_bytes"] // 1024 for x in res}))
 
 # %% [markdown]
-# The compiled code shows why (SASS of the sm_90a build, read with `cuobjdump`): with addresses resolved
-# in the loop, each thread holds ~16 of the tile's 64 rows and issues an index load then a block-table
-# load for each, and at 255 registers the compiler reuses the same registers, so the pairs run one after
-# another: about 30 dependent global loads per step before the gather can be issued. Resolving one step
-# ahead kept the same loads in the loop and added live registers (spills), so it was slower still. With
-# `SLOTS` the step's row numbers are 16 independent loads from a row the program wrote itself, and the
-# kernel has no spills. What is left: the gather of step i+1 is issued after step i's PV and waited for at
-# the top of step i+1 (the pipeliner's placement; a third 72 KiB tile does not fit next to the 72 KiB
-# query tile), and both warpgroups compute the same QKᵀ (Triton gives a chained dot all warps along M, so
-# the 64-row tile is replicated across the two warpgroups): the tensor cores do 1.5x the useful work.
+# The compiled code shows why. `scripts/sass_sparse_mla.py` builds the kernel for sm_90a without a GPU
+# (triton's own ptxas and cuobjdump) and counts the instructions of one step of the main loop
+# (`data/sparse_mla_sass.json`, with its provenance):
+
+# %%
+sass = json.load(open("../data/sparse_mla_sass.json"))
+print(f"triton {sass['provenance']['triton']}, target {sass['provenance']['target']}")
+for name, v in sass["variants"].items():
+    st = v["per_step"]
+    print(f"{name:<16} registers {v['registers']}, spilled {v['spill_store_bytes']:>2} B | per step: global loads to "
+          f"registers {st['LDG']:>2}, cp.async {st['LDGSTS']}, warpgroup MMAs {st['HGMMA']}, {v['loop_instructions']} instructions")
+
+# %% [markdown]
+# With addresses resolved in the loop, each thread holds 16 of the tile's 64 rows and loads an index and
+# then a block-table entry for each: twice the global loads per step of `SLOTS`, each pair dependent, and
+# at 255 registers the compiler reuses the same registers, so the pairs run one after another. Resolving
+# one step ahead kept those loads in the loop and added live registers (spills): slower still. With
+# `SLOTS` a step's row numbers are 16 independent loads of a row the program wrote itself. What is left:
+# the gather of step i+1 is issued after step i's PV and waited for at the top of step i+1 (the
+# pipeliner's placement; a third 72 KiB key tile does not fit beside the 72 KiB query tile), and both
+# warpgroups run the whole QKᵀ (Triton gives a chained dot all its warps along M, so the 64-row tile is
+# replicated across the two warpgroups: the 76 MMAs per step are 72 for QKᵀ, 4 for PV), so the tensor
+# cores do 1.5x the useful work.
 #
 # A sweep-only run before this change (`data/sparse_mla_sweep.json`, its own provenance) timed the old
 # default with each token's top-k indices sorted, i.e. with far better DRAM locality: no change, as
