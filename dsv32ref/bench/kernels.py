@@ -333,7 +333,7 @@ def bench_fused_q(z, T, ceil, fp8=False):
     run()
     a, b, c = torch_path()
     res = {"kernel": "fused_q_fp8" if fp8 else "fused_q", "model": z["name"], "T": T}
-    if fp8:  # fp8 values: equal to the reference's, but for rare one-step rounding flips (test_kernels.py)
+    if fp8:  # fp8 values: equal to the reference's but for rare rounding flips (bounded in test_kernels.py)
         res["rel_err"] = max(rel_err(q_mqa, a), rel_err(w_out, c))
         res["fp8_equal_fraction"] = (qi_out.float() == b.float()).float().mean().item()
         res["ok"] = res["rel_err"] <= 1e-2 and res["fp8_equal_fraction"] >= 0.99

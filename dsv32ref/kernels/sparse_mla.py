@@ -107,6 +107,8 @@ def _sparse_mla_kernel(
         # A key's address takes two dependent loads (top-k index, then block id). Resolve this program's
         # slice of the top-k to flat cache rows once, before the loop, into the workspace: each step then
         # needs one independent, contiguous load before its gather, instead of a chain of two per key.
+        # (The head blocks of a token each resolve the same slice and write the same values: two dependent
+        # loads per entry once per program, cheaper than coordinating programs.)
         slots_row_ptr = slots_ptr + t * K
         k_stop = tl.minimum(it1 * BLOCK_N, k_end)
         for k0 in tl.range(it0 * BLOCK_N, k_stop, SLOT_CHUNK):
@@ -119,11 +121,9 @@ def _sparse_mla_kernel(
         tl.debug_barrier()  # this program's writes are visible to all its threads
         if PREFETCH:
             row, valid = _slot_rows(slots_row_ptr, it0 * BLOCK_N + offs_n, k_end, stride_cs)
-    else:
-        slots_row_ptr = slots_ptr
-        if PREFETCH:
-            row, valid = _key_rows(idx_row_ptr, it0 * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr, block_size,
-                                   stride_cb, stride_cs)
+    elif PREFETCH:
+        row, valid = _key_rows(idx_row_ptr, it0 * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr, block_size,
+                               stride_cb, stride_cs)
     for it in tl.range(it0, it1):
         # Rows of this step's keys; with PREFETCH they were resolved last step, and the next step's are now.
         if SLOTS and PREFETCH:
