@@ -36,7 +36,7 @@ def compile_sm90(config: dict):
     cfg = dict(DEFAULT_CONFIG, **config)
     const = dict(D_LAT=512, D_ROPE=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=cfg["BLOCK_DV"],
                  PRECISION="tf32", Q_RELOAD=cfg["Q_RELOAD"], NUM_SPLITS=1, VALID_FIRST=False, SLOTS=cfg["SLOTS"],
-                 PREFETCH=cfg["PREFETCH"])
+                 PREFETCH=cfg["PREFETCH"], SPLIT_QK=cfg.get("SPLIT_QK", False))
     params = list(inspect.signature(_sparse_mla_kernel.fn).parameters)
     sig = {p: "constexpr" if p in const else POINTERS.get(p, "fp32" if p == "sm_scale_log2" else "i32") for p in params}
     # As at a launch with 16-byte aligned pointers and strides (what the GPU build specialises on).

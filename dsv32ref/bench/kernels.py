@@ -396,6 +396,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-only", action="store_true", help="only the sparse_mla tile sweep (and a sorted-index probe)")
     ap.add_argument("--splits-probe", action="store_true",
                     help="only sparse_mla at 64 tokens with 1, 2, 4, 8 top-k splits, and the merge launch alone")
+    ap.add_argument("--compare", metavar="JSON",
+                    help="only sparse_mla: each config of this JSON list (over the defaults) at 64, 128 and 512 tokens "
+                         "of one request and a 64-request decode batch, both models")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -416,6 +419,17 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1, default=str)
 
     models = [shapes("deepseek-v3.2"), shapes("glm-5.2")]
+    if args.compare:  # the same shapes under each config: does a kernel change pay everywhere?
+        for z in models:
+            for T, batch in ((64, False), (128, False), (512, False), (64, True)):
+                for cfg in json.loads(args.compare):
+                    r = bench_sparse_mla(z, T, 32768, ceil, config=cfg, torch_path=False, batch=batch)
+                    r["probe"] = "compare"
+                    results.append(r)
+                    print(f"compare {z['name']} {r['shape']} T={T} {cfg}: {r['ms'] * 1e3:.1f} us "
+                          f"({r['fraction_of_compute']:.1%} of compute) ok={r['ok']}", flush=True)
+                    save()
+        return 0 if all(r.get("ok", True) for r in results) else 1
     if args.splits_probe:  # what splitting the top-k costs when the programs would not fill the GPU
         for z in models:
             for batch in (False, True):

@@ -55,6 +55,18 @@ def _slot_rows(slots_row_ptr, offs_n, K, stride_cs):
 
 
 @triton.jit
+def _online_softmax(s, valid, m_i, l_i):
+    """One step of the online softmax on scores s in base 2 -> (p, new running max, rescale of the old terms,
+    new sum)."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no valid key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, m_new, alpha, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, H, D_LAT + D_ROPE]
     cache_ptr, stride_cb, stride_cs,  # latent cache [NB, BS, D_LAT + D_ROPE]
@@ -70,6 +82,7 @@ def _sparse_mla_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr, SLOTS: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT_QK: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -141,14 +154,21 @@ def _sparse_mla_kernel(
             q_pe = tl.load(q_row + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0)
         k_lat = tl.load(cache_ptr + row[:, None] + offs_lat[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT)
         k_pe = tl.load(cache_ptr + row[:, None] + D_LAT + offs_rope[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_ROPE)
-        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
-        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)  # (BLOCK_H, BLOCK_N)
-        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no valid key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if SPLIT_QK:
+            # Two separate dots whose sum feeds the softmax inside a branch that is always taken (H >= 1):
+            # Triton then sees no dot downstream of either QK^T dot and splits the keys of S between the
+            # warpgroups; a chained dot (S -> P -> PV in one dataflow) gets all warps along the heads, and with
+            # 64 heads both warpgroups would compute all of S (twice the tensor and shared-memory work).
+            s_lat = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)  # (BLOCK_H, BLOCK_N)
+            s_pe = tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+            if H > 0:  # scaled before the sum: Triton would fold dot + dot into one chained dot
+                p, m_new, alpha, l_i = _online_softmax(s_lat * sm_scale_log2 + s_pe * sm_scale_log2, valid, m_i, l_i)
+            else:
+                p, m_new, alpha, l_i = _online_softmax(s_lat * sm_scale_log2 + s_pe * sm_scale_log2, valid, m_i, l_i)
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+            s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)  # (BLOCK_H, BLOCK_N)
+            p, m_new, alpha, l_i = _online_softmax(s * sm_scale_log2, valid, m_i, l_i)
         if BLOCK_DV == D_LAT:
             v = k_lat  # V is c_kv: reuse the tile already loaded
         else:
@@ -303,7 +323,7 @@ def sparse_mla_paged(
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q_RELOAD=cfg["Q_RELOAD"],
         NUM_SPLITS=splits, VALID_FIRST=valid_first,
-        SLOTS=use_slots, PREFETCH=cfg["PREFETCH"],
+        SLOTS=use_slots, PREFETCH=cfg["PREFETCH"], SPLIT_QK=cfg.get("SPLIT_QK", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
