@@ -1,7 +1,8 @@
 """Compile sparse_mla for sm_90a without a GPU and count what its main loop issues per step.
 
     python scripts/sass_sparse_mla.py --out data/sparse_mla_sass.json
-        the three ways to resolve key addresses (SLOTS, in the loop, one step ahead), DeepSeek-V3.2 sizes
+        the default build, and with QK^T chained into PV (one dot layout for both warpgroups, the old build)
+        the three ways to resolve key addresses (SLOTS, in the loop, one step ahead); DeepSeek-V3.2 sizes
 
 Uses the ptxas and cuobjdump that ship with triton. The loop is the backward branch whose body holds the
 most HGMMA instructions; the counts are of instructions in that body (one step of the loop):
@@ -36,7 +37,7 @@ def compile_sm90(config: dict):
     cfg = dict(DEFAULT_CONFIG, **config)
     const = dict(D_LAT=512, D_ROPE=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=cfg["BLOCK_DV"],
                  PRECISION="tf32", Q_RELOAD=cfg["Q_RELOAD"], NUM_SPLITS=1, VALID_FIRST=False, SLOTS=cfg["SLOTS"],
-                 PREFETCH=cfg["PREFETCH"], SPLIT_QK=cfg.get("SPLIT_QK", False))
+                 PREFETCH=cfg["PREFETCH"], SPLIT_QK=cfg["SPLIT_QK"])
     params = list(inspect.signature(_sparse_mla_kernel.fn).parameters)
     sig = {p: "constexpr" if p in const else POINTERS.get(p, "fp32" if p == "sm_scale_log2" else "i32") for p in params}
     # As at a launch with 16-byte aligned pointers and strides (what the GPU build specialises on).
@@ -77,8 +78,10 @@ def loop_counts(config: dict) -> dict:
             "per_step": {k: kinds[k] for k in ("LDG", "LDGSTS", "LDS", "STS", "HGMMA", "BAR", "MUFU")}}
 
 
-VARIANTS = {"SLOTS (default)": {}, "in the loop": {"SLOTS": False, "PREFETCH": False},
-            "one step ahead": {"SLOTS": False, "PREFETCH": True}}
+VARIANTS = {"default (SLOTS, rows one step ahead, split QK^T)": {},
+            "SLOTS, chained QK^T": {"PREFETCH": False, "SPLIT_QK": False},
+            "in the loop, chained QK^T": {"SLOTS": False, "PREFETCH": False, "SPLIT_QK": False},
+            "one step ahead, chained QK^T": {"SLOTS": False, "PREFETCH": True, "SPLIT_QK": False}}
 
 
 def main(argv=None) -> int:
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
     rows = {}
     for name, cfg in VARIANTS.items():
         rows[name] = r = loop_counts(cfg)
-        print(f"{name:<16} regs {r['registers']}, spills {r['spill_store_bytes']} B, shared {r['shared_bytes']} B, "
+        print(f"{name:<46} regs {r['registers']}, spills {r['spill_store_bytes']} B, shared {r['shared_bytes']} B, "
               f"{r['loop_instructions']} instructions per step: " + ", ".join(f"{k} {v}" for k, v in r["per_step"].items()))
     if args.out:
         with open(args.out, "w") as f:

@@ -18,6 +18,10 @@ Addresses. A key's row is block_table[top-k index / BS] * BS + index % BS: two d
 inside the loop, each thread chains ~16 of them per step and the compiler serialises them under register
 pressure; that, not bandwidth, was the kernel's limit (notebook 02). By default (SLOTS) a prologue resolves
 the program's slice of the top-k into an int32 workspace once, and the loop reads it back.
+
+Warps. Two warpgroups of 4 warps share a program: each owns 256 of the 512 output columns in PV, and (with
+SPLIT_QK, the default) 32 of the 64 keys of a step in QK^T; how Triton is steered into the second split is
+written at the kernel's QK^T.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def _sparse_mla_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr, SLOTS: tl.constexpr, PREFETCH: tl.constexpr,
-    SPLIT_QK: tl.constexpr = False,
+    SPLIT_QK: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -155,15 +159,19 @@ def _sparse_mla_kernel(
         k_lat = tl.load(cache_ptr + row[:, None] + offs_lat[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT)
         k_pe = tl.load(cache_ptr + row[:, None] + D_LAT + offs_rope[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_ROPE)
         if SPLIT_QK:
-            # Two separate dots whose sum feeds the softmax inside a branch that is always taken (H >= 1):
-            # Triton then sees no dot downstream of either QK^T dot and splits the keys of S between the
-            # warpgroups; a chained dot (S -> P -> PV in one dataflow) gets all warps along the heads, and with
-            # 64 heads both warpgroups would compute all of S (twice the tensor and shared-memory work).
+            # Triton lays out a dot whose result flows into another dot (S -> P -> PV) with every warp along
+            # the rows, so that the softmax reductions stay inside a warp. With 64 heads and two warpgroups of
+            # 64 rows each, both warpgroups would then compute all of S: twice the QK^T MMAs and shared-memory
+            # reads. Here QK^T is two dots that are not summed by an add of dot results (Triton folds that into
+            # one accumulating dot), and the softmax runs inside a branch that is always taken (H >= 1): the
+            # dataflow search stops at the branch's yield, the QK^T dots count as unchained, and the two
+            # warpgroups take 32 keys each. Triton inserts the cross-warpgroup row reductions and passes P to
+            # the PV dot through shared memory.
             s_lat = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)  # (BLOCK_H, BLOCK_N)
             s_pe = tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
-            if H > 0:  # scaled before the sum: Triton would fold dot + dot into one chained dot
+            if H > 0:
                 p, m_new, alpha, l_i = _online_softmax(s_lat * sm_scale_log2 + s_pe * sm_scale_log2, valid, m_i, l_i)
-            else:
+            else:  # never taken; Triton needs both branches to define the results
                 p, m_new, alpha, l_i = _online_softmax(s_lat * sm_scale_log2 + s_pe * sm_scale_log2, valid, m_i, l_i)
         else:
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
@@ -223,16 +231,18 @@ def _num_sms(index: int | None) -> int:
 
 # Tile configs: BLOCK_H heads x BLOCK_N keys per step, BLOCK_DV output columns per program; num_stages-1 key
 # tiles are in flight (cp.async) while one is used. Q_RELOAD re-reads the query tile every step. SLOTS
-# resolves the top-k to cache rows once per program (a workspace); PREFETCH resolves step i+1's rows during
-# step i. Best of the tile sweep in data/kernels.json (H200, bf16, both models at 512 query tokens):
-# 64 heads x 64 keys per step, all 512 output columns in one program, SLOTS, no prefetch. The sweep
-# (notebook 02) shows why: with addresses resolved in the loop, each thread chains ~16 index -> block-table
-# loads per step, which the compiler serialises under register pressure; the prefetch made that worse.
+# resolves the top-k to cache rows once per program (a workspace); PREFETCH loads step i+1's rows during
+# step i. SPLIT_QK has the two warpgroups split S's keys instead of each computing all of S. Best of the
+# tile sweep in data/kernels.json (H200, bf16, both models at 512 query tokens): 64 heads x 64 keys per step,
+# all 512 output columns in one program, SLOTS, PREFETCH, SPLIT_QK. The sweep (notebook 02) shows why: with
+# addresses resolved in the loop, each thread chains ~16 index -> block-table loads per step, which the
+# compiler serialises under register pressure (prefetching those chains made it worse; prefetching the
+# resolved rows, one load each, helps); and without SPLIT_QK half of the QK^T MMAs are repeats.
 DEFAULT_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, BLOCK_DV=512, num_warps=8, num_stages=2, Q_RELOAD=True,
-                      SLOTS=True, PREFETCH=False)
+                      SLOTS=True, PREFETCH=True, SPLIT_QK=True)
 # fp32 tiles take twice the shared memory: smaller key tiles, no multi-stage buffering.
 FP32_CONFIG = dict(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False,
-                   SLOTS=True, PREFETCH=False)
+                   SLOTS=True, PREFETCH=False, SPLIT_QK=False)
 
 
 def sparse_mla_paged(
@@ -323,7 +333,7 @@ def sparse_mla_paged(
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q_RELOAD=cfg["Q_RELOAD"],
         NUM_SPLITS=splits, VALID_FIRST=valid_first,
-        SLOTS=use_slots, PREFETCH=cfg["PREFETCH"], SPLIT_QK=cfg.get("SPLIT_QK", False),
+        SLOTS=use_slots, PREFETCH=cfg["PREFETCH"], SPLIT_QK=cfg["SPLIT_QK"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
