@@ -293,6 +293,10 @@ def sparse_mla_paged(
     for name, t in (("q", q), ("latent_cache", latent_cache), ("out", out), ("topk_indices", topk_indices)):
         if t.stride(-1) != 1:
             raise ValueError(f"sparse_mla_paged: {name} must have a contiguous last dim, got strides {t.stride()}")
+    if cfg["SPLIT_QK"] and not cfg["Q_RELOAD"]:
+        raise ValueError("sparse_mla_paged: SPLIT_QK needs Q_RELOAD=True (triton 3.6's software pipeliner fails "
+                         "on a loop-invariant query tile beside the branch; compile_sm90 in "
+                         "scripts/sass_sparse_mla.py reproduces it)")
     if T == 0:
         return out, lse
     block_dv = min(cfg["BLOCK_DV"], d_lat)

@@ -258,10 +258,12 @@ print(f"ridge of the measured ceilings: {ceil['bf16_gemm_TFLOPs'] * 1e3 / ceil['
 
 # %% [markdown]
 # ## Why `sparse_mla` was slow, and what fixed it
-# A key's address takes two dependent loads: its top-k index, then the block-table entry of that index.
-# The tile sweep below (512 query tokens, same run) times three ways to get them: resolved inside the loop
-# each step; resolved one step ahead (what this kernel used to do); resolved once per program into an
-# int32 workspace before the loop (`SLOTS`, now the default), so each step needs one independent,
+# Two things, found in the compiled code and confirmed by the tile sweep (512 query tokens, same run).
+#
+# **Addresses.** A key's address takes two dependent loads: its top-k index, then the block-table entry
+# of that index. The sweep times three ways to get them (all with the old QKᵀ layout, below): resolved
+# inside the loop each step; resolved one step ahead (what this kernel used to do); resolved once per
+# program into an int32 workspace before the loop (`SLOTS`), so each step needs one independent,
 # contiguous load before its gather.
 
 # %%
@@ -269,17 +271,35 @@ sweep = data["sparse_mla_tile_sweep"]
 
 
 def sweep_ms(model, **want):
-    hits = [r for r in sweep if r["model"] == model and r.get("ok") and all(r["config"][k] == v for k, v in want.items())]
+    hits = [r for r in sweep if r["model"] == model and r.get("ok") and all(r["config"].get(k) == v for k, v in want.items())]
     return min(r["ms"] for r in hits)
 
 
 base = dict(BLOCK_N=64, num_warps=8, num_stages=2, Q_RELOAD=True)
 for m in ("deepseek-v3.2", "glm-5.2"):
-    t_loop = sweep_ms(m, SLOTS=False, PREFETCH=False, **base)
-    t_ahead = sweep_ms(m, SLOTS=False, PREFETCH=True, **base)
-    t_slots = sweep_ms(m, SLOTS=True, PREFETCH=False, **base)
+    t_loop = sweep_ms(m, SLOTS=False, PREFETCH=False, SPLIT_QK=False, **base)
+    t_ahead = sweep_ms(m, SLOTS=False, PREFETCH=True, SPLIT_QK=False, **base)
+    t_slots = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=False, **base)
     print(f"{m:<14} in the loop {t_loop:.3f} ms | one step ahead {t_ahead:.3f} ms | SLOTS {t_slots:.3f} ms"
-          f"  (speed-up over the old default: {t_ahead / t_slots:.2f}x)")
+          f"  (SLOTS over one step ahead: {t_ahead / t_slots:.2f}x)")
+# %% [markdown]
+# **QKᵀ done twice.** A program holds 64 heads and two warpgroups (4 warps each, 64 rows per warpgroup
+# MMA). Triton lays out a dot whose result flows into another dot (S → P → PV) with every warp along the
+# rows, so that the softmax's row reductions stay inside a warp; with 64 rows that means both warpgroups
+# compute all of S. `SPLIT_QK` (now the default) writes QKᵀ as two dots that are not summed by an add of
+# dot results, and runs the softmax inside a branch that is always taken: Triton's search for a chained
+# dot stops at the branch, and the two warpgroups take 32 keys each. Triton then adds the cross-warpgroup
+# row reductions and hands P to PV through shared memory. With `SLOTS`, and the next step's rows loaded
+# one step ahead (one load each now, so the prefetch helps):
+
+# %%
+for m in ("deepseek-v3.2", "glm-5.2"):
+    chained = sweep_ms(m, SLOTS=True, PREFETCH=True, SPLIT_QK=False, **base)
+    split = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=True, **base)
+    split_ahead = sweep_ms(m, SLOTS=True, PREFETCH=True, SPLIT_QK=True, **base)
+    prev = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=False, **base)
+    print(f"{m:<14} chained {chained:.3f} ms | split {split:.3f} ms | split, rows ahead {split_ahead:.3f} ms"
+          f"  (over the previous default, SLOTS chained: {prev / split_ahead:.2f}x)")
 top = min((r for r in sweep if r.get("ok")), key=lambda r: r["ms"])
 print("best tile:", top["config"])
 res = [x for x in data["resources"] if x["kernel"] == "_sparse_mla_kernel" and x["n_regs"]]
@@ -296,22 +316,26 @@ sass = json.load(open("../data/sparse_mla_sass.json"))
 print(f"triton {sass['provenance']['triton']}, target {sass['provenance']['target']}")
 for name, v in sass["variants"].items():
     st = v["per_step"]
-    print(f"{name:<16} registers {v['registers']}, spilled {v['spill_store_bytes']:>2} B | per step: global loads to "
-          f"registers {st['LDG']:>2}, cp.async {st['LDGSTS']}, warpgroup MMAs {st['HGMMA']}, {v['loop_instructions']} instructions")
+    print(f"{name}\n    registers {v['registers']}, spilled {v['spill_store_bytes']:>2} B | per step: global loads to "
+          f"registers {st['LDG']:>2}, cp.async {st['LDGSTS']}, warpgroup MMAs {st['HGMMA']}, barriers {st['BAR']}, "
+          f"{v['loop_instructions']} instructions")
 
 # %% [markdown]
 # With addresses resolved in the loop, each thread holds 16 of the tile's 64 rows and loads an index and
 # then a block-table entry for each: twice the global loads per step of `SLOTS`, each pair dependent, and
 # at 255 registers the compiler reuses the same registers, so the pairs run one after another. Resolving
 # one step ahead kept those loads in the loop and added live registers (spills): slower still. With
-# `SLOTS` a step's row numbers are 16 independent loads of a row the program wrote itself. What is left:
-# the gather of step i+1 is issued after step i's PV and waited for at the top of step i+1 (the
-# pipeliner's placement; a third 72 KiB key tile does not fit beside the 72 KiB query tile), and both
-# warpgroups run the whole QKᵀ (Triton gives a chained dot all its warps along M, so the 64-row tile is
-# replicated across the two warpgroups: the 76 MMAs per step are 72 for QKᵀ, 4 for PV), so the tensor
-# cores do 1.5x the useful work.
+# `SLOTS` a step's row numbers are 16 independent loads of a row the program wrote itself.
 #
-# A sweep-only run before this change (`data/sparse_mla_sweep.json`, its own provenance) timed the old
+# With the chained QKᵀ, 72 of a step's 76 warpgroup MMAs are QKᵀ (64x32x16 tiles, each warpgroup all 64
+# keys); PV is 4 (64x256x16, each warpgroup half the output columns). Split, QKᵀ is 36: the tensor
+# cores and shared memory do about a third less work per step, for more barriers (the cross-warpgroup
+# reductions and P's trip through shared memory). What is left: one program per SM (about 255
+# registers, 224 KiB of shared memory), so nothing hides a step's latencies; and the gather of step i+1
+# is issued after step i's PV and waited for at the top of step i+1 (the pipeliner's placement; a third
+# 72 KiB key tile does not fit beside the 72 KiB query tile).
+#
+# A sweep-only run before `SLOTS` (`data/sparse_mla_sweep.json`, its own provenance) timed the old
 # default with each token's top-k indices sorted, i.e. with far better DRAM locality: no change, as
 # expected when the limit is the dependent-load chain and not the memory system.
 
@@ -344,8 +368,8 @@ print(f"GLM-5.2 one request: 64 tokens in 2 x 16 steps {glm[64]['ms'] * 1e3:.1f}
 
 # %% [markdown]
 # The split path pays for the merge launch, the fp32 partial outputs it writes and reads, and one more
-# program prologue per token. At GLM-5.2's 64 tokens that overhead is what keeps the kernel just under a
-# third of the tensor-core rate.
+# program prologue per token: GLM-5.2 at 64 tokens is the lowest fraction of the one-request cases of 64
+# tokens or more (below). The probe file predates `SPLIT_QK`; the split rule it supported is unchanged.
 #
 # ## Reading the numbers
 # The figures quoted here are computed from the data file, not typed in.
@@ -378,7 +402,7 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 # - `indexer_topk` beats the PyTorch path (scores materialised per head, then `torch.topk`) because it
 #   never writes the [T, H_I, S] intermediate. Few long rows are cut into chunks selected in parallel,
 #   then merged.
-# - `sparse_mla` at 64 query tokens and more runs at about a third of the bf16 tensor-core rate, and a
-#   decode batch of GLM-5.2 (memory-bound: every row a distinct HBM read) at about 40 % of the copy
-#   bandwidth. Decode with one or eight tokens is latency-bound: a few steps per program, plus the
-#   prologue and the merge.
+# - `sparse_mla` at 64 query tokens and more runs at the fractions printed above: of the bf16
+#   tensor-core rate, and for a decode batch of GLM-5.2 (memory-bound: every row a distinct HBM read) of
+#   the copy bandwidth. Decode with one or eight tokens is latency-bound: a few steps per program, plus
+#   the prologue and the merge.
