@@ -274,6 +274,8 @@ def test_launchers_reject_bad_inputs():
         sparse_mla_paged(q, cache.to("meta"), bt, req, sl, topk, 0.1, out)
     with pytest.raises(ValueError, match="contiguous last dim"):
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, torch.zeros(2, 4, 64)[..., ::2])
+    with pytest.raises(ValueError, match="SPLIT_QK with PREFETCH is disabled"):
+        sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out, config=dict(SPLIT_QK=True, PREFETCH=True))
     with pytest.raises(ValueError, match="SPLIT_QK needs Q_RELOAD=True"):
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out, config=dict(SPLIT_QK=True, Q_RELOAD=False))
     with pytest.raises(ValueError, match=r"weights: expected shape \[2, 4\], got \[2, 3\]"):
