@@ -78,8 +78,8 @@ def loop_counts(config: dict) -> dict:
             "per_step": {k: kinds[k] for k in ("LDG", "LDGSTS", "LDS", "STS", "HGMMA", "BAR", "MUFU")}}
 
 
-VARIANTS = {"default (SLOTS, split QK^T)": {},
-            "SLOTS, chained QK^T": {"PREFETCH": False, "SPLIT_QK": False},
+VARIANTS = {"SLOTS, split QK^T (SPLIT_QK)": {"SPLIT_QK": True},
+            "SLOTS, chained QK^T (default)": {},
             "in the loop, chained QK^T": {"SLOTS": False, "PREFETCH": False, "SPLIT_QK": False},
             "one step ahead, chained QK^T": {"SLOTS": False, "PREFETCH": True, "SPLIT_QK": False}}
 

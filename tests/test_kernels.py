@@ -140,7 +140,8 @@ def test_fused_q_fp8_deployed_numerics(device, dtype, interleaved, seed):
     spread = 2.0 ** -7 * roped[..., : z["rope"]].float().abs().sum(-1, keepdim=True) / d_i ** 0.5 / want_scale
     far = (got - want).abs() > 2 * step + spread
     assert not far.any(), f"{far.sum().item()} values off: {got[far][:4]} vs {want[far][:4]}"
-    assert (got == want).float().mean() >= 0.999, (got == want).float().mean()
+    # "almost all": at most 0.1 %, and at least two values of the few hundred of a CPU run
+    assert (got != want).sum() <= max(2, got.numel() // 1000), (got == want).float().mean()
     assert torch.equal(q8[0, 0].float(), torch.zeros(d_i, device=device)), q8[0, 0].float()
 
 
@@ -197,9 +198,9 @@ def test_topk_ties_negative_zero_and_small_rows(device):
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 @pytest.mark.parametrize("heads", ["deepseek", "glm"])
 @pytest.mark.parametrize("splits,valid_first", [(None, False), (1, True), (4, True)])
-@pytest.mark.parametrize("addressing", [dict(SLOTS=True), dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False),
+@pytest.mark.parametrize("addressing", [dict(SLOTS=True), dict(SLOTS=True, SPLIT_QK=True, Q_RELOAD=True),
                                         dict(SLOTS=False, PREFETCH=True), dict(SLOTS=False, PREFETCH=False)],
-                         ids=["default", "slots-chained-qk", "prefetch", "inline"])
+                         ids=["default", "split-qk", "prefetch", "inline"])
 def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, addressing, seed):
     z = _sizes(device)
     H = z["H"] if heads == "deepseek" else max(z["H"] // 2, 2)
