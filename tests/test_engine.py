@@ -62,8 +62,30 @@ def test_engine_matches_reference_and_boundaries_agree(preset, seed):
 def test_engine_config_validation():
     with pytest.raises(ValueError, match="gpu_memory_utilization: expected \\(0, 1\\], got 1.5"):
         EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="at most max_num_seqs x max_model_len = 128 tokens fit in one step, got 256"):
+        EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=256)
     with pytest.raises(ValueError, match="boundary: expected one of"):
         EngineModel(tiny_model("tiny-glm-5.2").config).set_boundary("medium")
+
+
+def test_dummy_prefill_context_stays_within_max_model_len():
+    """Capture sizes beyond max_model_len (512 tokens, 64 per request) are spread over requests: every
+    position has a cos/sin row and every key a block-table entry of its own request. (One 512-token request
+    made the kernels read past both, an illegal memory access on the GPU when that memory was unmapped.)"""
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=64, max_num_seqs=8,
+                      max_num_batched_tokens=512, block_size=16, num_blocks=16)
+    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=EngineModel.from_reference(ref, "narrow"))
+    for size in (1, 64, 72, 512):
+        ctx = eng._dummy_context(size, uniform=False)
+        lens = ctx.seq_lens_cpu
+        assert sum(lens) == size and max(lens) <= 64 and len(lens) == -(-size // 64)
+        assert ctx.query_start_loc_cpu == [sum(lens[:i]) for i in range(len(lens) + 1)]
+        req = ctx.req_indices.long()
+        assert int(ctx.positions.max()) < 64 and (ctx.positions < ctx.seq_lens[req]).all()
+        assert ctx.seq_lens[: len(lens)].tolist() == lens and int(ctx.seq_lens[len(lens):].abs().sum()) == 0
+        starts = torch.tensor(ctx.query_start_loc_cpu[:-1])
+        assert torch.equal(ctx.positions, torch.arange(size) - starts[req])
 
 
 @pytest.mark.gpu

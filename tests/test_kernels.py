@@ -199,8 +199,9 @@ def test_topk_ties_negative_zero_and_small_rows(device):
 @pytest.mark.parametrize("heads", ["deepseek", "glm"])
 @pytest.mark.parametrize("splits,valid_first", [(None, False), (1, True), (4, True)])
 @pytest.mark.parametrize("addressing", [dict(SLOTS=True), dict(SLOTS=True, SPLIT_QK=True, Q_RELOAD=True),
+                                        dict(SLOTS=True, SPLIT_QK=True, Q_RELOAD=True, PREFETCH=True),
                                         dict(SLOTS=False, PREFETCH=True), dict(SLOTS=False, PREFETCH=False)],
-                         ids=["default", "split-qk", "prefetch", "inline"])
+                         ids=["default", "split-qk", "split-qk-prefetch", "prefetch", "inline"])
 def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, addressing, seed):
     z = _sizes(device)
     H = z["H"] if heads == "deepseek" else max(z["H"] // 2, 2)
@@ -275,8 +276,6 @@ def test_launchers_reject_bad_inputs():
         sparse_mla_paged(q, cache.to("meta"), bt, req, sl, topk, 0.1, out)
     with pytest.raises(ValueError, match="contiguous last dim"):
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, torch.zeros(2, 4, 64)[..., ::2])
-    with pytest.raises(ValueError, match="SPLIT_QK with PREFETCH is disabled"):
-        sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out, config=dict(SPLIT_QK=True, PREFETCH=True))
     with pytest.raises(ValueError, match="SPLIT_QK needs Q_RELOAD=True"):
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out, config=dict(SPLIT_QK=True, Q_RELOAD=False))
     with pytest.raises(ValueError, match=r"weights: expected shape \[2, 4\], got \[2, 3\]"):

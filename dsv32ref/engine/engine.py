@@ -42,6 +42,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {self.gpu_memory_utilization}")
         if self.capture_sizes is None:
             self.capture_sizes = default_capture_sizes(self.max_num_batched_tokens)
+        if max(self.capture_sizes + [self.max_num_batched_tokens]) > self.max_num_seqs * self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens / capture sizes: at most max_num_seqs x max_model_len = "
+                             f"{self.max_num_seqs * self.max_model_len} tokens fit in one step, got "
+                             f"{max(self.capture_sizes + [self.max_num_batched_tokens])}")
 
 
 def build_model(config: ModelConfig, boundary: str, device, dtype, seed: int) -> EngineModel:
@@ -193,8 +197,11 @@ class LLMEngine:
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, uniform_decode=uniform)
 
     def _dummy_context(self, size: int, uniform: bool) -> ForwardContext:
-        """Capture-time metadata: padding everywhere (no cache writes), one request of `size` tokens for
-        prefill, or `size` one-token requests for uniform decode. Graph code never branches on it."""
+        """Capture-time metadata: padding everywhere (no cache writes); for prefill, `size` tokens in requests
+        of at most max_model_len tokens (one request when size <= max_model_len), for uniform decode `size`
+        one-token requests. Graph code never branches on it. No request may be longer than max_model_len:
+        the kernels read cos/sin at each position and the block table at position // block_size, both sized
+        for max_model_len, without bounds checks."""
         self.input_ids[:size].zero_()
         self.slot_mapping[:size].fill_(-1)
         self.block_table.zero_()
@@ -203,10 +210,15 @@ class LLMEngine:
             self.req_indices[:size] = torch.arange(size, dtype=torch.int32, device=self.device)
             self.seq_lens[:size].fill_(1)
             return self._context(size, list(range(size + 1)), [1] * size, True)
-        self.positions[:size] = torch.arange(size, device=self.device)
-        self.req_indices[:size].zero_()
-        self.seq_lens[0] = size
-        return self._context(size, [0, size], [size], False)
+        L = self.ec.max_model_len
+        starts = list(range(0, size, L))
+        lens = [min(L, size - s) for s in starts]
+        tok = torch.arange(size, device=self.device)
+        self.positions[:size] = tok % L  # each request starts at a multiple of L
+        self.req_indices[:size] = (tok // L).to(torch.int32)
+        self.seq_lens.zero_()
+        self.seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        return self._context(size, starts + [size], lens, False)
 
     def _prepare_capture(self, size: int, full: bool) -> None:
         self._capture_ctx = self._dummy_context(size, uniform=full)

@@ -304,11 +304,13 @@ print("best tile:", top["config"])
 # %% [markdown]
 # An earlier run (`--compare`, `data/sparse_mla_split_qk.json`, its own provenance) timed the split with
 # and without the next step's rows loaded one step ahead (`PREFETCH`) at more shapes. The pair was the
-# fastest, and it was the default until a full test run on the H200 hit an illegal memory access in the
-# engine's capture test (which passes when run alone). With `PREFETCH` off that suite passed once and
-# failed once, with `SPLIT_QK` off it passed. Until the fault is explained the launcher refuses the pair
-# and `SPLIT_QK` is opt-in: the default is the chained layout. The benchmark above ran `SPLIT_QK` (its
-# results carry the config they ran with).
+# fastest. `SPLIT_QK` is opt-in for now (the default is the chained layout): with it as the default, two
+# of three full test runs on the H200 hit an illegal memory access in the engine's capture test (which
+# passes when run alone). The cause, found afterwards, is the engine's capture-time metadata: a 512-token
+# dummy request with `max_model_len` 64 made the kernels read cos/sin rows and block-table columns past
+# their ends. That is fixed, and at the engine tests' 16 heads the kernel is the same with and without
+# `SPLIT_QK`; a full GPU run has yet to confirm it. The benchmark above ran `SPLIT_QK` (its results carry
+# the config they ran with).
 
 # %%
 cmp_rows = json.load(open("../data/sparse_mla_split_qk.json"))["results"]
