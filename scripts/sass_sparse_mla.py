@@ -1,8 +1,9 @@
 """Compile sparse_mla for sm_90a without a GPU and count what its main loop issues per step.
 
     python scripts/sass_sparse_mla.py --out data/sparse_mla_sass.json
-        the default build, and with QK^T chained into PV (one dot layout for both warpgroups, the old build)
-        the three ways to resolve key addresses (SLOTS, in the loop, one step ahead); DeepSeek-V3.2 sizes
+        SPLIT_QK's build (the warpgroups split QK^T's keys), the default build (QK^T chained into PV: both
+        warpgroups compute all of S), and with the chained QK^T the two other ways to resolve key addresses
+        (in the loop, one step ahead); DeepSeek-V3.2 sizes
 
 Uses the ptxas and cuobjdump that ship with triton. The loop is the backward branch whose body holds the
 most HGMMA instructions; the counts are of instructions in that body (one step of the loop):

@@ -162,17 +162,17 @@ def _sparse_mla_kernel(
             # Triton lays out a dot whose result flows into another dot (S -> P -> PV) with every warp along
             # the rows, so that the softmax reductions stay inside a warp. With 64 heads and two warpgroups of
             # 64 rows each, both warpgroups would then compute all of S: twice the QK^T MMAs and shared-memory
-            # reads. Here QK^T is two dots that are not summed by an add of dot results (Triton folds that into
-            # one accumulating dot), and the softmax runs inside a branch that is always taken (H >= 1): the
-            # dataflow search stops at the branch's yield, the QK^T dots count as unchained, and the two
-            # warpgroups take 32 keys each. Triton inserts the cross-warpgroup row reductions and passes P to
-            # the PV dot through shared memory.
-            s_lat = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)  # (BLOCK_H, BLOCK_N)
-            s_pe = tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+            # reads. Here QK^T is two dots that are scaled before they are summed (Triton folds an add of dot
+            # results into one accumulating dot), and the softmax runs inside a branch that is always taken
+            # (H >= 1): the dataflow search stops at the branch's yield, the QK^T dots count as unchained, and
+            # the two warpgroups take 32 keys each. Triton inserts the cross-warpgroup row reductions and passes
+            # P to the PV dot through shared memory.
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION) * sm_scale_log2 + \
+                tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
             if H > 0:
-                p, m_new, alpha, l_i = _online_softmax(s_lat * sm_scale_log2 + s_pe * sm_scale_log2, valid, m_i, l_i)
+                p, m_new, alpha, l_i = _online_softmax(s, valid, m_i, l_i)
             else:  # never taken; Triton needs both branches to define the results
-                p, m_new, alpha, l_i = _online_softmax(s_lat * sm_scale_log2 + s_pe * sm_scale_log2, valid, m_i, l_i)
+                p, m_new, alpha, l_i = _online_softmax(s, valid, m_i, l_i)
         else:
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)  # (BLOCK_H, BLOCK_N)
