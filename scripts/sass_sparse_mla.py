@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the counts with their provenance as JSON")
     args = ap.parse_args(argv)
+    prov = provenance()  # before --out is opened: rewriting a tracked file would mark the tree dirty
     rows = {}
     for name, cfg in VARIANTS.items():
         rows[name] = r = loop_counts(cfg)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
               f"{r['loop_instructions']} instructions per step: " + ", ".join(f"{k} {v}" for k, v in r["per_step"].items()))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"provenance": dict(provenance(), target="sm_90a (compiled offline, no GPU needed)"),
+            json.dump({"provenance": dict(prov, target="sm_90a (compiled offline, no GPU needed)"),
                        "kernel": "_sparse_mla_kernel", "sizes": "DeepSeek-V3.2 (D_LAT 512, D_ROPE 64)",
                        "variants": rows}, f, indent=1)
     return 0
