@@ -1,9 +1,10 @@
 """Compile sparse_mla for sm_90a without a GPU and count what its main loop issues per step.
 
     python scripts/sass_sparse_mla.py --out data/sparse_mla_sass.json
-        SPLIT_QK's build (the warpgroups split QK^T's keys), the default build (QK^T chained into PV: both
-        warpgroups compute all of S), and with the chained QK^T the two other ways to resolve key addresses
-        (in the loop, one step ahead); DeepSeek-V3.2 sizes
+        the default build (SLOTS, SPLIT_QK: the warpgroups split QK^T's keys, PREFETCH: rows one step ahead),
+        the same without PREFETCH, the chained build (QK^T chained into PV: both warpgroups compute all of
+        S), and with the chained QK^T the two other ways to resolve key addresses (in the loop, one step
+        ahead); DeepSeek-V3.2 sizes
 
 Uses the ptxas and cuobjdump that ship with triton. The loop is the backward branch whose body holds the
 most HGMMA instructions; the counts are of instructions in that body (one step of the loop):
@@ -79,8 +80,9 @@ def loop_counts(config: dict) -> dict:
             "per_step": {k: kinds[k] for k in ("LDG", "LDGSTS", "LDS", "STS", "HGMMA", "BAR", "MUFU")}}
 
 
-VARIANTS = {"SLOTS, split QK^T (SPLIT_QK)": {"SPLIT_QK": True},
-            "SLOTS, chained QK^T (default)": {},
+VARIANTS = {"SLOTS, split QK^T, rows one step ahead (default)": {},
+            "SLOTS, split QK^T (SPLIT_QK)": {"PREFETCH": False},
+            "SLOTS, chained QK^T": {"SPLIT_QK": False, "PREFETCH": False},
             "in the loop, chained QK^T": {"SLOTS": False, "PREFETCH": False, "SPLIT_QK": False},
             "one step ahead, chained QK^T": {"SLOTS": False, "PREFETCH": True, "SPLIT_QK": False}}
 

@@ -198,10 +198,14 @@ def test_topk_ties_negative_zero_and_small_rows(device):
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 @pytest.mark.parametrize("heads", ["deepseek", "glm"])
 @pytest.mark.parametrize("splits,valid_first", [(None, False), (1, True), (4, True)])
-@pytest.mark.parametrize("addressing", [dict(SLOTS=True), dict(SLOTS=True, SPLIT_QK=True, Q_RELOAD=True),
-                                        dict(SLOTS=True, SPLIT_QK=True, Q_RELOAD=True, PREFETCH=True),
-                                        dict(SLOTS=False, PREFETCH=True), dict(SLOTS=False, PREFETCH=False)],
-                         ids=["default", "split-qk", "split-qk-prefetch", "prefetch", "inline"])
+@pytest.mark.parametrize("addressing", [
+    {},  # bf16: SLOTS, SPLIT_QK, PREFETCH; fp32: FP32_CONFIG
+    dict(SLOTS=True, SPLIT_QK=True, Q_RELOAD=True, PREFETCH=False),
+    dict(SLOTS=True, SPLIT_QK=True, Q_RELOAD=True, PREFETCH=True),
+    dict(SLOTS=True, SPLIT_QK=False, PREFETCH=False),
+    dict(SLOTS=False, SPLIT_QK=False, PREFETCH=True),
+    dict(SLOTS=False, SPLIT_QK=False, PREFETCH=False),
+], ids=["default", "split-qk", "split-qk-prefetch", "chained", "prefetch", "inline"])
 def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, addressing, seed):
     z = _sizes(device)
     H = z["H"] if heads == "deepseek" else max(z["H"] // 2, 2)

@@ -380,7 +380,7 @@ def resource_report() -> list[dict]:
 SPARSE_CONFIGS = [  # (BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages, Q_RELOAD, SLOTS, PREFETCH, SPLIT_QK)
     dict(BLOCK_H=h, BLOCK_N=n, BLOCK_DV=dv, num_warps=w, num_stages=st, Q_RELOAD=qr, SLOTS=sl, PREFETCH=pf, SPLIT_QK=sq)
     for h, n, dv, w, st, qr, sl, pf, sq in [
-        (64, 64, 512, 8, 2, True, True, False, True),
+        (64, 64, 512, 8, 2, True, True, True, True), (64, 64, 512, 8, 2, True, True, False, True),  # split QK^T
         (64, 64, 512, 8, 2, True, True, False, False), (64, 64, 512, 8, 2, True, True, True, False),  # chained QK^T
         (64, 64, 512, 8, 2, False, True, False, False),
         (64, 32, 512, 8, 3, True, True, False, True), (64, 32, 512, 8, 4, True, True, False, True),

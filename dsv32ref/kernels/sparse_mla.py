@@ -20,7 +20,7 @@ pressure; that, not bandwidth, was the kernel's limit (notebook 02). By default 
 the program's slice of the top-k into an int32 workspace once, and the loop reads it back.
 
 Warps. Two warpgroups of 4 warps share a program: each owns 256 of the 512 output columns in PV, and (with
-SPLIT_QK, opt-in: see DEFAULT_CONFIG) 32 of the 64 keys of a step in QK^T; how Triton is steered into the
+SPLIT_QK, the default: see DEFAULT_CONFIG) 32 of the 64 keys of a step in QK^T; how Triton is steered into the
 second split is written at the kernel's QK^T.
 """
 
@@ -232,19 +232,15 @@ def _num_sms(index: int | None) -> int:
 # Tile configs: BLOCK_H heads x BLOCK_N keys per step, BLOCK_DV output columns per program; num_stages-1 key
 # tiles are in flight (cp.async) while one is used. Q_RELOAD re-reads the query tile every step. SLOTS
 # resolves the top-k to cache rows once per program (a workspace); PREFETCH loads step i+1's rows during
-# step i. SPLIT_QK has the two warpgroups split S's keys instead of each computing all of S. Best of the
-# tile sweep in data/kernels.json (H200, bf16, both models at 512 query tokens): 64 heads x 64 keys per
-# step, all 512 output columns in one program, SLOTS, SPLIT_QK. The sweep (notebook 02) shows why: with
-# addresses resolved in the loop, each thread chains ~16 index -> block-table loads per step, which the
-# compiler serialises under register pressure (prefetching those chains made it worse); and without
-# SPLIT_QK half of the QK^T MMAs are repeats. SPLIT_QK, with PREFETCH faster still
-# (data/sparse_mla_split_qk.json), passes the kernel tests compiled on the H200, but it is opt-in for now:
-# with it as the default, two of three full H200 test runs hit an illegal memory access in the engine's
-# capture test. The cause, found afterwards on the CPU, is the engine's capture-time metadata (positions and
-# block-table columns past max_model_len; fixed in LLMEngine._dummy_context), whose kernels are the same with
-# and without SPLIT_QK at the engine tests' 16 heads; no full GPU run has confirmed the fix yet.
+# step i. SPLIT_QK has the two warpgroups split S's keys instead of each computing all of S. The default
+# is the best of the H200 runs: 64 heads x 64 keys per step, all 512 output columns in one program, SLOTS,
+# SPLIT_QK and PREFETCH (tile sweep in data/kernels.json at 512 query tokens; the A/B at more shapes in
+# data/sparse_mla_split_qk.json). The sweep (notebook 02) shows why: with addresses resolved in the loop,
+# each thread chains ~16 index -> block-table loads per step, which the compiler serialises under register
+# pressure (prefetching those chains made it worse); with SLOTS the loads are independent and loading the
+# next step's rows one step ahead pays; and without SPLIT_QK half of the QK^T MMAs are repeats.
 DEFAULT_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, BLOCK_DV=512, num_warps=8, num_stages=2, Q_RELOAD=True,
-                      SLOTS=True, PREFETCH=False, SPLIT_QK=False)
+                      SLOTS=True, PREFETCH=True, SPLIT_QK=True)
 # fp32 tiles take twice the shared memory: smaller key tiles, no multi-stage buffering.
 FP32_CONFIG = dict(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False,
                    SLOTS=True, PREFETCH=False, SPLIT_QK=False)
@@ -329,6 +325,9 @@ def sparse_mla_paged(
     # SLOTS resolves the top-k to flat cache rows (block * BS + offset) in a workspace: needs the cache's
     # blocks laid out back to back, as a contiguous [NB, BS, D] tensor has them.
     use_slots = cfg["SLOTS"] and latent_cache.stride(0) == latent_cache.shape[1] * latent_cache.stride(1)
+    # Without SLOTS, PREFETCH would load the next step's index -> block-table chains, which is slower (the
+    # sweep): a fallback from the default keeps it off unless the caller asked for it.
+    prefetch = cfg["PREFETCH"] and (use_slots or "PREFETCH" in (config or {}))
     slots = torch.empty(T, K, dtype=torch.int32, device=q.device) if use_slots else topk_indices
     _sparse_mla_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -342,7 +341,7 @@ def sparse_mla_paged(
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q_RELOAD=cfg["Q_RELOAD"],
         NUM_SPLITS=splits, VALID_FIRST=valid_first,
-        SLOTS=use_slots, PREFETCH=cfg["PREFETCH"], SPLIT_QK=cfg["SPLIT_QK"],
+        SLOTS=use_slots, PREFETCH=prefetch, SPLIT_QK=cfg["SPLIT_QK"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

@@ -286,7 +286,7 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 # **QKᵀ done twice.** A program holds 64 heads and two warpgroups (4 warps each, 64 rows per warpgroup
 # MMA). Triton lays out a dot whose result flows into another dot (S → P → PV) with every warp along the
 # rows, so that the softmax's row reductions stay inside a warp; with 64 rows that means both warpgroups
-# compute all of S. `SPLIT_QK` (opt-in; see below) writes QKᵀ as two dots that are not summed by an add of
+# compute all of S. `SPLIT_QK` (the default) writes QKᵀ as two dots that are not summed by an add of
 # dot results, and runs the softmax inside a branch that is always taken: Triton's search for a chained
 # dot stops at the branch, and the two warpgroups take 32 keys each. Triton then adds the cross-warpgroup
 # row reductions and hands P to PV through shared memory. All with `SLOTS`:
@@ -296,21 +296,22 @@ for m in ("deepseek-v3.2", "glm-5.2"):
     chained = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=False, **base)
     chained_ahead = sweep_ms(m, SLOTS=True, PREFETCH=True, SPLIT_QK=False, **base)
     split = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=True, **base)
+    split_ahead = sweep_ms(m, SLOTS=True, PREFETCH=True, SPLIT_QK=True, **base)
     print(f"{m:<14} chained {chained:.3f} ms | chained, rows one step ahead {chained_ahead:.3f} ms | split {split:.3f} ms"
-          f"  (split over the previous default, chained: {chained / split:.2f}x)")
+          f" | split, rows one step ahead {split_ahead:.3f} ms  (the default over chained: {chained / split_ahead:.2f}x)")
 top = min((r for r in sweep if r.get("ok")), key=lambda r: r["ms"])
 print("best tile:", top["config"])
 
 # %% [markdown]
 # An earlier run (`--compare`, `data/sparse_mla_split_qk.json`, its own provenance) timed the split with
-# and without the next step's rows loaded one step ahead (`PREFETCH`) at more shapes. The pair was the
-# fastest. `SPLIT_QK` is opt-in for now (the default is the chained layout): with it as the default, two
-# of three full test runs on the H200 hit an illegal memory access in the engine's capture test (which
-# passes when run alone). The cause, found afterwards, is the engine's capture-time metadata: a 512-token
-# dummy request with `max_model_len` 64 made the kernels read cos/sin rows and block-table columns past
-# their ends. That is fixed, and at the engine tests' 16 heads the kernel is the same with and without
-# `SPLIT_QK`; a full GPU run has yet to confirm it. The benchmark above ran `SPLIT_QK` (its results carry
-# the config they ran with).
+# and without the next step's rows loaded one step ahead (`PREFETCH`) at more shapes; the pair was the
+# fastest everywhere and is the default. With `SLOTS` the loads `PREFETCH` moves a step ahead are
+# independent row numbers, so unlike the chains above they help. (A cache whose blocks are not back to
+# back falls back to addresses in the loop, and then `PREFETCH` stays off unless asked for.) Before it
+# became the default, two of three full test runs on the H200 hit an illegal memory access in the
+# engine's capture test. The cause was the engine's capture-time metadata: a 512-token dummy request with
+# `max_model_len` 64 made the kernels read cos/sin rows and block-table columns past their ends. That is
+# fixed; the benchmark above ran with the default it describes (its results carry the config).
 
 # %%
 cmp_rows = json.load(open("../data/sparse_mla_split_qk.json"))["results"]
