@@ -115,7 +115,10 @@ def test_fused_q_fp8_deployed_numerics(device, dtype, interleaved, seed):
     (<= 2^-7 |x|). The orthonormal transform spreads each such difference over all outputs (/ sqrt(n)),
     so a small output, after cancellation, can move by more than one fp8 step. Bound: one step for the
     quantisation, one for the output's own rounding, plus sum_i 2^-7 |x_i| / sqrt(n) over the roped values
-    (in fp8 units). Almost all values must match exactly."""
+    (in fp8 units). Almost all values must match exactly. The same differences can move a head's amax
+    across a power-of-two boundary 448 * 2^k: its scale may then be one power of two off, only where the
+    reference amax lies within that bound of the boundary, and its values are checked against the
+    reference quantised with the kernel's scale."""
     z = _sizes(device)
     T, d_i = _shape_for(device, 6, 300), 32 if device == "cpu" else z["d_i"]
     f = dict(device=device, dtype=dtype)
@@ -123,6 +126,9 @@ def test_fused_q_fp8_deployed_numerics(device, dtype, interleaved, seed):
     q_idx = torch.randn(T, z["h_i"], d_i, **f) * torch.rand(T, z["h_i"], 1, **f) * 50  # spread of scales
     q_idx[0, 0] = 0  # amax clamped to 1e-4
     w = torch.randn(T, z["h_i"], device=device)
+    # The test reads each head's scale back as w_out / w: an exact zero weight (CUDA's randn draws some)
+    # would make it 0/0.
+    w = torch.where(w == 0, torch.ones_like(w), w)
     pos = torch.randint(0, 4000, (T,), device=device)
     cfg = ModelConfig.preset("deepseek-v3.2").replace(qk_rope_head_dim=z["rope"], index_head_dim=d_i)
     cos, sin = RotaryEmbedding(cfg).to(device)(torch.arange(4096, device=device))
@@ -131,14 +137,21 @@ def test_fused_q_fp8_deployed_numerics(device, dtype, interleaved, seed):
     w_out = torch.full_like(w, float("nan"))
     fused_q(q_lat, q, q_mqa, pos, cos, sin, q_idx, q8, w, w_out, indexer_interleaved=interleaved)
     roped = torch.cat((apply_rope(q_idx[..., : z["rope"]], cos[pos], sin[pos], interleaved), q_idx[..., z["rope"]:]), -1)
-    want8, want_scale = fp8_quantize(hadamard_transform(roped), block=d_i)  # scale (T, H_I, 1)
-    scale = w_out / (w * z["h_i"] ** -0.5)
-    flipped = (scale != want_scale[..., 0]).sum().item()
-    assert flipped == 0, f"{flipped} scales differ, e.g. {scale[scale != want_scale[..., 0]][:4]} vs {want_scale[..., 0][scale != want_scale[..., 0]][:4]}"
-    got, want = q8.float(), want8.float()
+    h = hadamard_transform(roped).float()  # (T, H_I, d_i)
+    _, want_scale = fp8_quantize(h, block=d_i)  # scale (T, H_I, 1)
+    scale = (w_out / (w * z["h_i"] ** -0.5))[..., None]
+    # How far a value of h may be off, in units of h: the spread, plus one bf16 ulp of its own rounding.
+    spread = 2.0 ** -7 * roped[..., : z["rope"]].float().abs().sum(-1, keepdim=True) / d_i ** 0.5
+    amax = h.abs().amax(-1, keepdim=True)
+    slack, edge = spread + 2.0 ** -7 * amax, 448.0 * want_scale
+    near = (amax > edge - slack) | ((amax <= edge / 2 + slack) & (amax > 1e-4))
+    flipped = scale != want_scale
+    assert not (flipped & ~near).any(), f"scales differ away from a boundary: {scale[flipped & ~near][:4]} vs {want_scale[flipped & ~near][:4]}"
+    assert ((scale == 2 * want_scale) | (scale == want_scale / 2))[flipped].all(), "a scale is more than one power of two off"
+    want = (h / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()  # the reference at the kernel's scale
+    got = q8.float()
     step = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -6))) - 3)  # one e4m3 step at want
-    spread = 2.0 ** -7 * roped[..., : z["rope"]].float().abs().sum(-1, keepdim=True) / d_i ** 0.5 / want_scale
-    far = (got - want).abs() > 2 * step + spread
+    far = (got - want).abs() > 2 * step + spread / scale
     assert not far.any(), f"{far.sum().item()} values off: {got[far][:4]} vs {want[far][:4]}"
     # "almost all": at most 0.1 %, and at least two values of the few hundred of a CPU run
     assert (got != want).sum() <= max(2, got.numel() // 1000), (got == want).float().mean()
