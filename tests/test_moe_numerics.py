@@ -84,3 +84,10 @@ def test_fp8_ue8m0_round_trip(seed):
     assert ue8m0_scale(torch.tensor([0.0])).item() == 2.0 ** math.ceil(math.log2(1e-4 / 448))
     with pytest.raises(ValueError, match="not a multiple of the block 128"):
         fp8_quantize(torch.zeros(2, 100))
+    # given scales: its own reproduce it; twice them halve every value (exactly: powers of two, e4m3 normals)
+    assert torch.equal(fp8_quantize(x, scale=s)[0].float(), q.float())
+    y = x * (x.abs() > s.repeat_interleave(128, 1) * 2.0 ** -5)  # no subnormal at the doubled scale
+    qy, sy = fp8_quantize(y)
+    assert torch.equal(fp8_quantize(y, scale=2 * sy)[0].float() * 2, qy.float())
+    with pytest.raises(ValueError, match=r"scale: expected shape \[6, 2\], got \[6, 1\]"):
+        fp8_quantize(x, scale=s[:, :1])

@@ -44,13 +44,18 @@ def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-4) / FP8_E4M3_MAX)))
 
 
-def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., n] -> (fp8 e4m3 values [..., n], fp32 scales [..., n/block]) with ue8m0 scales."""
+def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
+                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> (fp8 e4m3 values [..., n], fp32 scales [..., n/block]) with ue8m0 scales, or with the
+    given scales [..., n/block] (e.g. a kernel's, to compare its values at its own scales)."""
     n = x.shape[-1]
     if n % block:
         raise ValueError(f"fp8_quantize: last dim {n} is not a multiple of the block {block}")
     xb = x.float().reshape(*x.shape[:-1], n // block, block)  # (..., blocks, block)
-    scale = ue8m0_scale(xb.abs().amax(-1))
+    if scale is None:
+        scale = ue8m0_scale(xb.abs().amax(-1))
+    elif scale.shape != xb.shape[:-1]:
+        raise ValueError(f"fp8_quantize: scale: expected shape {list(xb.shape[:-1])}, got {list(scale.shape)}")
     q = (xb / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(x.shape), scale
 
