@@ -74,17 +74,34 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        num_blocks: int | None = None,
     ) -> "AttentionMetadata":
-        """Metadata for B requests, request b adding query_lens[b] tokens after context_lens[b] cached ones."""
+        """Metadata for B requests, request b adding query_lens[b] tokens after context_lens[b] cached ones.
+
+        Block ids are ints in [0, num_blocks) (when num_blocks is given), and no block belongs to two
+        requests of one step (their tokens would overwrite each other)."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"AttentionMetadata.build: block_size must be an int >= 1, got {block_size!r}")
         if not (len(context_lens) == len(query_lens) == len(block_tables)) or not query_lens:
             raise ValueError(
                 f"AttentionMetadata.build: context_lens ({len(context_lens)}), query_lens ({len(query_lens)}) "
                 f"and block_tables ({len(block_tables)}) must have one equal, non-zero length"
             )
         positions, slots, qsl, reqs = [], [], [0], []
+        owner: dict[int, int] = {}
         for b, (ctx, n, blocks) in enumerate(zip(context_lens, query_lens, block_tables)):
+            for name, v in (("context_lens", ctx), ("query_lens", n)):
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ValueError(f"AttentionMetadata.build: {name}[{b}] must be an int, got {type(v).__name__} {v!r}")
             if ctx < 0 or n < 1:
                 raise ValueError(f"request {b}: context_len {ctx} must be >= 0 and query_len {n} >= 1")
+            for blk in blocks:
+                if isinstance(blk, bool) or not isinstance(blk, int) or blk < 0 or (num_blocks is not None
+                                                                                    and blk >= num_blocks):
+                    bound = f"[0, {num_blocks})" if num_blocks is not None else ">= 0"
+                    raise ValueError(f"block_tables[{b}]: block ids must be ints {bound}, got {blk!r}")
+                if owner.setdefault(blk, b) != b:
+                    raise ValueError(f"block_tables[{b}]: block {blk} also belongs to request {owner[blk]} of this step")
             if len(blocks) * block_size < ctx + n:
                 raise ValueError(
                     f"request {b}: block_tables[{b}] has {len(blocks)} blocks of {block_size} for "

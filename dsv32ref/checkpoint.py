@@ -146,17 +146,24 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
 
 def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, fp8: bool = False,
                     max_shard_bytes: int | None = None, config_form: str = "released") -> None:
-    """Write config.json and safetensors (fp8 128x128 blocks if fp8; several shards past max_shard_bytes)."""
+    """Write config.json and safetensors (fp8 128x128 blocks if fp8; several shards past max_shard_bytes).
+
+    Every file is written into a staging folder beside `path` first and moved in only once all are written
+    (shards, then the index, then config.json), so an interrupted save leaves an earlier checkpoint at
+    `path` as it was."""
+    import shutil
+    import tempfile
+
     from safetensors.torch import save_file
 
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
+    if isinstance(max_shard_bytes, bool) or max_shard_bytes is not None and (
+            not isinstance(max_shard_bytes, int) or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")
     config_json = to_hf(model.config, form=config_form)
     if fp8:
         config_json["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
                                               "quant_method": "fp8", "weight_block_size": [128, 128]}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_json, f, indent=2)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         t = t.detach().cpu()
@@ -173,17 +180,33 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
             size = 0
         shards[-1][name] = t
         size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SINGLE_FILE))
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fn))
-        weight_map.update({name: fn for name in shard})
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                   "weight_map": weight_map}, f, indent=2)
+    os.makedirs(path, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".save_pretrained.", dir=path)
+    try:
+        order = []  # file names in the order they are moved into `path`
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(stage, SINGLE_FILE))
+            order.append(SINGLE_FILE)
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(stage, fn))
+                weight_map.update({name: fn for name in shard})
+                order.append(fn)
+            with open(os.path.join(stage, INDEX_FILE), "w") as f:
+                json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                           "weight_map": weight_map}, f, indent=2)
+            order.append(INDEX_FILE)
+        with open(os.path.join(stage, "config.json"), "w") as f:
+            json.dump(config_json, f, indent=2)
+        order.append("config.json")
+        if len(shards) == 1 and os.path.exists(os.path.join(path, INDEX_FILE)):
+            os.unlink(os.path.join(path, INDEX_FILE))  # an earlier sharded save's index would take precedence
+        for fn in order:
+            os.replace(os.path.join(stage, fn), os.path.join(path, fn))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 # ---- dummy weights ---------------------------------------------------------------------------------

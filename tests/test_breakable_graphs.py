@@ -222,7 +222,7 @@ def test_default_capture_sizes():
 
 
 def test_gpu_idle_time_from_kernel_intervals():
-    from dsv32ref.engine.ledger import idle_time_us, span_us
+    from dsv32ref.experiments.ledger import idle_time_us, span_us
 
     iv = [(0, 10), (5, 12), (20, 25), (30, 31), (24, 26)]
     assert span_us(iv) == 31

@@ -170,7 +170,7 @@ def test_capture_memory_experiment_control_flow_on_cpu(tmp_path):
     """Issue 5's start-up memory run, on emulated graphs: every variant starts, captures every size
     PIECEWISE largest first then FULL, and leaves a log per capture with its static buffers, which match
     the memory model."""
-    from dsv32ref.engine.memory_model import predict
+    from dsv32ref.experiments.memory_model import predict
     from dsv32ref.experiments.capture_memory import run
 
     cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
@@ -195,7 +195,7 @@ def test_memory_model_arithmetic():
     sizes up to 512 sum to 1 + 2 + 4 + 8 x (1 + ... + 31) + 17 x (256 + 512) / 2 = 10503 tokens; FULL sizes (up to 256) are a subset; the estimate sees 512, 496, 256
     and 248 before the KV cache is sized (the estimate's captures)."""
     from dsv32ref.config import ModelConfig
-    from dsv32ref.engine.memory_model import predict
+    from dsv32ref.experiments.memory_model import predict
 
     cfg = ModelConfig.preset("glm-5.2").replace(num_attention_heads=16)
     L, kib16 = 78, 16 * 1024
@@ -212,7 +212,7 @@ def test_memory_model_arithmetic():
 def test_capture_outcome_walks_the_capture_order():
     """Two layers, 2 heads x kv_lora 4 x 2 bytes = 16 B per token and layer, so 32 B per new token; sizes
     up to 16 are [1, 2, 4, 8, 16], FULL (max_num_seqs 4) [4, 2, 1]; the profile run made 16 already."""
-    from dsv32ref.engine.memory_model import capture_outcome
+    from dsv32ref.experiments.memory_model import capture_outcome
 
     cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=4,
                                                     indexer_types=("full", "shared"))
@@ -222,7 +222,7 @@ def test_capture_outcome_walks_the_capture_order():
     assert capture_outcome(cfg, need_pw + 49, 100, 50, **kw) == {"fails_at": ("FULL", 4), "short_by": 1}
     assert capture_outcome(cfg, 100 + 32 * 8, 100, 50, **kw)["fails_at"] == ("PIECEWISE", 4)
     assert capture_outcome(cfg, 150, 100, 50, boundary="narrow", **kw) == {"fails_at": None, "left": 0}
-    from dsv32ref.engine.memory_model import threshold
+    from dsv32ref.experiments.memory_model import threshold
 
     t = threshold(cfg, 10**6, 100, 50, total=10**9, util=0.9, max_num_seqs=4)
     assert t["max_tokens_ok"] == 512 and t["fails_at"] is None and t["utilization_at_512"] > 0.9

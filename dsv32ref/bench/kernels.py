@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -27,6 +26,7 @@ from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_chunk_k
                                            indexer_scores_paged, topk_from_scores)
 from dsv32ref.kernels.sparse_mla import _combine_splits_kernel, _sparse_mla_kernel, sparse_mla_paged
 from dsv32ref.provenance import provenance
+from dsv32ref.results import write_partial, write_result
 from dsv32ref.reference import apply_rope, fp8_quantize, hadamard_transform, layer_norm, rms_norm
 from dsv32ref.reference.rope import RotaryEmbedding
 
@@ -412,12 +412,10 @@ def main(argv=None) -> int:
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
     results, sweep = [], []
 
-    def save():  # after every case, so a run cut short still leaves its results
+    def save(complete: bool = False):  # progress after every case (a partial file); the result once complete
         out = {"provenance": prov, "ceilings": ceil, "ceilings_measured": ceil_runs, "sparse_mla_tile_sweep": sweep,
                "results": results, "resources": resource_report(), "wall_s": time.time() - t_start}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+        (write_result if complete else write_partial)(args.out, out)
 
     models = [shapes("deepseek-v3.2"), shapes("glm-5.2")]
     if args.compare:  # the same shapes under each config: does a kernel change pay everywhere?
@@ -430,6 +428,7 @@ def main(argv=None) -> int:
                     print(f"compare {z['name']} {r['shape']} T={T} {cfg}: {r['ms'] * 1e3:.1f} us "
                           f"({r['fraction_of_compute']:.1%} of compute) ok={r['ok']}", flush=True)
                     save()
+        save(complete=True)
         return 0 if all(r.get("ok", True) for r in results) else 1
     if args.splits_probe:  # what splitting the top-k costs when the programs would not fill the GPU
         for z in models:
@@ -444,6 +443,7 @@ def main(argv=None) -> int:
                 results.append(bench_combine(z, 64, splits))
                 print(f"merge alone {z['name']} {splits}: {results[-1]['ms']:.4f} ms", flush=True)
                 save()
+        save(complete=True)
         return 0 if all(r.get("ok", True) for r in results) else 1
     for z in models:  # tile sweep for sparse_mla at a prefill-like size, then every size with the best tile
         for cfg in SPARSE_CONFIGS:
@@ -490,7 +490,7 @@ def main(argv=None) -> int:
     for r in results + sweep:
         if "flops" in r and "ms" in r:
             r.update(roofline(r["flops"], r["bytes"], r["ms"], ceil))
-    save()
+    save(complete=True)
     print(f"ceilings at the end: copy {end['copy_GBps']:.0f} GB/s, bf16 GEMM {end['bf16_gemm_TFLOPs']:.0f} TFLOP/s; "
           f"fractions against the higher", flush=True)
     print(f"\n{'kernel':<16}{'model':<15}{'T':>6}{'ctx':>8}{'ms':>9}{'eager':>9}{'torch':>9}{'bound':>8}{'frac':>7}"

@@ -44,6 +44,7 @@ class ForwardContext:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     uniform_decode: bool
+    num_sms: int | None = None  # SMs the attention's split-K fills (None: the device's)
 
     @property
     def num_tokens(self) -> int:

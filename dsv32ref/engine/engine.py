@@ -8,12 +8,13 @@ eagerly. Sampling is greedy, on each request's last token, after the graph.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from dsv32ref.cache import BlockAllocator, PagedKVCache
+from dsv32ref.cache import AttentionMetadata, BlockAllocator, PagedKVCache
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.context import ForwardContext, set_forward_context
 from dsv32ref.engine.model import EngineModel
@@ -21,6 +22,13 @@ from dsv32ref.graphs.breakable import CaptureError, CudaGraphBackend
 from dsv32ref.graphs.emulated import RecordingBackend
 from dsv32ref.graphs.runner import CUDAGraphMode, GraphRunner, default_capture_sizes
 from dsv32ref.reference.rope import RotaryEmbedding
+
+
+def _int_field(owner: str, name: str, value, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}.{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{owner}.{name}: expected >= {low}, got {value}")
 
 
 @dataclass
@@ -36,16 +44,51 @@ class EngineConfig:
     num_blocks: int | None = None  # None: sized from the memory budget (capped at what max_num_seqs can use)
     estimate_graph_memory: bool = True  # subtract the serving engine's graph-memory estimate from the KV budget
     seed: int = 0
+    num_sms: int | None = None  # SMs sparse_mla's split-K fills (None: the device's; set it to predict a GPU's
+    # launches on a CPU)
 
     def __post_init__(self):
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {self.gpu_memory_utilization}")
+        from dsv32ref.engine.model import BOUNDARIES
+
+        if self.boundary not in BOUNDARIES:
+            raise ValueError(f"EngineConfig.boundary: expected one of {BOUNDARIES}, got {self.boundary!r}")
+        if not isinstance(self.mode, CUDAGraphMode):
+            raise ValueError(f"EngineConfig.mode: expected a CUDAGraphMode (e.g. CUDAGraphMode("
+                             f"'full_and_piecewise')), got {type(self.mode).__name__} {self.mode!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _int_field("EngineConfig", name, getattr(self, name))
+        _int_field("EngineConfig", "seed", self.seed, low=0)
+        for name in ("num_blocks", "num_sms"):
+            if getattr(self, name) is not None:
+                _int_field("EngineConfig", name, getattr(self, name))
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {u!r}")
         if self.capture_sizes is None:
             self.capture_sizes = default_capture_sizes(self.max_num_batched_tokens)
+        if not isinstance(self.capture_sizes, (list, tuple)):
+            raise ValueError(f"EngineConfig.capture_sizes: expected a list of ints, got {self.capture_sizes!r}")
+        for s in self.capture_sizes:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+                raise ValueError(f"EngineConfig.capture_sizes: every size must be an int >= 1, got {s!r} in "
+                                 f"{list(self.capture_sizes)}")
+        self.capture_sizes = sorted(set(self.capture_sizes))
         if max(self.capture_sizes + [self.max_num_batched_tokens]) > self.max_num_seqs * self.max_model_len:
             raise ValueError(f"max_num_batched_tokens / capture sizes: at most max_num_seqs x max_model_len = "
                              f"{self.max_num_seqs * self.max_model_len} tokens fit in one step, got "
                              f"{max(self.capture_sizes + [self.max_num_batched_tokens])}")
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Rows of the static buffers: the largest step, or the largest captured size if that is larger."""
+        return max(self.capture_sizes + [self.max_num_batched_tokens])
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Rows a uniform-decode step can have once padded: max_num_seqs tokens, padded to the next capture
+        size (which may be a PIECEWISE-only size past max_num_seqs)."""
+        i = bisect.bisect_left(self.capture_sizes, self.max_num_seqs)
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else self.max_num_seqs
 
 
 def build_model(config: ModelConfig, boundary: str, device, dtype, seed: int) -> EngineModel:
@@ -68,7 +111,40 @@ class StepInput:
     uniform_decode: bool = field(init=False)
 
     def __post_init__(self):
+        if not isinstance(self.requests, (list, tuple)) or not self.requests:
+            raise ValueError(f"StepInput.requests: expected a non-empty list of (seq_id, token_ids, context_len), "
+                             f"got {self.requests!r}")
+        seen = set()
+        for b, req in enumerate(self.requests):
+            if not isinstance(req, (list, tuple)) or len(req) != 3:
+                raise ValueError(f"StepInput.requests[{b}]: expected (seq_id, token_ids, context_len), got {req!r}")
+            seq_id, toks, ctx_len = req
+            _int_field("StepInput", f"requests[{b}].seq_id", seq_id, low=0)
+            _int_field("StepInput", f"requests[{b}].context_len", ctx_len, low=0)
+            if seq_id in seen:
+                raise ValueError(f"StepInput.requests[{b}].seq_id: sequence {seq_id} appears twice in one step")
+            seen.add(seq_id)
+            if not isinstance(toks, (list, tuple)) or not toks:
+                raise ValueError(f"StepInput.requests[{b}].token_ids: expected a non-empty list of ints, got {toks!r}")
+            for t in toks:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"StepInput.requests[{b}].token_ids: token ids must be ints, got "
+                                     f"{type(t).__name__} {t!r}")
         self.uniform_decode = all(len(toks) == 1 for _, toks, _ in self.requests)
+
+
+@dataclass
+class PreparedStep:
+    """One step's metadata once the engine has placed it: `meta` as AttentionMetadata.build makes it (host
+    tensors), copied into the engine's static buffers; `last` is the row of each request's last token."""
+
+    meta: AttentionMetadata
+    last: list[int]
+    uniform_decode: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.meta.num_tokens
 
 
 class LLMEngine:
@@ -79,7 +155,7 @@ class LLMEngine:
         ec = self.ec
         self.model = model if model is not None else build_model(config, ec.boundary, device, dtype, ec.seed)
         self.model.set_boundary(ec.boundary)
-        n_max = max(ec.capture_sizes + [ec.max_num_batched_tokens])
+        n_max = ec.max_step_tokens
         if ec.boundary == "narrow_copy_shared":  # allocated before memory profiling, so the budget sees it
             self.model.reserve_copy_buffer(n_max)
         cos, sin = RotaryEmbedding(config).to(self.device)(torch.arange(ec.max_model_len, device=self.device))
@@ -94,7 +170,8 @@ class LLMEngine:
         self.seq_lens = torch.zeros(seqs + 1, **i32)
         self.block_table = torch.zeros(seqs + 1, self.max_blocks_per_seq, **i32)
         self.topk = torch.full((n_max, config.index_topk), -1, **i32)
-        self.scores = torch.zeros(min(n_max, seqs), ec.max_model_len, dtype=torch.float32, device=self.device)
+        # the graph-safe indexer's workspace: one row per token of a (padded) uniform-decode step
+        self.scores = torch.zeros(ec.max_decode_rows, ec.max_model_len, dtype=torch.float32, device=self.device)
         self.memory: dict[str, float] = {}
         self._size_kv_cache()
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, ec.block_size)
@@ -170,6 +247,8 @@ class LLMEngine:
         first, per_graph, detail = {}, {}, {}
         try:
             for phase, sizes in runner.phase_sizes():
+                if not sizes:  # e.g. FULL when every capture size exceeds max_num_seqs
+                    continue
                 samples = []
                 for size in sizes[:2]:
                     torch.cuda.synchronize()
@@ -194,7 +273,7 @@ class LLMEngine:
             kv_cache=self.kv_cache, cos=self.cos, sin=self.sin, positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size], req_indices=self.req_indices[:size], seq_lens=self.seq_lens,
             block_table=self.block_table, topk=self.topk[:size], scores=self.scores[: min(size, self.scores.shape[0])],
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, uniform_decode=uniform)
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, uniform_decode=uniform, num_sms=self.ec.num_sms)
 
     def _dummy_context(self, size: int, uniform: bool) -> ForwardContext:
         """Capture-time metadata: padding everywhere (no cache writes); for prefill, `size` tokens in requests
@@ -283,45 +362,56 @@ class LLMEngine:
     def release_graphs(self) -> None:
         self.runner.release()
 
-    def _prepare(self, step: StepInput) -> tuple[int, list[int], list[int], list[int]]:
-        ids, pos, slots, reqs, qsl, lens, last = [], [], [], [], [0], [], []
-        bs = self.ec.block_size
-        for b, (seq_id, toks, ctx_len) in enumerate(step.requests):
-            blocks = self.allocator.ensure(seq_id, ctx_len + len(toks))
-            self.block_table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            for i, tok in enumerate(toks):
-                p = ctx_len + i
-                ids.append(tok)
-                pos.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-                reqs.append(b)
-            qsl.append(qsl[-1] + len(toks))
-            lens.append(ctx_len + len(toks))
-            last.append(qsl[-1] - 1)
-        n = len(ids)
+    def prepare(self, step: StepInput) -> PreparedStep:
+        """Place one step: check it against the engine's limits, grow each sequence's blocks, build its metadata
+        with AttentionMetadata.build and copy it into the static buffers (rows past the step are padding:
+        they write nothing and attend to the empty padding request)."""
+        ec, V = self.ec, self.config.vocab_size
+        if len(step.requests) > ec.max_num_seqs:
+            raise ValueError(f"StepInput.requests: {len(step.requests)} requests in one step, max_num_seqs is "
+                             f"{ec.max_num_seqs}")
+        n = sum(len(toks) for _, toks, _ in step.requests)
         if n > self.input_ids.shape[0]:
             raise ValueError(f"step of {n} tokens exceeds max_num_batched_tokens={self.input_ids.shape[0]}")
-        dev = self.device
-        self.input_ids[:n] = torch.tensor(ids, device=dev)
-        self.positions[:n] = torch.tensor(pos, device=dev)
-        self.slot_mapping[:n] = torch.tensor(slots, device=dev)
-        self.req_indices[:n] = torch.tensor(reqs, dtype=torch.int32, device=dev)
-        self.seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32, device=dev)
-        # padding rows (up to the captured size) write nothing and attend to the empty padding request
+        for b, (seq_id, toks, ctx_len) in enumerate(step.requests):
+            if ctx_len + len(toks) > ec.max_model_len:
+                raise ValueError(f"StepInput.requests[{b}]: sequence {seq_id} would hold {ctx_len + len(toks)} tokens "
+                                 f"(context {ctx_len} + {len(toks)} new), max_model_len is {ec.max_model_len}")
+            bad = [t for t in toks if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"StepInput.requests[{b}].token_ids: ids must lie in [0, {V}) (vocab_size), "
+                                 f"got {bad[:4]}")
+        tables = [self.allocator.ensure(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
+        meta = AttentionMetadata.build([c for _, _, c in step.requests], [len(t) for _, t, _ in step.requests],
+                                       tables, ec.block_size, num_blocks=self.kv_cache.num_blocks)
+        B = meta.num_reqs
+        self.input_ids[:n] = torch.tensor([t for _, toks, _ in step.requests for t in toks])
+        self.positions[:n] = meta.positions
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.req_indices[:n] = meta.req_indices
+        self.seq_lens[:B] = meta.seq_lens
+        self.seq_lens[B:] = 0
+        self.block_table[:B, : meta.block_table.shape[1]] = meta.block_table
         self.input_ids[n:].zero_()
         self.positions[n:].zero_()
         self.slot_mapping[n:].fill_(-1)
-        self.req_indices[n:].fill_(self.ec.max_num_seqs)
-        return n, qsl, lens, last
+        self.req_indices[n:].fill_(ec.max_num_seqs)
+        return PreparedStep(meta, [q - 1 for q in meta.query_start_loc_cpu[1:]], step.uniform_decode)
+
+    def forward_context(self, prep: PreparedStep, size: int | None = None) -> ForwardContext:
+        """The forward context of a prepared step, padded to `size` rows (default: the step's own)."""
+        return self._context(size or prep.num_tokens, prep.meta.query_start_loc_cpu, prep.meta.seq_lens_cpu,
+                             prep.uniform_decode)
 
     @torch.no_grad()
     def step(self, step: StepInput) -> tuple[list[int], str]:
         """Run one step; returns (the next token of each request, how it ran: FULL / PIECEWISE / NONE)."""
-        n, qsl, lens, last = self._prepare(step)
+        prep = self.prepare(step)
+        n, last = prep.num_tokens, prep.last
         if self.model.boundary != self.ec.boundary:  # engines may share one model (the TTFT experiment)
             self.model.set_boundary(self.ec.boundary)
         how, size, captured = self.runner.lookup(n, step.uniform_decode)
-        ctx = self._context(size if captured is not None else n, qsl, lens, step.uniform_decode)
+        ctx = self.forward_context(prep, size if captured is not None else n)
         with set_forward_context(ctx):
             if captured is not None:
                 captured.graph.replay()
@@ -334,6 +424,13 @@ class LLMEngine:
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> tuple[list[int], float]:
         """One request alone: prefill, then greedy decode. Returns (new tokens, time to first token in s)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError(f"prompt: expected a non-empty list of token ids, got {prompt!r}")
+        if len(prompt) + max_new_tokens - 1 > self.ec.max_model_len:
+            raise ValueError(f"prompt: {len(prompt)} tokens + {max_new_tokens - 1} decoded ones exceed max_model_len="
+                             f"{self.ec.max_model_len}")
         seq_id, self._next_seq = self._next_seq, self._next_seq + 1
         t0 = time.perf_counter()
         (tok,), _ = self.step(StepInput([(seq_id, list(prompt), 0)]))

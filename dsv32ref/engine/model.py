@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.context import get_forward_context
-from dsv32ref.engine.labels import region
+from dsv32ref.instrument import region
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 
@@ -150,7 +150,7 @@ class EngineDSAAttention(nn.Module):
                     topk_from_scores(ctx.scores, ctx.positions, ctx.topk)
             with region("attention"):
                 sparse_mla_paged(q_mqa, cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices, ctx.seq_lens,
-                                 ctx.topk, scale, o_lat, valid_first=True)
+                                 ctx.topk, scale, o_lat, valid_first=True, num_sms=ctx.num_sms)
             return
         # Prefill / mixed batches: work split per request on the host. These lines are what cannot be
         # captured: the loop bounds and slices come from host metadata, and the score buffer is sized by
@@ -166,7 +166,8 @@ class EngineDSAAttention(nn.Module):
                     topk_from_scores(scores, ctx.positions[t0:t1], ctx.topk[t0:t1])
             with region("attention"):
                 sparse_mla_paged(q_mqa[t0:t1], cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices[t0:t1],
-                                 ctx.seq_lens, ctx.topk[t0:t1], scale, o_lat[t0:t1], valid_first=True)
+                                 ctx.seq_lens, ctx.topk[t0:t1], scale, o_lat[t0:t1], valid_first=True,
+                                 num_sms=ctx.num_sms)
 
     @eager_break(name="fused_attention (wide)")
     def _fused_attention(self, q_c_raw, kv, k_raw, w_raw, out):

@@ -14,15 +14,14 @@ is still allocated after capture grouped by the line that allocated it (from the
 from __future__ import annotations
 
 import gc
-import json
-import os
 import time
 
 import torch
 
-from dsv32ref.engine.memory_model import predict, threshold
+from dsv32ref.experiments.memory_model import predict, threshold
 from dsv32ref.graphs.runner import default_capture_sizes
 from dsv32ref.experiments.ttft import REDUCTION, reduced_config
+from dsv32ref.results import write_partial, write_result
 
 
 def _pools() -> list[dict]:
@@ -63,9 +62,12 @@ def live_by_site(snapshot: dict, top: int = 10) -> list[dict]:
 
 def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank: int | None = None,
         max_num_seqs: int = 256, max_model_len: int = 8192, max_num_batched_tokens: int = 512,
-        device: str = "cuda", config=None, capture_sizes=None, out: str | None = None, history: bool = True) -> dict:
+        device: str = "cuda", config=None, capture_sizes=None, out: str | None = None, history: bool = True,
+        complete: bool = True) -> dict:
     """`runs`: one dict per engine start-up, keys boundary, gpu_memory_utilization, estimate_graph_memory,
-    max_num_batched_tokens, history (record the allocator history for it); defaults fill the rest."""
+    max_num_batched_tokens, history (record the allocator history for it); defaults fill the rest.
+    Progress goes to out's partial file after every start-up; `out` itself is written once the last is done
+    (if `complete`: run_plan writes it after its threshold runs)."""
     from dsv32ref.engine import EngineConfig, LLMEngine, build_model
     from dsv32ref.graphs import CaptureError, CUDAGraphMode
     from dsv32ref.provenance import provenance
@@ -148,9 +150,9 @@ def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank:
               f"{'on ' if r['estimate_graph_memory'] else 'off'} max tokens {r['max_num_batched_tokens']}: {status} "
               f"({entry['wall_s']:.0f} s)", flush=True)
         if out:
-            os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1, default=str)
+            write_partial(out, result)
+    if out and complete:
+        write_result(out, result)
     return result
 
 
@@ -174,9 +176,13 @@ def run_plan(preset: str = "glm-5.2", heads_per_rank: int | None = None, out: st
              threshold_runs: bool = True, plan: str = "default", **kw) -> dict:
     """plan "history": HISTORY_PLAN only. plan "default": PLAN, then the predicted threshold of narrow_copy (estimate off) checked on both sides: by the largest
     capture size when it lies below 512, else by the utilisation."""
-    res = run(preset, list(HISTORY_PLAN if plan == "history" else PLAN), heads_per_rank=heads_per_rank, out=out, **kw)
-    if not threshold_runs or plan == "history":
+    last = not threshold_runs or plan == "history"
+    res = run(preset, list(HISTORY_PLAN if plan == "history" else PLAN), heads_per_rank=heads_per_rank, out=out,
+              complete=last, **kw)
+    if last:
         return res
+    if out:
+        write_partial(out, res)
     config = reduced_config(preset)
     if heads_per_rank:
         config = config.replace(num_attention_heads=heads_per_rank)
@@ -200,6 +206,5 @@ def run_plan(preset: str = "glm-5.2", heads_per_rank: int | None = None, out: st
     more = run(preset, extra, heads_per_rank=heads_per_rank, **kw)
     res["runs"] += [dict(r, threshold_check=True) for r in more["runs"]]
     if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        write_result(out, res)
     return res

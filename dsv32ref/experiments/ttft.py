@@ -14,8 +14,6 @@ reduced (see REDUCTION) so that the whole stack fits one H200 and the step has n
 from __future__ import annotations
 
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -23,6 +21,7 @@ import time
 import torch
 
 from dsv32ref.config import ModelConfig
+from dsv32ref.results import write_partial, write_result
 
 REDUCTION = ("MoE reduced to 4 routed experts (top-2) + 1 shared expert, moe_intermediate_size unchanged, computed "
              "densely (every routed expert on every token, weighted by the router) so a step has no host sync; "
@@ -56,7 +55,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     shard (heads and MLP columns split, experts split: TP = EP) and runs the same requests in lockstep, the
     collectives keeping them together; rank 0 reports its own timings and ledger."""
     from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, build_model
-    from dsv32ref.engine.ledger import measure
+    from dsv32ref.experiments.ledger import measure
     from dsv32ref.graphs import CUDAGraphMode
     from dsv32ref.provenance import provenance
 
@@ -121,7 +120,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
               f"{ledger['graph_launches']}, floor {ledger['gpu_busy_ms']:.2f} ms, GPU idle {ledger['gpu_idle_ms']:.2f} ms, "
               f"eager-region host time {ledger['eager_region_host_ms']:.2f} ms", flush=True)
         if out:
-            _write(result, out)
+            write_partial(out, result)
     for eng, _ in engines.values():
         eng.release_graphs()
     del engines
@@ -134,14 +133,8 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     if "wide" in result["variants"] and "narrow" in result["variants"]:
         result["wide_over_narrow"] = result["variants"]["wide"]["mean_ms"] / result["variants"]["narrow"]["mean_ms"]
     if out:
-        _write(result, out)
+        write_result(out, result)
     return result
-
-
-def _write(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

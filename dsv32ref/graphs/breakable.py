@@ -27,8 +27,10 @@ from typing import Any, Callable
 
 import torch
 
+from dsv32ref.instrument import eager_range
+
 __all__ = ["eager_break", "BreakableCapture", "BreakableGraph", "CaptureError", "eager_breaks_enabled",
-           "weak_alias", "CudaGraphBackend", "capture_stream"]
+           "weak_alias", "CudaGraphBackend", "capture_stream", "current_capture"]
 
 
 class CaptureError(RuntimeError):
@@ -38,7 +40,8 @@ class CaptureError(RuntimeError):
 _state = threading.local()
 
 
-def _current() -> "BreakableCapture | None":
+def current_capture() -> "BreakableCapture | None":
+    """The breakable capture active on this thread, or None."""
     return getattr(_state, "capture", None)
 
 
@@ -173,7 +176,7 @@ class BreakableGraph:
             if kind == "graph":
                 item.replay()
             else:
-                with torch.profiler.record_function(f"eager::{item.name}"):  # host time per eager region
+                with eager_range(item.name):  # host time per eager region, only while measuring
                     item.fn(*item.args, **item.kwargs)
 
     def reset(self) -> None:
@@ -193,10 +196,15 @@ class BreakableCapture:
         self.graph = BreakableGraph()
         self._open = None  # the graph segment being captured, None inside an eager region
 
+    @property
+    def segment_open(self) -> bool:
+        """True while a graph segment is being captured; False inside an eager region (work runs directly)."""
+        return self._open is not None
+
     def __enter__(self) -> "BreakableCapture":
-        if _current() is not None:
+        if current_capture() is not None:
             raise CaptureError(f"{self.name}: a breakable capture is already active on this thread "
-                               f"({_current().name}); captures do not nest")
+                               f"({current_capture().name}); captures do not nest")
         self._ctx = self.backend.capturing() if hasattr(self.backend, "capturing") else contextlib.nullcontext()
         self._ctx.__enter__()
         _state.capture = self
@@ -265,8 +273,8 @@ def eager_break(fn: Callable | None = None, *, name: str | None = None):
 
         @functools.wraps(f)
         def inner(*args, **kwargs):
-            cap = _current()
-            if cap is None or cap._open is None or not getattr(_state, "breaks_enabled", True):
+            cap = current_capture()
+            if cap is None or not cap.segment_open or not getattr(_state, "breaks_enabled", True):
                 return f(*args, **kwargs)  # no capture, nested inside an eager region, or FULL mode
             return cap.run_eager(f, label, args, kwargs)
 

@@ -186,7 +186,9 @@ def _sparse_mla_kernel(
         if PREFETCH:
             row, valid = row_next, valid_next
 
-    has_key = l_i > 0
+    # l_i is 0 exactly when no valid key scored above -inf; NaN when a score was NaN or +inf (a non-finite
+    # query or key row), which then reaches out and lse as NaN, as in the reference.
+    has_key = l_i != 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     lse = (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453
     if NUM_SPLITS > 1:  # partials in fp32; an empty split has lse -inf (weight 0 in the combine)
@@ -209,9 +211,10 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, D_LAT)
     lse_s = tl.load(part_lse_ptr + (t * H + h) * NUM_SPLITS + offs_s)  # (S,)
-    m = tl.max(lse_s, axis=0)
-    any_key = m > float("-inf")
-    w = tl.exp(lse_s - tl.where(any_key, m, 0.0))  # (S,); 0 for empty splits
+    nan_s = lse_s != lse_s  # a split that saw a NaN / +inf score: the result is NaN
+    m = tl.max(tl.where(nan_s, float("-inf"), lse_s), axis=0)
+    any_key = (m > float("-inf")) | (tl.max(nan_s.to(tl.int32), axis=0) > 0)
+    w = tl.exp(lse_s - tl.where(m > float("-inf"), m, 0.0))  # (S,); 0 for empty splits, NaN for NaN ones
     o_s = tl.load(part_o_ptr + ((t * H + h) * NUM_SPLITS + offs_s[:, None]) * D_LAT + offs_d[None, :])  # (S, D_LAT)
     total = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o_s, axis=0) / tl.where(any_key, total, 1.0)
@@ -219,9 +222,9 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
     tl.store(lse_ptr + t * stride_lt + h, tl.where(any_key, m + tl.log(tl.where(any_key, total, 1.0)), float("inf")))
 
 
-# Streaming multiprocessors assumed when the tensors are not on a GPU (interpreter runs; the launch-ledger
-# prediction sets the H200's 132 so it splits the work the way the GPU will).
-ASSUMED_SMS = 4
+# Streaming multiprocessors assumed when the tensors are not on a GPU and the caller names none (interpreter
+# runs; the launch-ledger prediction passes the H200's 132 so it splits the work the way the GPU will).
+CPU_SMS = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,6 +261,7 @@ def sparse_mla_paged(
     lse: torch.Tensor | None = None,
     config: dict | None = None,
     valid_first: bool = False,
+    num_sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out[t, h] = softmax_j(sm_scale q[t, h] . kv_j) @ c_kv_j over the valid top-k keys of token t.
 
@@ -267,13 +271,15 @@ def sparse_mla_paged(
     topk_indices  int32 [T, K]             token positions in the sequence; < 0 or >= seq_len: skipped
     out           [T, H, D_LAT]            written in place (caller-owned: graph-safe)
     lse           fp32 [T, H] or None      natural-log logsumexp; +inf where no key is valid
+    Semantics are the reference's (dsv32ref.reference.sparse_mla): keys not selected are never read; a NaN or
+    +inf score at a valid key (a non-finite query or key row) makes that (token, head)'s out and lse NaN.
     D_LAT is taken as out.shape[-1] (kv_lora_rank); both it and D_ROPE must be powers of two.
     valid_first   the valid indices of each row come first (as the indexer writes them): only the first
                   min(K, seq_len) slots are visited. Off by default (FlashMLA accepts any order).
     When T x head blocks leaves SMs idle (decode), the top-k is split across NUM_SPLITS programs
     (config["NUM_SPLITS"], default: the largest power of two that keeps all programs in one wave) and the
     partial results are merged by a second launch; the split count depends only on shapes, so it is fixed
-    within a captured graph. With SLOTS (the default) each call also allocates an int32 [T, K] workspace.
+    within a captured graph. `num_sms`: the SMs to fill (default: the device's; 4 for CPU tensors). With SLOTS (the default) each call also allocates an int32 [T, K] workspace.
     """
     T, H, D = check_tensor("q", q, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32)).shape
     cfg = dict(FP32_CONFIG if q.dtype == torch.float32 else DEFAULT_CONFIG, **(config or {}))
@@ -306,7 +312,7 @@ def sparse_mla_paged(
     head_blocks, K = triton.cdiv(H, block_h), topk_indices.shape[1]
     splits = cfg.get("NUM_SPLITS")
     if splits is None:
-        sms = _num_sms(q.device.index) if q.is_cuda else ASSUMED_SMS
+        sms = num_sms if num_sms is not None else _num_sms(q.device.index) if q.is_cuda else CPU_SMS
         # Split the top-k only while the programs leave SMs idle: a bf16 program takes most of an SM's shared
         # memory (one per SM), so splitting a full wave further adds waves and a combine, not parallelism.
         fill = sms // (T * head_blocks)

@@ -103,5 +103,11 @@ class DeepseekV32ForCausalLM(nn.Module):
         elif attn_metadata.num_tokens != input_ids.shape[0]:
             raise ValueError(f"input_ids: attn_metadata describes {attn_metadata.num_tokens} tokens, got "
                              f"{input_ids.shape[0]}")
+        elif kv_cache.block_size != attn_metadata.block_size:
+            raise ValueError(f"kv_cache: block_size {kv_cache.block_size}, but attn_metadata was built for blocks "
+                             f"of {attn_metadata.block_size}")
+        elif int(attn_metadata.block_table.max()) >= kv_cache.num_blocks:
+            raise ValueError(f"attn_metadata.block_table: block ids must lie in [0, {kv_cache.num_blocks}) "
+                             f"(kv_cache.num_blocks), got {int(attn_metadata.block_table.max())}")
         h = self.model(input_ids.long(), kv_cache, attn_metadata, topk_out)
         return self.lm_head(h)

@@ -144,17 +144,17 @@ for b, pattern, n, how, same in rows:
 # The segment pattern is the same for every boundary (one eager region per layer, so layers + 1
 # graphs); what changes is how much work sits *inside* the graphs. The timeline below lists the
 # launches of one layer that runs its indexer, in order, coloured by where they run, from the launch
-# ledger's prediction (`dsv32ref.engine.ledger.predict`, which records launches without running kernels).
+# ledger's prediction (`dsv32ref.experiments.ledger.predict`, which records launches without running kernels).
 
 # %%
-from dsv32ref.engine.ledger import predict
+from dsv32ref.experiments.ledger import ASSUMED_SMS, predict
 
 COLORS = {True: "#e07b39", False: "#3b75af"}  # direct (eager) / in a graph
 fig, axes = plt.subplots(len(BOUNDARIES), 1, figsize=(11, 5.2), sharex=True)
 for ax, boundary in zip(axes, BOUNDARIES):
     eng = LLMEngine(cfg.replace(num_hidden_layers=1, indexer_types=None, first_k_dense_replace=1),
                     EngineConfig(boundary=boundary, mode=CUDAGraphMode.NONE, max_model_len=32, max_num_seqs=2,
-                                 max_num_batched_tokens=8, block_size=4, capture_sizes=[8]),
+                                 max_num_batched_tokens=8, block_size=4, capture_sizes=[8], num_sms=ASSUMED_SMS),
                     device="cpu", dtype=torch.bfloat16)
     L = predict(eng, StepInput([(0, prompt, 0)]))
     events = [e for e in L.events if e[0] not in ("embed", "other")]

@@ -7,7 +7,7 @@
 #
 # This notebook tells what happens in our engine, from measurements on one H200 (`python -m dsv32ref
 # capture`), and why. Everything below is read from `data/`; the memory model is plain arithmetic
-# (`dsv32ref.engine.memory_model`) and runs here.
+# (`dsv32ref.experiments.memory_model`) and runs here.
 #
 # **The setup.** GLM-5.2 with the attention of one rank of the seeds' TP4 (16 of 64 heads; every layer,
 # IndexShare, the full latent cache), the MoE reduced as in the TTFT notebook, bf16. Start-up the way the
@@ -29,7 +29,7 @@ import json
 
 import matplotlib.pyplot as plt
 
-from dsv32ref.engine.memory_model import capture_outcome, predict
+from dsv32ref.experiments.memory_model import capture_outcome, predict
 from dsv32ref.experiments.ttft import reduced_config
 
 GiB = 2**30

@@ -1,0 +1,70 @@
+"""Writing results under data/: atomically, and never a partial run over a complete one.
+
+`write_result(path, result)` writes a complete result: into a temporary file beside `path`, flushed to disk,
+then renamed over `path` (a rename within one directory is atomic), so a reader or a crash sees the old file
+or the new one, never half of one. Any partial file of the same result is removed.
+
+`write_partial(path, result)` records progress of a run still going: the same, but to the partial path
+(`ttft_glm-5.2.json` -> `ttft_glm-5.2.partial.json`) with `"partial": true`, leaving a complete result at
+`path` untouched. A run that stops early (an error, Ctrl-C, out of memory) leaves its progress there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+__all__ = ["partial_path", "write_partial", "write_result", "write_atomic"]
+
+
+def partial_path(path: str | os.PathLike) -> str:
+    root, ext = os.path.splitext(os.fspath(path))
+    return f"{root}.partial{ext or '.json'}"
+
+
+def write_atomic(path: str | os.PathLike, write) -> None:
+    """Call write(file_path) on a temporary file in path's directory, then rename it over `path`.
+
+    `write` receives a path (so libraries that write files themselves, e.g. safetensors, can use it). If it
+    raises, or the process is interrupted, `path` is left as it was and the temporary file is removed."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _dump_json(obj: Any):
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+            f.write("\n")
+    return write
+
+
+def write_result(path: str | os.PathLike, result: dict) -> None:
+    """The complete result of a run, atomically at `path`; its partial file (if any) is removed."""
+    if result.get("partial"):
+        raise ValueError(f"write_result: {os.fspath(path)!r}: the result is marked partial; use write_partial")
+    write_atomic(path, _dump_json(result))
+    stale = partial_path(path)
+    if os.path.exists(stale):
+        os.unlink(stale)
+
+
+def write_partial(path: str | os.PathLike, result: dict) -> str:
+    """Progress of a run still going, at partial_path(path), marked `"partial": true`. Returns that path."""
+    p = partial_path(path)
+    write_atomic(p, _dump_json({**result, "partial": True}))
+    return p

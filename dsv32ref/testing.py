@@ -1,0 +1,253 @@
+"""Checking a kernel against the reference: one strict comparator, and paged inputs that find the bugs.
+
+The comparator (`compare`, `assert_close`) works the way FlashMLA's tests do, per element, never through a
+global norm (one wrong (token, head) row of a 70-token, 128-head request moves ||a - b|| / ||b|| by about
+0.01, which a 1e-2 check lets through):
+  - shape and dtype must match (the reference may be computed in float64: say which dtype `got` must have);
+  - NaN and +-inf must sit at exactly the same positions;
+  - every finite element must satisfy |got - expected| <= eps * (rtol * |expected| + atol * row_scale), with
+    eps the precision of got's dtype (2^-7 for bf16, 2^-10 fp16, 2^-23 fp32, 2^-52 fp64), rtol and atol in
+    units of eps, and row_scale the largest finite |expected| in the element's row; a row is one index of the
+    leading `row_dims` dims, e.g. (token, head) of an [T, H, D] output;
+  - a failure names the worst element (index, got, expected, error in eps) and how many elements and rows fail.
+
+The generators (`paged_sparse_mla_inputs`, `reference_sparse_mla_paged`) build what a kernel author needs
+to test a sparse-attention kernel on the paged cache: several requests of different lengths, block tables
+scrambled over the cache, top-k rows with -1 padding, out-of-range entries, empty rows and shuffled order,
+and every cache slot that belongs to no sequence's visible tokens poisoned with NaN (a read outside the
+selection shows up as a NaN at a position the reference has none).
+
+    x = paged_sparse_mla_inputs(num_heads=128, topk=2048, context_lens=[0, 3000], query_lens=[70, 1], device="cuda")
+    out_ref, lse_ref = reference_sparse_mla_paged(x)
+    out, lse = my_kernel(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale)
+    assert_close("out", out, out_ref, dtype=x.dtype, row_dims=2, rtol=8, atol=8)
+    assert_close("lse", lse, lse_ref, dtype=torch.float32, row_dims=2, rtol=64, atol=64)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv32ref.cache import gather_tokens
+from dsv32ref.checks import check_tensor
+
+__all__ = ["Comparison", "compare", "assert_close", "eps", "PagedSparseMLAInputs", "paged_sparse_mla_inputs",
+           "reference_sparse_mla_paged"]
+
+_EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7,
+        torch.float8_e4m3fn: 2.0**-3, torch.float8_e5m2: 2.0**-2}
+
+
+def eps(dtype: torch.dtype) -> float:
+    """The precision unit of a float dtype: the spacing of its values just above 1."""
+    if dtype not in _EPS:
+        raise ValueError(f"eps: expected a float dtype ({', '.join(map(str, _EPS))}), got {dtype}")
+    return _EPS[dtype]
+
+
+@dataclass
+class Comparison:
+    """What `compare` found. `ok` is True when every element passes."""
+
+    name: str
+    ok: bool
+    message: str
+    max_err_eps: float  # the worst |got - expected| / (eps * allowed scale), over finite elements
+    bad_elements: int
+    bad_rows: int
+    rows: int
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _idx(flat: int, shape) -> tuple[int, ...]:
+    out = []
+    for s in reversed(shape):
+        out.append(flat % s if s else 0)
+        flat //= max(s, 1)
+    return tuple(reversed(out))
+
+
+def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
+            rtol: float = 2.0, atol: float = 2.0, row_dims: int = 1) -> Comparison:
+    """Compare `got` with `expected` element by element (see the module docstring). `dtype`: the dtype `got`
+    must have (default: expected's). Tolerances are in units of eps(dtype)."""
+    for n, t in (("got", got), ("expected", expected)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"compare({name!r}): {n}: expected a torch.Tensor, got {type(t).__name__}")
+    want_dtype = expected.dtype if dtype is None else dtype
+    unit = eps(want_dtype)
+    if not 0 <= row_dims <= got.dim():
+        raise ValueError(f"compare({name!r}): row_dims must lie in [0, {got.dim()}], got {row_dims}")
+
+    def fail(msg: str, **kw) -> Comparison:
+        return Comparison(name, False, f"{name}: {msg}", kw.get("err", float("inf")), kw.get("elems", -1),
+                          kw.get("rows", -1), kw.get("total", -1))
+
+    if tuple(got.shape) != tuple(expected.shape):
+        return fail(f"shape {list(got.shape)}, expected {list(expected.shape)}")
+    if got.dtype != want_dtype:
+        return fail(f"dtype {got.dtype}, expected {want_dtype}")
+    g = got.detach().to(device="cpu", dtype=torch.float64)
+    e = expected.detach().to(device="cpu", dtype=torch.float64)
+    row_shape = tuple(g.shape[:row_dims])
+    nrows = 1
+    for s in row_shape:
+        nrows *= s
+    g2, e2 = g.reshape(nrows, -1), e.reshape(nrows, -1)  # (rows, elements per row)
+    for kind, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        diff = test(g2) != test(e2)
+        if diff.any():
+            flat = int(diff.flatten().nonzero()[0])
+            at = _idx(flat, tuple(g.shape))
+            n_el = int(diff.sum())
+            return fail(f"{kind} positions differ at {n_el} element(s) in {int(diff.any(1).sum())} row(s); first at "
+                        f"{at}: got {g[at].item():.6g}, expected {e[at].item():.6g}", elems=n_el,
+                        rows=int(diff.any(1).sum()), total=nrows)
+    finite = torch.isfinite(e2)
+    scale = torch.where(finite, e2.abs(), 0.0).amax(dim=1, keepdim=True) if e2.shape[1] else e2.new_zeros(nrows, 1)
+    allowed = unit * (rtol * e2.abs() + atol * scale)  # (rows, per row)
+    err = torch.where(finite, (g2 - e2).abs(), 0.0)
+    ratio = torch.where(allowed > 0, err / allowed.clamp(min=1e-300), torch.where(err > 0, float("inf"), 0.0))
+    worst = float(ratio.max()) if ratio.numel() else 0.0
+    bad = ratio > 1
+    n_bad, rows_bad = int(bad.sum()), int(bad.any(dim=1).sum()) if bad.numel() else 0
+    if ratio.numel():
+        flat = int(ratio.flatten().argmax())
+        at = _idx(flat, tuple(g.shape))
+        w = (f"worst at {at}: got {g[at].item():.6g}, expected {e[at].item():.6g}, |err| {err.flatten()[flat].item():.3g}"
+             f" = {worst:.3g} x the allowed {allowed.flatten()[flat].item():.3g}")
+    else:
+        w = "no elements"
+    tol = f"tolerance eps({want_dtype}) x ({rtol:g} |expected| + {atol:g} row max)"
+    if n_bad:
+        return Comparison(name, False, f"{name}: {n_bad} element(s) in {rows_bad} of {nrows} row(s) out of {tol}; {w}",
+                          worst, n_bad, rows_bad, nrows)
+    return Comparison(name, True, f"{name}: all {g.numel()} elements within {tol}; {w}", worst, 0, 0, nrows)
+
+
+def assert_close(name: str, got: torch.Tensor, expected: torch.Tensor, **kw) -> Comparison:
+    """`compare`, raising AssertionError with its message on a mismatch."""
+    c = compare(name, got, expected, **kw)
+    if not c.ok:
+        raise AssertionError(c.message)
+    return c
+
+
+# ---- paged inputs ---------------------------------------------------------------------------------------
+
+@dataclass
+class PagedSparseMLAInputs:
+    """The arguments of a sparse-MLA kernel on the paged latent cache (vLLM's names), and how they were made.
+
+    q [T, H, d_lat + d_rope], latent_cache [num_blocks, block_size, d_lat + d_rope] (slots outside every
+    sequence's visible tokens are NaN), block_table int32 [B, max_blocks] (-1 past a sequence's blocks),
+    req_indices int32 [T], seq_lens int32 [B], topk_indices int32 [T, topk] (positions in the token's own
+    sequence; -1 = none), positions int64 [T], query_start_loc int32 [B + 1]."""
+
+    q: torch.Tensor
+    latent_cache: torch.Tensor
+    block_table: torch.Tensor
+    req_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    topk_indices: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    sm_scale: float
+    d_lat: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+
+def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int = 64, topk: int = 64,
+                            context_lens=(0, 40, 7), query_lens=(5, 1, 30), block_size: int = 16,
+                            dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0,
+                            sm_scale: float | None = None, valid_first: bool = False, extra_blocks: int = 3,
+                            ) -> PagedSparseMLAInputs:
+    """Random paged inputs with every corner a kernel must handle (see the module docstring).
+
+    Request b has context_lens[b] cached tokens and query_lens[b] new ones (query token i at position
+    context_lens[b] + i sees positions 0..that). Each top-k row selects up to `topk` distinct visible positions in a
+    random order (valid first if `valid_first`), padded with -1; about one row in eight is empty, and rows
+    that are not full carry out-of-range entries (>= seq_len, < the row's cache capacity, so they address real
+    NaN slots) unless valid_first. Block ids are a random permutation over num_blocks = sum of blocks needed +
+    extra_blocks."""
+    if len(context_lens) != len(query_lens) or not query_lens:
+        raise ValueError(f"paged_sparse_mla_inputs: context_lens ({len(context_lens)}) and query_lens "
+                         f"({len(query_lens)}) must have one equal, non-zero length")
+    if any(c < 0 for c in context_lens) or any(n < 1 for n in query_lens):
+        raise ValueError(f"paged_sparse_mla_inputs: context_lens must be >= 0 and query_lens >= 1, got "
+                         f"{list(context_lens)}, {list(query_lens)}")
+    g = torch.Generator().manual_seed(seed)
+    B = len(query_lens)
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(need)
+    block_table = torch.full((B, width), -1, dtype=torch.int32)
+    D = d_lat + d_rope
+    cache = torch.full((num_blocks * block_size, D), float("nan"), dtype=torch.float64)
+    nxt = 0
+    for b in range(B):
+        blocks = perm[nxt: nxt + need[b]]
+        nxt += need[b]
+        block_table[b, : need[b]] = torch.tensor(blocks, dtype=torch.int32)
+        pos = torch.arange(seq_lens[b])
+        slots = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
+        cache[slots] = torch.randn(seq_lens[b], D, generator=g, dtype=torch.float64)
+    T = sum(query_lens)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, query_lens)])
+    req_indices = torch.cat([torch.full((n,), b, dtype=torch.int32) for b, n in enumerate(query_lens)])
+    topk_indices = torch.full((T, topk), -1, dtype=torch.int32)
+    for t in range(T):
+        b, p = int(req_indices[t]), int(positions[t])
+        if torch.rand((), generator=g) < 0.125:
+            continue  # an empty row: out 0, lse +inf
+        vis = torch.randperm(p + 1, generator=g)[:topk]
+        row = torch.full((topk,), -1, dtype=torch.int32)
+        row[: len(vis)] = vis.to(torch.int32)
+        if not valid_first and len(vis) < topk:
+            cap = need[b] * block_size  # out of range: >= seq_len, into the sequence's own NaN slots or past them
+            n_bad = min(topk - len(vis), 2)
+            row[len(vis): len(vis) + n_bad] = torch.randint(seq_lens[b], max(cap, seq_lens[b] + 1) + 4, (n_bad,),
+                                                            generator=g, dtype=torch.int32)
+            row = row[torch.randperm(topk, generator=g)]
+        topk_indices[t] = row
+    scale = sm_scale if sm_scale is not None else D ** -0.5
+    q = torch.randn(T, num_heads, D, generator=g, dtype=torch.float64)
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    dev = torch.device(device)
+    return PagedSparseMLAInputs(
+        q=q.to(device=dev, dtype=dtype), latent_cache=cache.view(num_blocks, block_size, D).to(device=dev, dtype=dtype),
+        block_table=block_table.to(dev), req_indices=req_indices.to(dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), topk_indices=topk_indices.to(dev),
+        positions=positions.to(dev), query_start_loc=qsl.to(dev), sm_scale=scale, d_lat=d_lat)
+
+
+def reference_sparse_mla_paged(x: PagedSparseMLAInputs, dtype: torch.dtype = torch.float64
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle on paged inputs: each request's visible rows read through its block-table row, then
+    dsv32ref.reference.sparse_mla in `dtype` (float64 by default) -> (out [T, H, d_lat], lse [T, H]), on the CPU."""
+    from dsv32ref.reference.sparse_attention import sparse_mla
+
+    check_tensor("x.q", x.q, shape=(None, None, None))
+    q = x.q.detach().cpu().to(dtype)
+    cache = x.latent_cache.detach().cpu().to(dtype)
+    qsl, lens = x.query_start_loc.cpu().tolist(), x.seq_lens.cpu().tolist()
+    outs, lses = [], []
+    for b in range(len(lens)):
+        t0, t1 = qsl[b], qsl[b + 1]
+        kv = gather_tokens(cache, x.block_table[b].cpu(), lens[b])  # (S_b, D)
+        o, lse = sparse_mla(q[t0:t1], kv, x.topk_indices[t0:t1].cpu(), x.sm_scale, x.d_lat)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
