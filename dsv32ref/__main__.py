@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--warmup", type=int, default=8)
     t.add_argument("--tp", type=int, default=1, help="ranks (GPUs): tensor parallel attention/MLP, expert parallel MoE")
     t.add_argument("--out", default=None)
+    t.add_argument("--instrument-ab", action="store_true",
+                   help="also time wide, narrow and narrow_out with every profiler range open (what the instrument "
+                        "costs when on), interleaved with the rest")
     cm = sub.add_parser("capture", help="start-up and capture memory of each boundary on the GPU")
     cm.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
     cm.add_argument("--heads-per-rank", type=int, default=None,
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
             spawn(rank_main, args.tp, args.model, args.requests, args.warmup, out)
         else:
-            run(args.model, n_requests=args.requests, warmup=args.warmup, out=out)
+            run(args.model, n_requests=args.requests, warmup=args.warmup, out=out,
+                instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else ())
         return 0
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     print_presets()

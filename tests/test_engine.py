@@ -163,6 +163,46 @@ def test_ttft_experiment_control_flow_on_cpu(tmp_path):
         assert r["prefill_runs_as"] == "PIECEWISE" and len(r["ttft_ms"]) == 2
         assert r["ledger"]["eager_region_calls"] == 2  # one eager region per layer, replayed once
     assert json.loads((tmp_path / "t.json").read_text())["protocol"]["order"].startswith("interleaved")
+    assert not (tmp_path / "t.partial.json").exists()
+
+
+@CPU
+def test_ttft_instrument_ab_and_an_interrupted_run_keeps_the_complete_result(tmp_path, monkeypatch):
+    """The instrument arms run beside the plain variants; a run stopped in its third variant's ledger leaves
+    the complete file of the earlier run untouched and its progress in a partial file."""
+    import json
+
+    from dsv32ref.experiments import ledger, ttft
+    from dsv32ref.instrument import is_measuring
+
+    cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
+                                                    n_routed_experts=4, num_experts_per_tok=2)
+    out = tmp_path / "t.json"
+    res = ttft.run("glm-5.2", variants=["wide", "narrow"], n_requests=2, warmup=1, device="cpu", config=cfg,
+                   out=str(out), instrument_ab=("wide", "narrow"), capture_sizes=[8])
+    ab = res["instrument"]["variants"]
+    assert set(ab) == {"wide", "narrow"} and len(ab["wide"]["ttft_ms_with_ranges"]) == 2
+    assert res["instrument"]["region_cost_ns"]["off"] < res["instrument"]["region_cost_ns"]["on"]
+    assert ab["wide"]["regions_entered_per_request"] > ab["narrow"]["regions_entered_per_request"] > 0
+    assert res["same_tokens_across_variants"] and not is_measuring()
+    complete = out.read_text()
+    calls = []
+    real = ledger.measure
+
+    def flaky(engine, prompt):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(engine, prompt)
+
+    monkeypatch.setattr(ledger, "measure", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        ttft.run("glm-5.2", variants=["wide", "narrow", "narrow_out"], n_requests=1, warmup=0, device="cpu",
+                 config=cfg, out=str(out), mode="none")
+    assert out.read_text() == complete
+    partial = json.loads((tmp_path / "t.partial.json").read_text())
+    assert partial["partial"] is True and set(partial["variants"]) == {"wide", "narrow"}
+    assert not is_measuring()
 
 
 @CPU

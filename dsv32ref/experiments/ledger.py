@@ -212,7 +212,7 @@ def measure(engine, prompt: list[int]) -> dict:
 
     direct, memcpy, graph_launches, kernel_us, kernels = Counter(), Counter(), 0, 0.0, 0
     by_name = Counter()
-    intervals, eager_us, eager_calls = [], 0.0, 0
+    intervals, eager_us, eager_calls, entered = [], 0.0, 0, 0
     for e in events:
         if e.name in LAUNCH_APIS:
             direct[region_of(e)] += 1
@@ -228,10 +228,13 @@ def measure(engine, prompt: list[int]) -> dict:
         elif e.name.startswith("eager::") and e.device_type == torch.autograd.DeviceType.CPU:
             eager_us += e.time_range.elapsed_us()
             eager_calls += 1
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("dsv32ref::", "eager::")):
+            entered += 1
     return {"direct": dict(direct), "direct_total": sum(direct.values()), "graph_launches": graph_launches,
             "memcpy": dict(memcpy), "gpu_busy_ms": kernel_us / 1e3, "kernels": kernels,
             "gpu_idle_ms": idle_time_us(intervals) / 1e3, "gpu_span_ms": span_us(intervals) / 1e3,
             "eager_region_host_ms": eager_us / 1e3, "eager_region_calls": eager_calls,
+            "regions_entered": entered,
             "kernel_ms_by_name": dict(by_name.most_common(25)),
             "gpu_ms_by_region_eager": _gpu_ms_by_region(engine, prompt) if cuda else None,
             "note": "'other': launches outside the model forward (logits, sampling, input copies)"}

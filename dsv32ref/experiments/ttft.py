@@ -45,11 +45,44 @@ def _stats(ms: list[float]) -> dict:
             "p99_ms": s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))], "min_ms": s[0], "max_ms": s[-1]}
 
 
+def region_cost_ns(calls: int = 200_000, repeats: int = 7) -> dict:
+    """Host cost of one named region (`with region(name): pass`) with the instrument off and on, in ns: the
+    median over `repeats` timed loops. Times a region count gives the instrument's cost per request."""
+    from dsv32ref.instrument import measuring, region
+
+    def loop(n: int) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            with region("attention"):
+                pass
+        return (time.perf_counter_ns() - t0) / n
+
+    def empty(n: int) -> float:  # the loop itself
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            pass
+        return (time.perf_counter_ns() - t0) / n
+
+    res = {}
+    for label, on in (("off", False), ("on", True)):
+        n = calls if not on else calls // 20
+        with measuring(on):
+            loop(1000)
+            res[label] = statistics.median(loop(n) - empty(n) for _ in range(repeats))
+    return res
+
+
 def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: int = 8, prompt_len: int = 8,
         mode: str = "full_and_piecewise", seed: int = 0, out: str | None = None, device: str = "cuda",
-        config: ModelConfig | None = None, tp_rank: int = 0, tp_size: int = 1) -> dict:
+        config: ModelConfig | None = None, tp_rank: int = 0, tp_size: int = 1, instrument_ab=(),
+        capture_sizes=(1, 2, 4, 8, 16)) -> dict:
     """The experiment; `device="cpu"` (with a tiny `config`) runs the same control flow on emulated graphs
     as a smoke test, without timings that mean anything.
+
+    `instrument_ab`: variants that also run a second arm, `<variant>+ranges`, with every named region and
+    eager range open on every request (the instrument as it was before it was made free when off), interleaved
+    with the rest: the difference is what the instrument costs when it is on. TTFT of the plain variants is
+    always timed with the instrument off.
 
     With tp_size > 1 (inside torch.distributed, one call per rank: `dsv32ref ttft --tp N`), every rank holds its
     shard (heads and MLP columns split, experts split: TP = EP) and runs the same requests in lockstep, the
@@ -57,6 +90,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, build_model
     from dsv32ref.experiments.ledger import measure
     from dsv32ref.graphs import CUDAGraphMode
+    from dsv32ref.instrument import measuring
     from dsv32ref.provenance import provenance
 
     variants = list(variants or BOUNDARIES)
@@ -85,23 +119,28 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     engines = {}
     for v in variants:  # every variant captured up front, so that run-to-run drift hits them all alike
         ec = EngineConfig(boundary=v, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
-                          max_num_batched_tokens=16, capture_sizes=[1, 2, 4, 8, 16], seed=seed)
+                          max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed)
         eng = LLMEngine(config, ec, device=device, dtype=model.lm_head.dtype, model=model)
         engines[v] = (eng, eng.capture())
+    arms = [(v, False) for v in variants] + [(v, True) for v in instrument_ab if v in engines]
+    name = lambda v, on: f"{v}+ranges" if on else v  # noqa: E731
     for i in range(warmup):
-        for v in variants:
-            engines[v][0].generate(prompts[i], 1)
-    ttft = {v: [] for v in variants}
-    wall = {v: 0.0 for v in variants}
-    first_tokens = {v: [] for v in variants}
+        for v, on in arms:
+            with measuring(on):
+                engines[v][0].generate(prompts[i], 1)
+    ttft = {name(*a): [] for a in arms}
+    wall = {name(*a): 0.0 for a in arms}
+    first_tokens = {name(*a): [] for a in arms}
     for i in range(n_requests):
-        for k in range(len(variants)):
-            v = variants[(i + k) % len(variants)]
-            t0 = time.perf_counter()
-            tok, t = engines[v][0].generate(prompts[warmup + i], 1)
-            wall[v] += time.perf_counter() - t0
-            ttft[v].append(t * 1e3)
-            first_tokens[v].append(tok[0])
+        for k in range(len(arms)):
+            v, on = arms[(i + k) % len(arms)]
+            key = name(v, on)
+            with measuring(on):
+                t0 = time.perf_counter()
+                tok, t = engines[v][0].generate(prompts[warmup + i], 1)
+                wall[key] += time.perf_counter() - t0
+            ttft[key].append(t * 1e3)
+            first_tokens[key].append(tok[0])
         if lead:
             _progress(i + 1, n_requests, "TTFT, all variants")
     for v in variants:
@@ -127,6 +166,32 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+    if instrument_ab:
+        cost = region_cost_ns()
+        ab = result["instrument"] = {"region_cost_ns": cost, "note": (
+            "'<variant>+ranges' ran every request with the named regions and eager ranges open (torch.profiler "
+            "record_function on each), as they were before the instrument was switched off outside measurements; "
+            "remaining_ms_per_request = regions entered per request (from the profiled request) x region_cost_ns"
+            "['off']"), "variants": {}}
+        for v in instrument_ab:
+            if v not in result["variants"]:
+                continue
+            with_r = _stats(ttft[f"{v}+ranges"])
+            entered = result["variants"][v]["ledger"]["regions_entered"]
+            ab["variants"][v] = {"with_ranges": with_r, "without": {k: result["variants"][v][k] for k in with_r},
+                                 "ranges_median_ms": with_r["median_ms"] - result["variants"][v]["median_ms"],
+                                 "ranges_mean_ms": with_r["mean_ms"] - result["variants"][v]["mean_ms"],
+                                 "regions_entered_per_request": entered,
+                                 "remaining_ms_per_request": entered * cost["off"] / 1e6,
+                                 "ttft_ms_with_ranges": ttft[f"{v}+ranges"]}
+            if lead:
+                a = ab["variants"][v]
+                print(f"  instrument {v:<10} median TTFT with ranges {with_r['median_ms']:.2f} ms, without "
+                      f"{result['variants'][v]['median_ms']:.2f} ms ({a['ranges_median_ms']:+.2f}); off: {entered} "
+                      f"regions x {cost['off']:.0f} ns = {a['remaining_ms_per_request']:.3f} ms per request", flush=True)
+        if "wide" in instrument_ab and "narrow" in instrument_ab:
+            ab["wide_over_narrow_with_ranges"] = (statistics.fmean(ttft["wide+ranges"])
+                                                  / statistics.fmean(ttft["narrow+ranges"]))
     base = first_tokens[variants[0]]
     result["same_tokens_across_variants"] = all(t == base for t in first_tokens.values())
     result["first_tokens"] = base  # of every timed request: compares runs (one GPU vs TP) token by token
