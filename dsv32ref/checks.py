@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["check_tensor", "check_same_device", "rel_err"]
+__all__ = ["check_tensor", "check_same_device", "check_keys", "check_range", "check_scale", "checking_device_values",
+           "device_value_checks_on", "rel_err"]
 
 
 def check_tensor(
@@ -16,10 +20,13 @@ def check_tensor(
     dtype: torch.dtype | Sequence[torch.dtype] | None = None,
     device: torch.device | str | None = None,
     contiguous: bool = False,
+    dense_dims: int = 0,
 ) -> torch.Tensor:
     """Raise ValueError naming `name` unless `t` is a tensor of the given shape/dtype/device.
 
-    `shape` entries of None match any size. Returns `t`, so calls can be chained in assignments.
+    `shape` entries of None match any size. `dense_dims=k`: the last k dims must be laid out row-major
+    without gaps (what a kernel assumes for the strides it is not passed; a dim of size 1 may have any
+    stride). Returns `t`, so calls can be chained in assignments.
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -37,7 +44,65 @@ def check_tensor(
         raise ValueError(f"{name}: expected device {torch.device(device).type}, got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    if dense_dims:
+        want, step = [], 1
+        for d in range(t.dim() - 1, t.dim() - 1 - min(dense_dims, t.dim()), -1):
+            if t.shape[d] > 1 and t.stride(d) != step:
+                dims = "the last dim" if dense_dims == 1 else f"the last {dense_dims} dims"
+                raise ValueError(f"{name}: {dims} must be dense (stride {step} at dim {d}), got strides "
+                                 f"{t.stride()} for shape {list(t.shape)}")
+            step *= t.shape[d]
     return t
+
+
+def check_scale(name: str, v) -> float:
+    """A finite, positive float (a softmax or norm scale): else ValueError naming it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+    return float(v)
+
+
+def check_keys(name: str, given: dict | None, allowed) -> None:
+    """Raise ValueError naming every key of `given` that is not in `allowed` (a typo must not pass silently)."""
+    unknown = sorted(set(given or {}) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {unknown}; expected some of {sorted(allowed)}")
+
+
+class _DeviceChecks:
+    on = os.environ.get("DSV32REF_CHECK_DEVICE_VALUES", "") not in ("", "0")
+
+
+_device_checks = _DeviceChecks()
+
+
+def device_value_checks_on() -> bool:
+    return _device_checks.on
+
+
+@contextlib.contextmanager
+def checking_device_values(on: bool = True):
+    """Debug mode: launchers read back the device-side metadata they index with (positions, slots, block ids,
+    sequence lengths, request indices) and raise ValueError naming any value out of range, before launching.
+
+    Off by default: it synchronises with the device (no use inside a CUDA graph capture). Without it the
+    kernels still never read or write out of bounds (they mask such values; see each launcher), but a
+    result computed from a bad value is meaningless. Also on for the whole process with
+    DSV32REF_CHECK_DEVICE_VALUES=1."""
+    old, _device_checks.on = _device_checks.on, on
+    try:
+        yield
+    finally:
+        _device_checks.on = old
+
+
+def check_range(name: str, t: torch.Tensor | None, low: int, high: int, what: str) -> None:
+    """Debug mode only: every value of `t` in [low, high), else ValueError naming `name` and `what` bounds it."""
+    if t is None or not t.numel() or not _device_checks.on:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < low or hi >= high:
+        raise ValueError(f"{name}: values must lie in [{low}, {high}) ({what}), got [{lo}, {hi}]")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

@@ -293,7 +293,7 @@ def test_launchers_reject_bad_inputs():
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out.bfloat16())
     with pytest.raises(ValueError, match="tensors on different devices: .*latent_cache on meta"):
         sparse_mla_paged(q, cache.to("meta"), bt, req, sl, topk, 0.1, out)
-    with pytest.raises(ValueError, match="contiguous last dim"):
+    with pytest.raises(ValueError, match=r"out: the last dim must be dense \(stride 1 at dim 2\), got strides \(256, 64, 2\)"):
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, torch.zeros(2, 4, 64)[..., ::2])
     with pytest.raises(ValueError, match="SPLIT_QK needs Q_RELOAD=True"):
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out, config=dict(SPLIT_QK=True, Q_RELOAD=False))

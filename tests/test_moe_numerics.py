@@ -6,7 +6,7 @@ import torch
 from dsv32ref import ModelConfig
 from dsv32ref.reference.moe import MoE
 from dsv32ref.reference.numerics import fp8_quantize, fp8_round_trip, hadamard_transform, ue8m0_scale
-from helpers import rel_err
+from dsv32ref.testing import assert_close
 
 
 def route_one_token(s, bias, c):
@@ -40,7 +40,7 @@ def test_moe_matches_per_token_routing(preset, seed):
             for e, w in route_one_token(s, moe.gate.e_score_correction_bias.tolist(), c).items():
                 want[t] += w * moe.experts[e](x[t: t + 1])[0]
             want[t] += moe.shared_experts(x[t: t + 1])[0]
-    assert rel_err(got, want) <= 1e-12
+    assert_close("moe", got, want, rtol=2**12, atol=2**12)
 
 
 def test_group_limit_excludes_experts_outside_kept_groups(seed):
@@ -59,6 +59,37 @@ def test_router_bias_stays_fp32_in_bf16_model():
     moe = MoE(ModelConfig.preset("tiny-deepseek-v3.2")).to(torch.bfloat16)
     assert moe.gate.e_score_correction_bias.dtype == torch.float32
     assert moe.experts[0].gate_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3.2", "tiny-glm-5.2"])
+def test_engine_moe_routes_with_the_reference_router(preset, norm_topk_prob, seed):
+    """The engine's dense MoE and the reference MoE compute the same function, norm_topk_prob either way;
+    the engine's router weights stay fp32 in a model built under a bf16 default."""
+    from dsv32ref.engine.model import EngineMoE
+
+    c = ModelConfig.preset(preset).replace(norm_topk_prob=norm_topk_prob)
+    ref = MoE(c).double()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    eng = EngineMoE(c).double()
+    with torch.no_grad():
+        eng.gate.load_state_dict(ref.gate.state_dict())
+        eng.w13.copy_(torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in ref.experts]))
+        eng.w2.copy_(torch.stack([e.down_proj.weight for e in ref.experts]))
+        s = ref.shared_experts
+        eng.shared.gate_up_proj.copy_(torch.cat((s.gate_proj.weight, s.up_proj.weight)))
+        eng.shared.down_proj.copy_(s.down_proj.weight)
+        x = torch.randn(7, c.hidden_size, dtype=torch.float64)
+        assert_close("engine moe", eng(x), ref(x), rtol=2**12, atol=2**12, row_dims=1)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        built = EngineMoE(c)
+    finally:
+        torch.set_default_dtype(old)
+    assert built.gate.weight.dtype == built.gate.e_score_correction_bias.dtype == torch.float32
+    assert built.w13.dtype == torch.bfloat16
 
 
 def test_hadamard_is_orthogonal_and_preserves_dots(seed):

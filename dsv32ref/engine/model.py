@@ -30,6 +30,7 @@ from torch.nn import functional as F
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.context import get_forward_context
 from dsv32ref.instrument import region
+from dsv32ref.reference.moe import Router
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 
@@ -241,34 +242,25 @@ class EngineMLP(nn.Module):
 
 
 class EngineMoE(nn.Module):
-    """Graph-safe MoE: the DeepSeek-V3 router, then every expert on every token, combined with the routing
-    weights (zero for unselected experts). No host sync; meant for a reduced expert count."""
+    """Graph-safe MoE: the reference's router (dsv32ref.reference.moe.Router: the same `route`, fp32 weights),
+    then every expert on every token, combined with the routing weights (zero for unselected experts). No host
+    sync; meant for a reduced expert count."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
         self.config = c
-        self.gate = _param(c.n_routed_experts, c.hidden_size)
-        self.e_score_correction_bias = _param(c.n_routed_experts)
+        self.gate = Router(c)  # gate.weight [E, hidden], gate.e_score_correction_bias [E], both kept in fp32
         self.w13 = _param(c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size)
         self.w2 = _param(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
         self.shared = EngineMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts) if c.n_shared_experts else None
         self.n_local, self.expert0 = c.n_routed_experts, 0
 
     def forward(self, x):
-        c = self.config
-        s = torch.sigmoid(F.linear(x.float(), self.gate.float()))  # (T, E)
-        choice = s + self.e_score_correction_bias.float()
-        if c.n_group > 1:
-            groups = choice.view(x.shape[0], c.n_group, -1)
-            keep = groups.topk(2, dim=-1).values.sum(-1).topk(c.topk_group, dim=-1).indices
-            mask = torch.zeros(x.shape[0], c.n_group, dtype=torch.bool, device=x.device).scatter_(1, keep, True)
-            choice = groups.masked_fill(~mask[..., None], float("-inf")).view_as(choice)
-        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
-        w = s.gather(1, ids)
-        w = w / (w.sum(-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
-        dense_w = torch.zeros_like(s).scatter_(1, ids, w)  # (T, E)
-        if self.n_local != c.n_routed_experts:  # expert parallel: this rank's experts only
+        ids, w = self.gate(x)  # (T, k), (T, k)
+        dense_w = torch.zeros(x.shape[0], self.config.n_routed_experts, dtype=w.dtype, device=x.device)
+        dense_w.scatter_(1, ids, w)  # (T, E)
+        if self.n_local != self.config.n_routed_experts:  # expert parallel: this rank's experts only
             dense_w = dense_w[:, self.expert0: self.expert0 + self.n_local]
         h = torch.einsum("th,eih->eti", x, self.w13)  # (E, T, 2 * inter)
         gate, up = h.chunk(2, dim=-1)
@@ -386,8 +378,7 @@ class EngineModel(nn.Module):
                     a.k_norm_weight.copy_(r.indexer.k_norm.weight)
                     a.k_norm_bias.copy_(r.indexer.k_norm.bias)
                 if isinstance(L.mlp, EngineMoE):
-                    L.mlp.gate.copy_(R.mlp.gate.weight)
-                    L.mlp.e_score_correction_bias.copy_(R.mlp.gate.e_score_correction_bias)
+                    L.mlp.gate.load_state_dict(R.mlp.gate.state_dict())
                     L.mlp.w13.copy_(torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in R.mlp.experts]))
                     L.mlp.w2.copy_(torch.stack([e.down_proj.weight for e in R.mlp.experts]))
                     if L.mlp.shared is not None:

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_same_device, check_tensor
+from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
+                             device_value_checks_on)
 
 __all__ = ["fused_norm_rope"]
 
@@ -47,7 +48,7 @@ def _fused_norm_rope_kernel(
     ik_ptr, stride_ik, ik_w_ptr, ik_b_ptr,  # indexer key [T, D_I] (wk output), LayerNorm weight/bias
     icache_ptr, stride_islot,  # indexer-key cache viewed as [NB * BS, D_I]
     pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_cs,  # positions [T], slot_mapping [T], cos/sin [P, ROPE/2]
-    rms_eps, ln_eps,
+    rms_eps, ln_eps, n_slots, n_pos,  # bounds: slots in [0, NB * BS), positions in [0, P)
     Q_LORA: tl.constexpr, BLOCK_Q: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
     D_I: tl.constexpr, HAS_INDEXER: tl.constexpr, INDEXER_INTERLEAVED: tl.constexpr,
 ):
@@ -65,7 +66,9 @@ def _fused_norm_rope_kernel(
     wq = tl.load(q_norm_w_ptr + oq, mask=mq, other=0.0)
     tl.store(q_c_out_ptr + t * stride_qo + oq, (wq * x.to(wq.dtype)).to(q_c_out_ptr.dtype.element_ty), mask=mq)
 
-    if slot >= 0:
+    # A slot outside the cache, or a position outside cos/sin, writes nothing (as a padding token's -1 slot);
+    # the launcher's debug mode (dsv32ref.checks.checking_device_values) raises on them instead.
+    if (slot >= 0) & (slot < n_slots) & (pos >= 0) & (pos < n_pos):
         # latent row: [RMSNorm(c_kv) | RoPE_interleaved(k_pe)] straight into the paged cache
         ol = tl.arange(0, KV_LORA)
         c = tl.load(kv_ptr + t * stride_kv + ol).to(tl.float32)
@@ -105,32 +108,50 @@ def fused_norm_rope(
     indexed by positions [T]); slot_mapping int64 [T]; caches [NB, BS, width]. kv_lora, rope and D_I must be
     powers of two.
     """
-    T, q_lora = check_tensor("q_c", q_c, shape=(None, None)).shape
-    check_tensor("q_c_out", q_c_out, shape=(T, q_lora), dtype=q_c.dtype)
-    check_tensor("q_a_norm_weight", q_a_norm_weight, shape=(q_lora,))
-    nb, bs, width = check_tensor("latent_cache", latent_cache, shape=(None, None, None), contiguous=True).shape
-    check_tensor("kv", kv, shape=(T, width))
-    rope = 2 * check_tensor("cos", cos, shape=(None, None), dtype=torch.float32).shape[1]
-    check_tensor("sin", sin, shape=tuple(cos.shape), dtype=torch.float32)
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    T, q_lora = check_tensor("q_c", q_c, shape=(None, None), dtype=floats, dense_dims=1).shape
+    check_tensor("q_c_out", q_c_out, shape=(T, q_lora), dtype=q_c.dtype, dense_dims=1)
+    check_tensor("q_a_norm_weight", q_a_norm_weight, shape=(q_lora,), dtype=floats, dense_dims=1)
+    nb, bs, width = check_tensor("latent_cache", latent_cache, shape=(None, None, None), dtype=floats,
+                                 contiguous=True).shape
+    check_tensor("kv", kv, shape=(T, width), dtype=floats, dense_dims=1)
+    rope = 2 * check_tensor("cos", cos, shape=(None, None), dtype=torch.float32, dense_dims=1).shape[1]
+    if cos.shape[0] < 1:
+        raise ValueError(f"fused_norm_rope: cos/sin must hold at least one position, got shape {list(cos.shape)}")
+    check_tensor("sin", sin, shape=tuple(cos.shape), dtype=torch.float32, dense_dims=1)
+    if sin.stride() != cos.stride():
+        raise ValueError(f"fused_norm_rope: sin must have cos's strides {cos.stride()}, got {sin.stride()}")
     kv_lora = width - rope
-    check_tensor("kv_a_norm_weight", kv_a_norm_weight, shape=(kv_lora,))
-    check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32))
-    check_tensor("slot_mapping", slot_mapping, shape=(T,), dtype=(torch.int64, torch.int32))
+    if kv_lora <= 0:
+        raise ValueError(f"fused_norm_rope: latent_cache.shape[-1] ({width}) must exceed qk_rope_head_dim "
+                         f"(2 x cos.shape[1] = {rope})")
+    check_tensor("kv_a_norm_weight", kv_a_norm_weight, shape=(kv_lora,), dtype=floats, dense_dims=1)
+    check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
+    check_tensor("slot_mapping", slot_mapping, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
+    for name, v in (("rms_eps", rms_eps), ("ln_eps", ln_eps)):
+        check_scale(f"fused_norm_rope: {name}", v)
     has_indexer = index_k is not None
+    given = {"index_cache": index_cache, "k_norm_weight": k_norm_weight, "k_norm_bias": k_norm_bias}
+    if not has_indexer and any(v is not None for v in given.values()):
+        raise ValueError(f"fused_norm_rope: {[k for k, v in given.items() if v is not None]} given without index_k")
     d_i = 16
     if has_indexer:
-        d_i = check_tensor("index_k", index_k, shape=(T, None)).shape[1]
-        check_tensor("index_cache", index_cache, shape=(nb, bs, d_i), contiguous=True)
-        check_tensor("k_norm_weight", k_norm_weight, shape=(d_i,))
-        check_tensor("k_norm_bias", k_norm_bias, shape=(d_i,))
+        d_i = check_tensor("index_k", index_k, shape=(T, None), dtype=floats, dense_dims=1).shape[1]
+        check_tensor("index_cache", index_cache, shape=(nb, bs, d_i), dtype=floats, contiguous=True)
+        check_tensor("k_norm_weight", k_norm_weight, shape=(d_i,), dtype=floats, dense_dims=1)
+        check_tensor("k_norm_bias", k_norm_bias, shape=(d_i,), dtype=floats, dense_dims=1)
+        if d_i < rope:
+            raise ValueError(f"fused_norm_rope: index_head_dim ({d_i}) must be >= qk_rope_head_dim ({rope})")
     for name, v in (("kv_lora_rank", kv_lora), ("qk_rope_head_dim", rope), ("index_head_dim", d_i)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"fused_norm_rope: {name} must be a power of two, got {v}")
-    for name, x in (("q_c", q_c), ("kv", kv), ("q_c_out", q_c_out), ("index_k", index_k), ("cos", cos), ("sin", sin)):
-        if x is not None and x.stride(-1) != 1:
-            raise ValueError(f"fused_norm_rope: {name} must have a contiguous last dim, got strides {x.stride()}")
-    check_same_device(q_c=q_c, kv=kv, latent_cache=latent_cache, positions=positions, slot_mapping=slot_mapping,
-                      cos=cos, index_k=index_k, index_cache=index_cache)
+    check_same_device(q_c=q_c, q_a_norm_weight=q_a_norm_weight, q_c_out=q_c_out, kv=kv,
+                      kv_a_norm_weight=kv_a_norm_weight, latent_cache=latent_cache, positions=positions,
+                      slot_mapping=slot_mapping, cos=cos, sin=sin, index_k=index_k, k_norm_weight=k_norm_weight,
+                      k_norm_bias=k_norm_bias, index_cache=index_cache)
+    if device_value_checks_on():  # debug mode: syncs
+        check_range("positions", positions, 0, cos.shape[0], "cos.shape[0]")
+        check_range("slot_mapping", slot_mapping, -1, nb * bs, "-1 (padding) to num_blocks x block_size")
     if T == 0:
         return
     dummy = kv  # never dereferenced when HAS_INDEXER is False
@@ -140,7 +161,7 @@ def fused_norm_rope(
         index_k if has_indexer else dummy, index_k.stride(0) if has_indexer else 0,
         k_norm_weight if has_indexer else dummy, k_norm_bias if has_indexer else dummy,
         index_cache if has_indexer else dummy, d_i,
-        positions, slot_mapping, cos, sin, cos.stride(0), rms_eps, ln_eps,
+        positions, slot_mapping, cos, sin, cos.stride(0), rms_eps, ln_eps, nb * bs, cos.shape[0],
         Q_LORA=q_lora, BLOCK_Q=triton.next_power_of_2(q_lora), KV_LORA=kv_lora, ROPE=rope, D_I=d_i,
         HAS_INDEXER=has_indexer, INDEXER_INTERLEAVED=indexer_interleaved, num_warps=4,
     )

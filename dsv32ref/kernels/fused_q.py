@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_same_device, check_tensor
+from dsv32ref.checks import check_range, check_same_device, check_tensor, device_value_checks_on
 from dsv32ref.kernels.fused_norm_rope import _rope_pairs
 
 __all__ = ["fused_q"]
@@ -83,13 +83,15 @@ def _fused_q_kernel(
     qi_ptr, stride_it, stride_ih,  # indexer q [T, H_I, D_I] (wq_b output)
     qi_out_ptr, stride_ot, stride_oh,  # out [T, H_I, D_I]
     w_ptr, stride_wt, w_out_ptr, stride_wo,  # weights_proj output [T, H_I] fp32 -> scaled
-    pos_ptr, cos_ptr, sin_ptr, stride_cs, weight_scale, hadamard_scale, H, H_I,
+    pos_ptr, cos_ptr, sin_ptr, stride_cs, n_pos, weight_scale, hadamard_scale, H, H_I,
     NOPE: tl.constexpr, ROPE: tl.constexpr, D_LAT: tl.constexpr, D_I: tl.constexpr,
     INDEXER_INTERLEAVED: tl.constexpr, HAS_INDEXER: tl.constexpr, FP8: tl.constexpr, LOG2_D_I: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    pos = tl.load(pos_ptr + t)
+    # A position outside cos/sin [0, n_pos) is clamped into the table: never an out-of-bounds read, but that
+    # token's RoPE is then meaningless (the launcher's debug mode raises on it instead).
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), n_pos - 1)
     cos = cos_ptr + pos * stride_cs
     sin = sin_ptr + pos * stride_cs
     if h < H:
@@ -131,30 +133,43 @@ def fused_q(
     one ue8m0 scale s per head folded into weights_out (weights * index_n_heads^-1/2 * s), as DeepSeek's
     inference code does. fp8_round_trip(hadamard_transform(.)) in dsv32ref.reference is the same numerics.
     """
-    T, H, d_lat = check_tensor("q_lat", q_lat, shape=(None, None, None)).shape
-    rope = 2 * check_tensor("cos", cos, shape=(None, None), dtype=torch.float32).shape[1]
-    check_tensor("sin", sin, shape=tuple(cos.shape), dtype=torch.float32)
-    nope = check_tensor("q", q, shape=(T, H, None)).shape[2] - rope
-    check_tensor("q_mqa", q_mqa, shape=(T, H, d_lat + rope))
-    check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32))
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    T, H, d_lat = check_tensor("q_lat", q_lat, shape=(None, None, None), dtype=floats, dense_dims=1).shape
+    rope = 2 * check_tensor("cos", cos, shape=(None, None), dtype=torch.float32, dense_dims=1).shape[1]
+    if cos.shape[0] < 1:
+        raise ValueError(f"fused_q: cos/sin must hold at least one position, got shape {list(cos.shape)}")
+    check_tensor("sin", sin, shape=tuple(cos.shape), dtype=torch.float32, dense_dims=1)
+    if sin.stride() != cos.stride():
+        raise ValueError(f"fused_q: sin must have cos's strides {cos.stride()}, got {sin.stride()}")
+    nope = check_tensor("q", q, shape=(T, H, None), dtype=floats, dense_dims=1).shape[2] - rope
+    if nope < 0:
+        raise ValueError(f"fused_q: q.shape[-1] ({q.shape[2]}) must hold qk_nope_head_dim >= 0 plus "
+                         f"qk_rope_head_dim (2 x cos.shape[1] = {rope})")
+    check_tensor("q_mqa", q_mqa, shape=(T, H, d_lat + rope), dtype=floats, dense_dims=1)
+    check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
     has_indexer = q_idx is not None
+    given = {"q_idx_out": q_idx_out, "weights": weights, "weights_out": weights_out}
+    if not has_indexer and any(v is not None for v in given.values()):
+        raise ValueError(f"fused_q: {[k for k, v in given.items() if v is not None]} given without q_idx")
     h_i, d_i = 1, 16
     if has_indexer:
-        _, h_i, d_i = check_tensor("q_idx", q_idx, shape=(T, None, None)).shape
-        check_tensor("q_idx_out", q_idx_out, shape=(T, h_i, d_i), dtype=(q_idx.dtype, torch.float8_e4m3fn))
-        check_tensor("weights", weights, shape=(T, h_i), dtype=torch.float32)
-        check_tensor("weights_out", weights_out, shape=(T, h_i), dtype=torch.float32)
+        _, h_i, d_i = check_tensor("q_idx", q_idx, shape=(T, None, None), dtype=floats, dense_dims=1).shape
+        check_tensor("q_idx_out", q_idx_out, shape=(T, h_i, d_i), dtype=(q_idx.dtype, torch.float8_e4m3fn),
+                     dense_dims=1)
+        check_tensor("weights", weights, shape=(T, h_i), dtype=torch.float32, dense_dims=1)
+        check_tensor("weights_out", weights_out, shape=(T, h_i), dtype=torch.float32, dense_dims=1)
+        if d_i < rope:
+            raise ValueError(f"fused_q: index_head_dim ({d_i}) must be >= qk_rope_head_dim ({rope})")
     for name, v in (("kv_lora_rank", d_lat), ("qk_rope_head_dim", rope), ("index_head_dim", d_i)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"fused_q: {name} must be a power of two, got {v}")
-    for name, x in (("q_lat", q_lat), ("q", q), ("q_mqa", q_mqa), ("q_idx", q_idx), ("q_idx_out", q_idx_out)):
-        if x is not None and x.stride(-1) != 1:
-            raise ValueError(f"fused_q: {name} must have a contiguous last dim, got strides {x.stride()}")
+    if device_value_checks_on():  # debug mode: syncs
+        check_range("positions", positions, 0, cos.shape[0], "cos.shape[0]")
     fp8 = has_indexer and q_idx_out.dtype == torch.float8_e4m3fn
     if fp8 and d_i > 128:
         raise ValueError(f"fused_q: fp8 q_idx_out needs index_head_dim <= 128 (one scale per head), got {d_i}")
-    check_same_device(q_lat=q_lat, q=q, q_mqa=q_mqa, positions=positions, cos=cos, q_idx=q_idx, q_idx_out=q_idx_out,
-                      weights=weights, weights_out=weights_out)
+    check_same_device(q_lat=q_lat, q=q, q_mqa=q_mqa, positions=positions, cos=cos, sin=sin, q_idx=q_idx,
+                      q_idx_out=q_idx_out, weights=weights, weights_out=weights_out)
     if T == 0:
         return
     qi, qo, w, wo = (q_idx, q_idx_out, weights, weights_out) if has_indexer else (q, q, cos, cos)
@@ -163,7 +178,7 @@ def fused_q(
         q_mqa, q_mqa.stride(0), q_mqa.stride(1),
         qi, qi.stride(0), qi.stride(1), qo, qo.stride(0), qo.stride(1),
         w, w.stride(0), wo, wo.stride(0),
-        positions, cos, sin, cos.stride(0), h_i ** -0.5, d_i ** -0.5, H, h_i,
+        positions, cos, sin, cos.stride(0), cos.shape[0], h_i ** -0.5, d_i ** -0.5, H, h_i,
         NOPE=nope, ROPE=rope, D_LAT=d_lat, D_I=d_i, INDEXER_INTERLEAVED=indexer_interleaved,
         HAS_INDEXER=has_indexer, FP8=fp8, LOG2_D_I=d_i.bit_length() - 1, num_warps=4,
     )

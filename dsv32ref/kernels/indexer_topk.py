@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_same_device, check_tensor
+from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
+                             device_value_checks_on)
 
 __all__ = ["indexer_scores_paged", "topk_from_scores", "indexer_topk_paged"]
 
@@ -37,18 +38,23 @@ def _indexer_scores_kernel(
     block_table_ptr, stride_bt, req_ptr, pos_ptr,
     scores_ptr, stride_st,  # [T, S_MAX] fp32
     softmax_scale, block_size,
+    S_MAX, B, max_blocks, num_blocks,  # bounds: score width, requests, a block-table row, block ids (masked)
     H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
     s0 = tl.program_id(1) * BLOCK_S
-    n_visible = tl.load(pos_ptr + t) + 1  # causal: keys 0..position
+    # causal: keys 0..position, within the score row and what the block-table row can address; a request
+    # index outside [0, B) scores nothing (the launcher's debug mode raises on these instead)
+    req = tl.load(req_ptr + t)
+    n_visible = tl.minimum(tl.load(pos_ptr + t) + 1, tl.minimum(S_MAX, max_blocks * block_size))
+    n_visible = tl.where((req >= 0) & (req < B), n_visible, 0)
     if s0 < n_visible:
-        req = tl.load(req_ptr + t)
         offs_s = s0 + tl.arange(0, BLOCK_S)
         vis = offs_s < n_visible
         offs_h = tl.arange(0, H_I)
         offs_d = tl.arange(0, D)
         blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
+        vis = vis & (blk >= 0) & (blk < num_blocks)  # a key in a block outside the cache scores nothing
         k_ptrs = kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb + (offs_s % block_size)[:, None] * stride_ks + offs_d[None, :]
         k = tl.load(k_ptrs, mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
         q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :])  # (H_I, D)
@@ -130,22 +136,22 @@ def _select(vals, n, K, out_idx, out_val, src_idx, idx_base,
 
 
 @triton.jit
-def _topk_kernel(scores_ptr, stride_st, pos_ptr, out_ptr, stride_ot, K, BLOCK: tl.constexpr):
-    """One program per row: the top K of scores[t, :positions[t] + 1]."""
+def _topk_kernel(scores_ptr, stride_st, pos_ptr, out_ptr, stride_ot, K, S_MAX, BLOCK: tl.constexpr):
+    """One program per row: the top K of scores[t, :positions[t] + 1] (never past the row's S_MAX)."""
     t = tl.program_id(0)
-    n = (tl.load(pos_ptr + t) + 1).to(tl.int32)  # visible keys
+    n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)  # visible keys
     _select(scores_ptr + t * stride_st, n, K, out_ptr + t * stride_ot, out_ptr, out_ptr, 0,
             BLOCK=BLOCK, HAS_SRC_IDX=False, WRITE_VALS=False)
 
 
 @triton.jit
-def _topk_chunk_kernel(scores_ptr, stride_st, pos_ptr, cand_idx_ptr, cand_val_ptr, K, CHUNK,
+def _topk_chunk_kernel(scores_ptr, stride_st, pos_ptr, cand_idx_ptr, cand_val_ptr, K, CHUNK, S_MAX,
                        BLOCK: tl.constexpr):
     """Stage 1 of the split top-k (few long rows): the top K of each CHUNK of a row, with their values."""
     t = tl.program_id(0)
     c = tl.program_id(1)
     base = c * CHUNK
-    n = tl.minimum(tl.maximum((tl.load(pos_ptr + t) + 1).to(tl.int32) - base, 0), CHUNK)
+    n = tl.minimum(tl.maximum(tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32) - base, 0), CHUNK)
     cand = (t * tl.num_programs(1) + c) * K
     _select(scores_ptr + t * stride_st + base, n, K, cand_idx_ptr + cand, cand_val_ptr + cand, cand_idx_ptr, base,
             BLOCK=BLOCK, HAS_SRC_IDX=False, WRITE_VALS=True)
@@ -161,20 +167,25 @@ def _topk_merge_kernel(cand_idx_ptr, cand_val_ptr, n_cand, out_ptr, stride_ot, K
 
 
 def _check_common(q_idx, weights, index_cache, block_table, req_indices, positions):
-    T, H_I, D = check_tensor("q_idx", q_idx, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32)).shape
+    T, H_I, D = check_tensor("q_idx", q_idx, shape=(None, None, None),
+                             dtype=(torch.bfloat16, torch.float16, torch.float32), dense_dims=1).shape
     for name, v in (("index_n_heads", H_I), ("index_head_dim", D)):
-        if v & (v - 1):
+        if v <= 0 or v & (v - 1):
             raise ValueError(f"indexer_topk: {name} must be a power of two, got {v}")
-    check_tensor("weights", weights, shape=(T, H_I), dtype=torch.float32)
-    check_tensor("index_cache", index_cache, shape=(None, None, D), dtype=q_idx.dtype)
-    check_tensor("block_table", block_table, shape=(None, None), dtype=torch.int32)
-    check_tensor("req_indices", req_indices, shape=(T,), dtype=torch.int32)
-    check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32))
-    for name, x in (("q_idx", q_idx), ("weights", weights), ("index_cache", index_cache)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"indexer_topk: {name} must have a contiguous last dim, got strides {x.stride()}")
+    check_tensor("weights", weights, shape=(T, H_I), dtype=torch.float32, dense_dims=1)
+    check_tensor("index_cache", index_cache, shape=(None, None, D), dtype=q_idx.dtype, dense_dims=1)
+    B = check_tensor("block_table", block_table, shape=(None, None), dtype=torch.int32, dense_dims=1).shape[0]
+    check_tensor("req_indices", req_indices, shape=(T,), dtype=torch.int32, dense_dims=1)
+    check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
     check_same_device(q_idx=q_idx, weights=weights, index_cache=index_cache, block_table=block_table,
                       req_indices=req_indices, positions=positions)
+    if device_value_checks_on():  # debug mode: syncs
+        nb, bs = index_cache.shape[:2]
+        check_range("req_indices", req_indices, 0, B, "block_table.shape[0]")
+        check_range("positions", positions, 0, block_table.shape[1] * bs, "block_table.shape[1] x block_size")
+        for t, (r, p) in enumerate(zip(req_indices.tolist(), positions.tolist())):
+            check_range(f"block_table[{r}] (the blocks of token {t})", block_table[r, : p // bs + 1], 0, nb,
+                        "index_cache.shape[0]")
     return T, H_I, D
 
 
@@ -186,7 +197,10 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     entries past a token's position are left untouched). S_MAX must exceed every position.
     """
     T, H_I, D = _check_common(q_idx, weights, index_cache, block_table, req_indices, positions)
-    check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device)
+    check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
+    check_scale("indexer_scores_paged: softmax_scale", softmax_scale)
+    if device_value_checks_on():
+        check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if T:
         grid = (T, triton.cdiv(scores.shape[1], block_s))
         _indexer_scores_kernel[grid](
@@ -194,6 +208,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
             index_cache, index_cache.stride(0), index_cache.stride(1),
             block_table, block_table.stride(0), req_indices, positions, scores, scores.stride(0),
             softmax_scale, index_cache.shape[1],
+            scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
             H_I=H_I, D=D, BLOCK_S=block_s, PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
             num_warps=num_warps,
         )
@@ -208,23 +223,28 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
     leave the GPU idle: each row is cut into `chunk`-long pieces selected in parallel, then merged.
     The choice depends only on the shapes, so it is fixed within a captured graph.
     """
-    T = check_tensor("scores", scores, shape=(None, None), dtype=torch.float32).shape[0]
-    check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), device=scores.device)
-    K = check_tensor("out", out, shape=(T, None), dtype=torch.int32, device=scores.device).shape[1]
-    if scores.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("topk_from_scores: scores and out must have a contiguous last dim")
+    T = check_tensor("scores", scores, shape=(None, None), dtype=torch.float32, dense_dims=1).shape[0]
+    check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), device=scores.device,
+                 dense_dims=1)
+    K = check_tensor("out", out, shape=(T, None), dtype=torch.int32, device=scores.device, dense_dims=1).shape[1]
+    for name, v in (("block", block), ("chunk", chunk), ("num_warps", num_warps)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"topk_from_scores: {name} must be a power of two, got {v!r}")
+    if device_value_checks_on():
+        check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if chunk < K:
         raise ValueError(f"topk_from_scores: chunk ({chunk}) must be >= the top-k width ({K})")
     if T == 0:
         return out
     n_chunks = triton.cdiv(scores.shape[1], chunk)
     if T >= split_below_rows or n_chunks <= 2:
-        _topk_kernel[(T,)](scores, scores.stride(0), positions, out, out.stride(0), K, BLOCK=block, num_warps=num_warps)
+        _topk_kernel[(T,)](scores, scores.stride(0), positions, out, out.stride(0), K, scores.shape[1], BLOCK=block,
+                           num_warps=num_warps)
         return out
     cand_idx = torch.empty(T, n_chunks, K, dtype=torch.int32, device=scores.device)
     cand_val = torch.empty(T, n_chunks, K, dtype=torch.float32, device=scores.device)
     _topk_chunk_kernel[(T, n_chunks)](scores, scores.stride(0), positions, cand_idx, cand_val, K, chunk,
-                                      BLOCK=block, num_warps=num_warps)
+                                      scores.shape[1], BLOCK=block, num_warps=num_warps)
     _topk_merge_kernel[(T,)](cand_idx, cand_val, n_chunks * K, out, out.stride(0), K, BLOCK=block, num_warps=num_warps)
     return out
 

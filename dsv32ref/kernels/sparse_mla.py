@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_same_device, check_tensor
+from dsv32ref.checks import (check_keys, check_range, check_same_device, check_scale, check_tensor,
+                             device_value_checks_on)
 
 __all__ = ["sparse_mla_paged", "DEFAULT_CONFIG"]
 
@@ -42,12 +43,14 @@ SLOT_CHUNK = tl.constexpr(2048)  # top-k entries resolved to cache rows per step
 
 
 @triton.jit
-def _key_rows(idx_row_ptr, offs_n, K, seq_len, bt_row_ptr, block_size, stride_cb, stride_cs):
-    """Top-k slots offs_n of one token -> (element offsets of their latent rows int64, valid mask)."""
+def _key_rows(idx_row_ptr, offs_n, K, seq_len, bt_row_ptr, block_size, stride_cb, stride_cs, num_blocks):
+    """Top-k slots offs_n of one token -> (element offsets of their latent rows int64, valid mask). A block id
+    outside [0, num_blocks) makes its key invalid (never read)."""
     idx = tl.load(idx_row_ptr + offs_n, mask=offs_n < K, other=-1)
     valid = (idx >= 0) & (idx < seq_len)
     pos = tl.where(valid, idx, 0)
     blk = tl.load(bt_row_ptr + pos // block_size, mask=valid, other=0)
+    valid = valid & (blk >= 0) & (blk < num_blocks)
     return blk.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs, valid
 
 
@@ -82,6 +85,7 @@ def _sparse_mla_kernel(
     slots_ptr,  # with SLOTS: int32 workspace [T, K], each key's row in the flattened cache (-1: skip)
     sm_scale_log2,  # sm_scale * log2(e): softmax in base 2
     H, K, block_size,
+    B, max_blocks, num_blocks,  # bounds of req_indices, of a block-table row, of block ids (masked, never read)
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, Q_RELOAD: tl.constexpr,
@@ -98,7 +102,10 @@ def _sparse_mla_kernel(
         dv0 = tl.program_id(2) * BLOCK_DV
     h_mask = offs_h < H
     req = tl.load(req_ptr + t)
-    seq_len = tl.load(seq_lens_ptr + req)
+    # A request index outside [0, B) attends to nothing; a sequence longer than its block-table row (or
+    # negative) is cut to what the row can address.
+    seq_len = tl.load(seq_lens_ptr + req, mask=(req >= 0) & (req < B), other=0)
+    seq_len = tl.maximum(tl.minimum(seq_len, max_blocks * block_size), 0)
     # With VALID_FIRST the caller promises the valid indices come first (the indexer's output): at most
     # seq_len of the K slots need visiting. A short prompt then skips most of the 2048 slots.
     k_end = tl.minimum(K, seq_len) if VALID_FIRST else K
@@ -134,13 +141,14 @@ def _sparse_mla_kernel(
             ok = (idx >= 0) & (idx < seq_len)
             pos = tl.where(ok, idx, 0)
             blk = tl.load(bt_row_ptr + pos // block_size, mask=ok, other=0)
+            ok = ok & (blk >= 0) & (blk < num_blocks)
             tl.store(slots_row_ptr + offs_k, tl.where(ok, blk * block_size + pos % block_size, -1), mask=offs_k < k_stop)
         tl.debug_barrier()  # this program's writes are visible to all its threads
         if PREFETCH:
             row, valid = _slot_rows(slots_row_ptr, it0 * BLOCK_N + offs_n, k_end, stride_cs)
     elif PREFETCH:
         row, valid = _key_rows(idx_row_ptr, it0 * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr, block_size,
-                               stride_cb, stride_cs)
+                               stride_cb, stride_cs, num_blocks)
     for it in tl.range(it0, it1):
         # Rows of this step's keys; with PREFETCH they were resolved last step, and the next step's are now.
         if SLOTS and PREFETCH:
@@ -149,10 +157,10 @@ def _sparse_mla_kernel(
             row, valid = _slot_rows(slots_row_ptr, it * BLOCK_N + offs_n, k_end, stride_cs)
         elif PREFETCH:
             row_next, valid_next = _key_rows(idx_row_ptr, (it + 1) * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr,
-                                             block_size, stride_cb, stride_cs)
+                                             block_size, stride_cb, stride_cs, num_blocks)
         else:
             row, valid = _key_rows(idx_row_ptr, it * BLOCK_N + offs_n, k_end, seq_len, bt_row_ptr, block_size,
-                                   stride_cb, stride_cs)
+                                   stride_cb, stride_cs, num_blocks)
         if Q_RELOAD:  # re-read q from L1/L2 each step instead of holding it in registers
             q_lat = tl.load(q_row + offs_lat[None, :], mask=h_mask[:, None], other=0.0)
             q_pe = tl.load(q_row + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0)
@@ -244,6 +252,8 @@ def _num_sms(index: int | None) -> int:
 # next step's rows one step ahead pays; and without SPLIT_QK half of the QK^T MMAs are repeats.
 DEFAULT_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, BLOCK_DV=512, num_warps=8, num_stages=2, Q_RELOAD=True,
                       SLOTS=True, PREFETCH=True, SPLIT_QK=True)
+CONFIG_KEYS = ("BLOCK_H", "BLOCK_N", "BLOCK_DV", "num_warps", "num_stages", "Q_RELOAD", "SLOTS", "PREFETCH",
+               "SPLIT_QK", "NUM_SPLITS")
 # fp32 tiles take twice the shared memory: smaller key tiles, no multi-stage buffering.
 FP32_CONFIG = dict(BLOCK_H=32, BLOCK_N=16, BLOCK_DV=512, num_warps=4, num_stages=1, Q_RELOAD=False,
                    SLOTS=True, PREFETCH=False, SPLIT_QK=False)
@@ -281,25 +291,34 @@ def sparse_mla_paged(
     partial results are merged by a second launch; the split count depends only on shapes, so it is fixed
     within a captured graph. `num_sms`: the SMs to fill (default: the device's; 4 for CPU tensors). With SLOTS (the default) each call also allocates an int32 [T, K] workspace.
     """
-    T, H, D = check_tensor("q", q, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32)).shape
+    T, H, D = check_tensor("q", q, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32),
+                           dense_dims=1).shape
+    check_keys("sparse_mla_paged: config", config, CONFIG_KEYS)
     cfg = dict(FP32_CONFIG if q.dtype == torch.float32 else DEFAULT_CONFIG, **(config or {}))
-    d_lat = check_tensor("out", out, shape=(T, H, None), dtype=q.dtype).shape[-1]
+    d_lat = check_tensor("out", out, shape=(T, H, None), dtype=q.dtype, dense_dims=1).shape[-1]
     d_rope = D - d_lat
     for name, v in (("kv_lora_rank (out.shape[-1])", d_lat), ("qk_rope_head_dim (q.shape[-1] - out.shape[-1])", d_rope)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"sparse_mla_paged: {name} must be a power of two, got {v}")
-    check_tensor("latent_cache", latent_cache, shape=(None, None, D), dtype=q.dtype)
-    B = check_tensor("seq_lens", seq_lens, shape=(None,), dtype=torch.int32).shape[0]
-    check_tensor("block_table", block_table, shape=(B, None), dtype=torch.int32)
-    check_tensor("req_indices", req_indices, shape=(T,), dtype=torch.int32)
-    check_tensor("topk_indices", topk_indices, shape=(T, None), dtype=torch.int32)
+    check_tensor("latent_cache", latent_cache, shape=(None, None, D), dtype=q.dtype, dense_dims=1)
+    B = check_tensor("seq_lens", seq_lens, shape=(None,), dtype=torch.int32, dense_dims=1).shape[0]
+    check_tensor("block_table", block_table, shape=(B, None), dtype=torch.int32, dense_dims=1)
+    check_tensor("req_indices", req_indices, shape=(T,), dtype=torch.int32, dense_dims=1)
+    check_tensor("topk_indices", topk_indices, shape=(T, None), dtype=torch.int32, dense_dims=1)
     if lse is not None:
-        check_tensor("lse", lse, shape=(T, H), dtype=torch.float32)
+        check_tensor("lse", lse, shape=(T, H), dtype=torch.float32, dense_dims=1)
+    check_scale("sparse_mla_paged: sm_scale", sm_scale)
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
+        raise ValueError(f"sparse_mla_paged: num_sms must be None or an int >= 1, got {num_sms!r}")
+    if device_value_checks_on():  # debug mode (dsv32ref.checks.checking_device_values): syncs
+        check_range("req_indices", req_indices, 0, B, "seq_lens.shape[0]")
+        nb, bs = latent_cache.shape[:2]
+        check_range("seq_lens", seq_lens, 0, block_table.shape[1] * bs + 1, "block_table.shape[1] x block_size + 1")
+        for b, n in enumerate(seq_lens.tolist()):
+            check_range(f"block_table[{b}] (its first {-(-n // bs)} blocks)", block_table[b, : -(-n // bs)], 0, nb,
+                        "latent_cache.shape[0]")
     check_same_device(q=q, latent_cache=latent_cache, block_table=block_table, req_indices=req_indices,
                       seq_lens=seq_lens, topk_indices=topk_indices, out=out, lse=lse)
-    for name, t in (("q", q), ("latent_cache", latent_cache), ("out", out), ("topk_indices", topk_indices)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"sparse_mla_paged: {name} must have a contiguous last dim, got strides {t.stride()}")
     if cfg["SPLIT_QK"] and not cfg["Q_RELOAD"]:
         raise ValueError("sparse_mla_paged: SPLIT_QK needs Q_RELOAD=True (triton 3.6's software pipeliner fails "
                          "on a loop-invariant query tile beside the branch; compile_sm90 in "
@@ -344,6 +363,7 @@ def sparse_mla_paged(
         l_arg, l_s0,
         slots,
         sm_scale * math.log2(math.e), H, K, latent_cache.shape[1],
+        B, block_table.shape[1], latent_cache.shape[0],
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=block_dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q_RELOAD=cfg["Q_RELOAD"],
         NUM_SPLITS=splits, VALID_FIRST=valid_first,

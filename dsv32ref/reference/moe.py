@@ -37,8 +37,11 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
+        # fp32 whatever the default dtype (the engine builds its model under a bf16 default)
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32),
+                                                    requires_grad=False)
 
     def _apply(self, fn, recurse=True):
         # The released checkpoints keep the correction bias in fp32 (it shifts near-tied choices):
@@ -51,21 +54,28 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (expert ids int64 [T, k], weights fp32 [T, k])."""
-        c = self.config
-        dt = torch.promote_types(x.dtype, torch.float32)
-        s = torch.sigmoid(F.linear(x.to(dt), self.weight.to(dt)))  # (T, E)
-        choice = s + self.e_score_correction_bias.to(dt)
-        groups = choice.view(x.shape[0], c.n_group, -1)  # (T, G, E/G)
-        if c.n_group > 1:
-            group_score = groups.topk(2, dim=-1).values.sum(-1)  # (T, G)
-            keep = group_score.topk(c.topk_group, dim=-1).indices
-            group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-            choice = groups.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
-        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices  # (T, k)
-        weights = s.gather(1, ids)
-        if c.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * c.routed_scaling_factor
+        return route(self.config, x, self.weight, self.e_score_correction_bias)
+
+
+def route(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek-V3 router (module docstring): x [T, hidden], weight [E, hidden], bias [E] -> (expert ids
+    int64 [T, k], weights [T, k] in fp32 or wider). The one implementation, used by the engine's MoE too."""
+    c = config
+    dt = torch.promote_types(x.dtype, torch.float32)
+    s = torch.sigmoid(F.linear(x.to(dt), weight.to(dt)))  # (T, E)
+    choice = s + e_score_correction_bias.to(dt)
+    groups = choice.view(x.shape[0], c.n_group, -1)  # (T, G, E/G)
+    if c.n_group > 1:
+        group_score = groups.topk(2, dim=-1).values.sum(-1)  # (T, G)
+        keep = group_score.topk(c.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = groups.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
+    ids = choice.topk(c.num_experts_per_tok, dim=-1).indices  # (T, k)
+    weights = s.gather(1, ids)
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * c.routed_scaling_factor
 
 
 class MoE(nn.Module):
