@@ -60,15 +60,18 @@ def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple
 
 def _open_shards(path: str) -> dict[str, str]:
     """tensor name -> shard file, from the index json or the single file."""
-    from safetensors import safe_open
-
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
         with open(index) as f:
             try:
                 weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{INDEX_FILE}: no readable weight_map ({e!r})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v and os.path.basename(v) == v
+                for k, v in weight_map.items()):
+            raise ValueError(f"{INDEX_FILE}: weight_map must map tensor names to shard file names in the same "
+                             f"folder, got {str(weight_map)[:200]}")
         missing_files = sorted({fn for fn in weight_map.values() if not os.path.exists(os.path.join(path, fn))})
         if missing_files:
             raise ValueError(f"{INDEX_FILE}: shards listed but absent: {missing_files}")
@@ -76,8 +79,17 @@ def _open_shards(path: str) -> dict[str, str]:
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.exists(single):
         raise ValueError(f"checkpoint {path!r}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+    return {name: single for name in _safe_keys(single)}
+
+
+def _safe_keys(file: str) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"{os.path.basename(file)}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
@@ -90,42 +102,69 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     from safetensors import safe_open
 
     path = os.fspath(path)
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: expected a float dtype for the model, got {dtype}")
     config = ModelConfig.from_hf(path)
-    block = tuple((config.extra.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+    block = (config.extra.get("quantization_config") or {}).get("weight_block_size", (128, 128))
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"config.json: quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    block = tuple(block)
     where = _open_shards(path)
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config, form, deployed_numerics)
     model = model.to(dtype).to_empty(device=device)  # RotaryEmbedding recomputes its frequencies here
     expected = model.state_dict()
 
-    names = set()
+    names, problems = set(), []
+    mtp = range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers)
     for name in where:
         m = _LAYER.match(name)
         if m and int(m.group(1)) >= config.num_hidden_layers:
-            continue  # MTP (next-token prediction) layers: not part of the causal LM
-        if not name.endswith("_scale_inv"):
+            if int(m.group(1)) in mtp:
+                continue  # MTP (next-token prediction) layers: not part of the causal LM
+            problems.append(f"unexpected: {name} (layer {m.group(1)}: the config has {config.num_hidden_layers} "
+                            f"layers and {config.num_nextn_predict_layers} MTP layers)")
+            continue
+        if name.endswith("_scale_inv"):
+            if name[: -len("_scale_inv")] not in where:
+                problems.append(f"unexpected: {name} (no weight {name[: -len('_scale_inv')]} beside it)")
+        else:
             names.add(name)
-    problems = []
     problems += [f"missing: {n}" for n in sorted(set(expected) - names)]
     problems += [f"unexpected: {n}" for n in sorted(names - set(expected))]
     handles: dict[str, object] = {}
 
     def read(name: str) -> torch.Tensor:
         file = where[name]
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt")
-        return handles[file].get_tensor(name)
+        try:
+            if file not in handles:
+                handles[file] = safe_open(file, framework="pt")
+            return handles[file].get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"{os.path.basename(file)}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
 
+    floats = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     loaded = {}
     for name in sorted(names & set(expected)):
         t = read(name)
+        scale_name = name + "_scale_inv"
+        if t.dtype not in floats + (torch.float8_e4m3fn,):
+            problems.append(f"wrong dtype: {name}: {t.dtype} (expected a float type or float8_e4m3fn)")
+            continue
+        if t.dtype != torch.float8_e4m3fn and scale_name in where:
+            problems.append(f"unexpected: {scale_name} beside a {t.dtype} weight (scales belong to fp8 weights)")
+            continue
         if t.dtype == torch.float8_e4m3fn:
-            scale_name = name + "_scale_inv"
             if scale_name not in where:
                 problems.append(f"missing: {scale_name} (for fp8 tensor {name})")
                 continue
+            scale = read(scale_name)
+            if scale.dtype not in floats:
+                problems.append(f"wrong dtype: {scale_name}: {scale.dtype} (expected a float type)")
+                continue
             try:
-                t = dequantize_fp8_blocks(t, read(scale_name), block)
+                t = dequantize_fp8_blocks(t, scale, block)
             except ValueError as e:
                 problems.append(f"mis-shaped: {scale_name}: {e}")
                 continue

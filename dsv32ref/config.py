@@ -18,12 +18,19 @@ __all__ = ["ModelConfig", "PRESETS", "indexer_types_from_schedule"]
 _INDEXER_TYPES = ("full", "shared")
 
 
+def _finite_positive(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+
+
 def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
     """IndexShare schedule (GLM-5.2): layer i runs its own indexer iff max(i - offset + 1, 0) % freq == 0.
 
     The other layers ("shared") reuse the top-k of the closest earlier "full" layer.
     """
-    freq = max(int(freq), 1)
+    for name, v, low in (("index_topk_freq", freq, 1), ("index_skip_topk_offset", offset, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"config: {name} must be an int >= {low}, got {v!r}")
     return tuple(
         "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)
     )
@@ -114,15 +121,42 @@ class ModelConfig:
                 f"ModelConfig.num_experts_per_tok: {self.num_experts_per_tok} experts cannot be chosen "
                 f"from topk_group={self.topk_group} groups of {per_group}"
             )
-        if not self.rope_theta > 0:
-            raise ValueError(f"ModelConfig.rope_theta: expected > 0, got {self.rope_theta}")
+        for name in ("rope_theta", "routed_scaling_factor", "rms_norm_eps"):
+            _finite_positive(f"ModelConfig.{name}", getattr(self, name))
+        for name in ("max_position_embeddings",):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name}: expected a positive int, got {value!r}")
+        if (not isinstance(self.num_nextn_predict_layers, int) or isinstance(self.num_nextn_predict_layers, bool)
+                or self.num_nextn_predict_layers < 0):
+            raise ValueError(f"ModelConfig.num_nextn_predict_layers: expected an int >= 0, got "
+                             f"{self.num_nextn_predict_layers!r}")
+        for name in ("indexer_rope_interleave", "norm_topk_prob"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            if not isinstance(rs, dict):
+                raise ValueError(f"ModelConfig.rope_scaling: expected None or a dict, got {rs!r}")
+            kind = rs.get("type", rs.get("rope_type", "yarn"))
+            if kind != "yarn":
+                raise ValueError(f"ModelConfig.rope_scaling.type: expected 'yarn' (or no rope_scaling), got {kind!r}")
             required = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
-            missing = [k for k in required if k not in self.rope_scaling]
+            missing = [k for k in required if k not in rs]
             if missing:
-                raise ValueError(f"ModelConfig.rope_scaling: YaRN needs {missing}, got {self.rope_scaling}")
-            if self.rope_scaling["factor"] < 1:
-                raise ValueError(f"ModelConfig.rope_scaling.factor: expected >= 1, got {self.rope_scaling}")
+                raise ValueError(f"ModelConfig.rope_scaling: YaRN needs {missing}, got {rs}")
+            for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+                _finite_positive(f"ModelConfig.rope_scaling.{key}", rs[key])
+            for key in ("mscale", "mscale_all_dim"):
+                if key in rs and rs[key] is not None:
+                    v = rs[key]
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                        raise ValueError(f"ModelConfig.rope_scaling.{key}: expected a finite number >= 0, got {v!r}")
+            if rs["factor"] < 1:
+                raise ValueError(f"ModelConfig.rope_scaling.factor: expected >= 1, got {rs}")
+            if rs["beta_fast"] < rs["beta_slow"]:
+                raise ValueError(f"ModelConfig.rope_scaling: beta_fast ({rs['beta_fast']}) must be >= beta_slow "
+                                 f"({rs['beta_slow']})")
         if self.indexer_types is not None:
             object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
             if len(self.indexer_types) != self.num_hidden_layers:

@@ -63,6 +63,11 @@ def test_bf16_load_and_mtp_layers_skipped(tmp_path, seed):
     tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(4, 4)  # an MTP layer's tensor
     tensors[f"model.layers.{n}.self_attn.q_a_proj.weight"] = torch.zeros(4, 4)
     save_file(tensors, tmp_path / "model.safetensors")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ValueError, match=rf"unexpected: model.layers.{n}.eh_proj.weight \(layer {n}: the config "
+                                         rf"has {n} layers and 0 MTP layers\)"):
+        load_pretrained(tmp_path)  # a layer past the config is not silently an MTP layer
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
     loaded = load_pretrained(tmp_path)  # bf16 by default
     assert loaded.lm_head.weight.dtype == torch.bfloat16
     assert loaded.model.layers[3].mlp.gate.e_score_correction_bias.dtype == torch.float32
