@@ -228,3 +228,65 @@ def test_gpu_idle_time_from_kernel_intervals():
     assert span_us(iv) == 31
     assert idle_time_us(iv) == (20 - 12) + (30 - 26)
     assert idle_time_us([]) == 0
+
+
+def test_cpu_stand_in_applies_in_place_ops_once_during_capture():
+    """As on a GPU (capture runs nothing, each segment is replayed once at its end), an in-place op before an
+    eager break reaches the eager region once during capture, not twice."""
+    from dsv32ref.graphs.emulated import RecordingBackend
+
+    @eager_break(name="read")
+    def read(x, out):
+        out.copy_(x)
+        return out
+
+    x, out = torch.zeros(3), torch.empty(3)
+
+    def step():
+        x.add_(1.0)
+        read(x, out)
+        x.mul_(2.0)
+
+    with BreakableCapture(RecordingBackend()) as cap:
+        step()
+    assert out.tolist() == [1.0] * 3 and x.tolist() == [2.0] * 3  # what a GPU capture leaves
+    x.zero_()
+    cap.graph.replay()
+    assert out.tolist() == [1.0] * 3 and x.tolist() == [2.0] * 3
+    cap.graph.replay()
+    assert out.tolist() == [3.0] * 3 and x.tolist() == [6.0] * 3
+
+
+def test_tensors_nested_in_containers_are_held_weakly_and_checked():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Meta:
+        scale: torch.Tensor
+        n: int
+
+    @eager_break(name="nested")
+    def nested(bufs, meta, out):
+        out.copy_(bufs["a"] * meta.scale + bufs["b"][0])
+        return {"out": out}
+
+    log.clear()
+    a, b, scale, out = torch.ones(4), torch.full((4,), 2.0), torch.tensor(3.0), torch.empty(4)
+    refs = [weakref.ref(t) for t in (a, b, scale)]
+    with BreakableCapture(FakeBackend(log)) as cap:
+        nested({"a": a, "b": [b]}, Meta(scale, 1), out)
+    assert out.tolist() == [5.0] * 4
+    (_, call), = [e for e in cap.graph.entries if e[0] == "eager"]
+    held = call.args
+    assert isinstance(held[1], Meta) and held[1].n == 1 and held[1].scale is not scale  # an alias, not the tensor
+    del a, b, scale
+    gc.collect()
+    assert all(r() is None for r in refs)  # nothing the capture holds keeps them alive
+
+    @eager_break(name="fresh")
+    def fresh(x):
+        return [x, {"new": x * 2}]  # a tensor allocated inside the region, nested in the output
+
+    with pytest.raises(CaptureError, match=r"eager region 'fresh' returned a tensor of shape \[4\]"):
+        with BreakableCapture(FakeBackend(log)):
+            fresh(torch.ones(4))

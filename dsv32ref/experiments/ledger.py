@@ -91,6 +91,8 @@ def _count_triton_launches(ledger: PredictedLedger):
 class _CountingBackend:
     """Stand-in graph backend: segments are counted, nothing is captured (ops run for real on the CPU)."""
 
+    runs_ops_during_capture = True
+
     class _G:
         def replay(self):
             pass

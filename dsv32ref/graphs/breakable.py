@@ -20,6 +20,8 @@ How the serving engine does it (and this module, in its own words):
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass, field
@@ -88,9 +90,33 @@ def weak_alias(t: torch.Tensor) -> torch.Tensor:
     return alias.view(t.dtype)
 
 
+def _map_tensors(obj, fn):
+    """obj with every tensor inside it (also nested in lists, tuples, dicts and dataclass instances)
+    replaced by fn(tensor); containers are rebuilt, the rest is kept as is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        items = [_map_tensors(o, fn) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # namedtuples too
+    if isinstance(obj, dict):
+        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, _map_tensors(getattr(obj, f.name), fn))
+        return new
+    return obj
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_tensors(obj, lambda t: found.append(t) or t)
+    return found
+
+
 def _alias_args(args: tuple, kwargs: dict):
-    conv = lambda a: weak_alias(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
-    return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+    """Non-owning aliases of every tensor argument, nested ones included (vLLM holds them weakly too)."""
+    return _map_tensors(tuple(args), weak_alias), _map_tensors(dict(kwargs), weak_alias)
 
 
 # ---- graph backends ------------------------------------------------------------------------------------
@@ -234,7 +260,11 @@ class BreakableCapture:
         g, self._open = self._open, None
         self.backend.end(g)
         self.graph.entries.append(("graph", g))
-        g.replay()  # run the captured work once, so the eager region that follows sees real inputs
+        # Run the captured work once, so the eager region that follows sees real inputs. A backend whose ops
+        # already ran while they were recorded (the CPU stand-in) must not run them a second time: an in-place
+        # op would then be applied twice, unlike on a GPU, where capture runs nothing.
+        if not getattr(self.backend, "runs_ops_during_capture", False):
+            g.replay()
 
     def run_eager(self, fn: Callable, name: str, args: tuple, kwargs: dict):
         self._close_segment()
@@ -247,18 +277,13 @@ class BreakableCapture:
 
 
 def _storages(objs) -> set[int]:
-    ptrs = set()
-    for o in objs:
-        if isinstance(o, torch.Tensor) and o.numel():
-            ptrs.add(o.untyped_storage().data_ptr())
-    return ptrs
+    return {t.untyped_storage().data_ptr() for t in _tensors(objs) if t.numel()}
 
 
 def _check_no_new_tensors(name: str, out: Any, args: tuple, kwargs: dict) -> None:
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    known = _storages(list(args) + list(kwargs.values()))
-    for o in outs:
-        if isinstance(o, torch.Tensor) and o.numel() and o.untyped_storage().data_ptr() not in known:
+    known = _storages((args, kwargs))
+    for o in _tensors(out):  # nested in containers too
+        if o.numel() and o.untyped_storage().data_ptr() not in known:
             raise CaptureError(
                 f"eager region {name!r} returned a tensor of shape {list(o.shape)} that it allocated itself: "
                 f"under a breakable graph it would live at a new address on every replay. Write into a "

@@ -7,8 +7,9 @@ records every kernel-launching aten op and every Triton launch with the very ten
 record nothing, as in a real graph. Eager regions are not recorded: BreakableCapture runs them between
 segments, as it does on a GPU.
 
-Ops run during capture too (a GPU capture does not run them); the replay at each segment's end recomputes
-the same values, so the difference is invisible to the model.
+Ops run while they are recorded (a GPU capture runs none), which gives the values a GPU's capture gives by
+replaying each segment once at its end: the capture skips that replay for this backend
+(`runs_ops_during_capture`), so an in-place op is applied once, as on a GPU.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def _quiet(launch, a, k):
 
 class RecordingBackend:
     """Graph backend for BreakableCapture on the CPU (see the module docstring)."""
+
+    runs_ops_during_capture = True
 
     def __init__(self):
         self._mode = None
