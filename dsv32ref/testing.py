@@ -75,14 +75,17 @@ def _idx(flat: int, shape) -> tuple[int, ...]:
 
 
 def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
-            rtol: float = 2.0, atol: float = 2.0, row_dims: int = 1) -> Comparison:
+            rtol: float = 2.0, atol: float = 2.0, row_dims: int = 1, precision: torch.dtype | None = None
+            ) -> Comparison:
     """Compare `got` with `expected` element by element (see the module docstring). `dtype`: the dtype `got`
-    must have (default: expected's). Tolerances are in units of eps(dtype)."""
+    must have (default: expected's). Tolerances are in units of eps(precision), precision defaulting to
+    dtype (e.g. fp32 logits of a bf16 model: dtype=torch.float32, precision=torch.bfloat16)."""
     for n, t in (("got", got), ("expected", expected)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"compare({name!r}): {n}: expected a torch.Tensor, got {type(t).__name__}")
     want_dtype = expected.dtype if dtype is None else dtype
-    unit = eps(want_dtype)
+    unit_dtype = want_dtype if precision is None else precision
+    unit = eps(unit_dtype)
     if not 0 <= row_dims <= got.dim():
         raise ValueError(f"compare({name!r}): row_dims must lie in [0, {got.dim()}], got {row_dims}")
 
@@ -125,7 +128,7 @@ def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torc
              f" = {worst:.3g} x the allowed {allowed.flatten()[flat].item():.3g}")
     else:
         w = "no elements"
-    tol = f"tolerance eps({want_dtype}) x ({rtol:g} |expected| + {atol:g} row max)"
+    tol = f"tolerance eps({unit_dtype}) x ({rtol:g} |expected| + {atol:g} row max)"
     if n_bad:
         return Comparison(name, False, f"{name}: {n_bad} element(s) in {rows_bad} of {nrows} row(s) out of {tol}; {w}",
                           worst, n_bad, rows_bad, nrows)

@@ -5,6 +5,7 @@ import torch
 
 from dsv32ref import AttentionMetadata
 from dsv32ref.reference.mla import LayerCache
+from dsv32ref.testing import assert_close
 from helpers import Runner, rel_err, tiny_model
 from oracle import layer_forward
 
@@ -30,7 +31,7 @@ def test_layer_matches_oracle(preset, form, seed):
     ref_out, ref_topk = layer_forward(attn, c, x, pos)
     assert torch.equal(topk, ref_topk)
     assert (topk[:, :] >= 0).sum(1).tolist() == [min(t + 1, c.index_topk) for t in range(T)]
-    assert rel_err(out, ref_out) <= 1e-10
+    assert_close("layer out", out, ref_out, rtol=2**16, atol=2**16)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -41,7 +42,7 @@ def test_naive_equals_absorbed_float64(preset, seed):
     model.set_form("naive")
     naive = Runner(model).step(ids)
     for sid in ids:
-        assert rel_err(absorbed[sid], naive[sid]) <= 1e-10
+        assert_close(f"logits of {sid}", absorbed[sid], naive[sid], rtol=2**16, atol=2**16)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -60,7 +61,7 @@ def test_prefill_then_decode_equals_one_shot(preset, seed):
             got[sid].append(l)
     for sid in full:
         n = prompt[sid] + len(got[sid]) - 1
-        assert rel_err(torch.cat(got[sid]), one_shot[sid][:n]) <= 1e-10
+        assert_close(f"logits of {sid}", torch.cat(got[sid]), one_shot[sid][:n], rtol=2**16, atol=2**16)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -75,8 +76,8 @@ def test_chunked_prefill_equals_unchunked(preset, seed):
     s1 = run.step({0: a[:5], 1: b[:5]})
     s2 = run.step({0: a[5:9], 1: b[5:6]})
     s3 = run.step({1: b[6:7], 0: a[9:]})
-    assert rel_err(torch.cat([s1[0], s2[0], s3[0]]), whole[0]) <= 1e-10
-    assert rel_err(torch.cat([s1[1], s2[1], s3[1]]), whole[1]) <= 1e-10
+    assert_close("logits of 0", torch.cat([s1[0], s2[0], s3[0]]), whole[0], rtol=2**16, atol=2**16)
+    assert_close("logits of 1", torch.cat([s1[1], s2[1], s3[1]]), whole[1], rtol=2**16, atol=2**16)
 
 
 def test_index_share_layers_reuse_their_indexer_layer(seed):
@@ -131,7 +132,8 @@ def test_deployed_numerics_stay_close_to_exact(seed):
             outs.append(model.model.layers[0].self_attn(x, cos, sin, LayerCache(cache.latent[0], cache.indexer_k[0]), meta))
     (out_e, topk_e), (out_d, topk_d) = outs
     k = c.index_topk
-    # rows that see <= index_topk keys keep them all: only the fp8 latent cache differs (e4m3: 2^-4 relative)
+    # rows that see <= index_topk keys keep them all: only the fp8 latent cache differs (e4m3: 2^-4 relative).
+    # A size check of a deliberate perturbation (it is there, and small), not a correctness check.
     assert 1e-4 < rel_err(out_d[:k], out_e[:k]) < 0.05
     overlap = [len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) / k for a, b in zip(topk_e[k:], topk_d[k:])]
     assert sum(overlap) / len(overlap) > 0.8

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv32ref.checks import check_tensor
+from dsv32ref.checks import check_scale, check_tensor
 from dsv32ref.config import ModelConfig
 from dsv32ref.reference.norms import LayerNorm
 from dsv32ref.reference.numerics import QUANT_BLOCK, fp8_round_trip, hadamard_transform
@@ -63,6 +63,7 @@ def indexer_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tens
     check_tensor("q_idx", q_idx, shape=(None, None, None))
     check_tensor("k_idx", k_idx, shape=(None, q_idx.shape[-1]), device=q_idx.device)
     check_tensor("weights", weights, shape=q_idx.shape[:2], device=q_idx.device)
+    check_scale("indexer_scores: softmax_scale", softmax_scale)
     dt = torch.promote_types(weights.dtype, torch.float32)
     logits = torch.einsum("nhd,sd->nhs", q_idx.to(dt), k_idx.to(dt)) * softmax_scale  # (n, H_I, S)
     return torch.einsum("nh,nhs->ns", weights.to(dt), torch.relu(logits))
@@ -75,8 +76,13 @@ def topk_indices(scores: torch.Tensor, query_positions: torch.Tensor, topk: int)
     lower position; entries past min(topk, #visible) are -1.
     """
     check_tensor("scores", scores, shape=(None, None))
-    check_tensor("query_positions", query_positions, shape=(scores.shape[0],), device=scores.device)
+    check_tensor("query_positions", query_positions, shape=(scores.shape[0],), device=scores.device,
+                 dtype=(torch.int64, torch.int32))
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk: expected an int >= 1, got {topk!r}")
     n, s = scores.shape
+    if query_positions.numel() and int(query_positions.min()) < 0:
+        raise ValueError(f"query_positions: expected positions >= 0, got {int(query_positions.min())}")
     if query_positions.numel() and int(query_positions.max()) >= s:
         raise ValueError(f"query_positions: a query at position {int(query_positions.max())} needs more than "
                          f"the {s} keys scored")

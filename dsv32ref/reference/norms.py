@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv32ref.checks import check_tensor
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     # bf16/fp16 inputs are normalised in fp32; float64 stays float64 (our exact-math tests).
@@ -13,6 +15,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim; the cast back happens before the weight (HF)."""
+    check_tensor("weight", weight, shape=(x.shape[-1],), device=x.device)
     xf = x.to(_compute_dtype(x))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -20,6 +23,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, computed in >= fp32."""
+    check_tensor("weight", weight, shape=(x.shape[-1],), device=x.device)
+    check_tensor("bias", bias, shape=(x.shape[-1],), device=x.device)
     dt = _compute_dtype(x)
     y = torch.nn.functional.layer_norm(x.to(dt), x.shape[-1:], weight.to(dt), bias.to(dt), eps)
     return y.to(x.dtype)

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from dsv32ref.checks import check_tensor
+from dsv32ref.checks import check_scale, check_tensor
 
 
-def _check(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> None:
+def _check(q: torch.Tensor, kv: torch.Tensor, d_v: int, sm_scale: float) -> None:
     check_tensor("q", q, shape=(None, None, None), dtype=(torch.float32, torch.float64, torch.bfloat16, torch.float16))
     check_tensor("kv", kv, shape=(None, q.shape[-1]), dtype=q.dtype, device=q.device)
-    if not 0 < d_v <= kv.shape[-1]:
-        raise ValueError(f"d_v: expected 1..{kv.shape[-1]}, got {d_v}")
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 0 < d_v <= kv.shape[-1]:
+        raise ValueError(f"d_v: expected an int in 1..{kv.shape[-1]}, got {d_v!r}")
+    check_scale("sm_scale", sm_scale)
 
 
 def sparse_mla(
@@ -39,7 +40,7 @@ def sparse_mla(
 
     Duplicate valid indices count once per occurrence, as in the kernel.
     """
-    _check(q, kv, d_v)
+    _check(q, kv, d_v, sm_scale)
     check_tensor("indices", indices, shape=(q.shape[0], None), dtype=torch.int32, device=q.device)
     acc = torch.promote_types(q.dtype, torch.float32)
     valid = (indices >= 0) & (indices < kv.shape[0])  # (n, k)
@@ -77,7 +78,7 @@ def dense_mla(
 
     Independent of `sparse_mla`'s gather: used to check it with a mask built from the same indices.
     """
-    _check(q, kv, d_v)
+    _check(q, kv, d_v, sm_scale)
     check_tensor("mask", mask, shape=(q.shape[0], kv.shape[0]), dtype=torch.bool, device=q.device)
     acc = torch.promote_types(q.dtype, torch.float32)
     kv_acc = kv.to(acc)
