@@ -1,0 +1,724 @@
+"""Inputs a careless or hostile user passes: each gets a ValueError whose message names the culprit, or a
+documented result. Kernel cases with out-of-range values on the device run in a subprocess (a crash there
+would be an out-of-bounds access)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsv32ref import AttentionMetadata, ModelConfig, PagedKVCache, load_pretrained, save_pretrained
+from dsv32ref.cache import gather_tokens, write_tokens
+from dsv32ref.engine import EngineConfig, EngineModel, LLMEngine, StepInput
+from dsv32ref.graphs import CUDAGraphMode
+from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
+from dsv32ref.reference import apply_rope, fp8_quantize, indexer_scores, rms_norm, sparse_mla, topk_indices
+from dsv32ref.reference.sparse_attention import dense_mla
+from dsv32ref.testing import compare
+from helpers import tiny_model
+
+CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on CPU-only machines")
+TINY = ModelConfig.preset("tiny-deepseek-v3.2")
+
+
+# ---- config ------------------------------------------------------------------------------------------
+
+CONFIG_CASES = [
+    (dict(vocab_size=0), r"ModelConfig.vocab_size: expected a positive int, got 0"),
+    (dict(vocab_size=-5), r"ModelConfig.vocab_size: expected a positive int, got -5"),
+    (dict(vocab_size="128"), r"ModelConfig.vocab_size: expected a positive int, got '128'"),
+    (dict(vocab_size=128.0), r"ModelConfig.vocab_size: expected a positive int, got 128.0"),
+    (dict(hidden_size=True), r"ModelConfig.hidden_size: expected a positive int, got True"),
+    (dict(num_hidden_layers=0), r"ModelConfig.num_hidden_layers: expected a positive int, got 0"),
+    (dict(num_attention_heads=-1), r"ModelConfig.num_attention_heads: expected a positive int"),
+    (dict(index_topk=0), r"ModelConfig.index_topk: expected a positive int, got 0"),
+    (dict(first_k_dense_replace=-1), r"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers"),
+    (dict(first_k_dense_replace=99), r"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers"),
+    (dict(n_shared_experts=-1), r"ModelConfig.n_shared_experts: expected >= 0, got -1"),
+    (dict(qk_rope_head_dim=7), r"ModelConfig.qk_rope_head_dim: expected an even size"),
+    (dict(qk_rope_head_dim=64), r"ModelConfig.qk_rope_head_dim: expected an even size <= index_head_dim"),
+    (dict(n_group=3), r"ModelConfig.n_group: n_routed_experts=8 is not divisible by n_group=3"),
+    (dict(topk_group=5), r"ModelConfig.topk_group: 5 > n_group=4"),
+    (dict(num_experts_per_tok=5), r"ModelConfig.num_experts_per_tok: 5 experts cannot be chosen"),
+    (dict(rope_theta=0.0), r"ModelConfig.rope_theta: expected a finite number > 0, got 0.0"),
+    (dict(rope_theta=math.inf), r"ModelConfig.rope_theta: expected a finite number > 0, got inf"),
+    (dict(rope_theta="1e4"), r"ModelConfig.rope_theta: expected a finite number > 0, got '1e4'"),
+    (dict(routed_scaling_factor=math.nan), r"ModelConfig.routed_scaling_factor: expected a finite number > 0"),
+    (dict(rms_norm_eps=0.0), r"ModelConfig.rms_norm_eps: expected a finite number > 0, got 0.0"),
+    (dict(rms_norm_eps=-1e-6), r"ModelConfig.rms_norm_eps: expected a finite number > 0"),
+    (dict(max_position_embeddings=0), r"ModelConfig.max_position_embeddings: expected a positive int, got 0"),
+    (dict(num_nextn_predict_layers=-1), r"ModelConfig.num_nextn_predict_layers: expected an int >= 0, got -1"),
+    (dict(norm_topk_prob="yes"), r"ModelConfig.norm_topk_prob: expected a bool, got 'yes'"),
+    (dict(indexer_rope_interleave=1), r"ModelConfig.indexer_rope_interleave: expected a bool, got 1"),
+    (dict(model_type="llama"), r"ModelConfig.model_type: expected 'deepseek_v32' or 'glm_moe_dsa', got 'llama'"),
+    (dict(indexer_types=("full",)), r"ModelConfig.indexer_types: expected 4 entries, got 1"),
+    (dict(indexer_types=("full", "shard", "full", "full")), r"ModelConfig.indexer_types: unknown entries \['shard'\]"),
+    (dict(indexer_types=("shared", "full", "full", "full")), r"ModelConfig.indexer_types: layer 0 must be 'full'"),
+]
+
+_YARN = dict(TINY.rope_scaling)
+ROPE_CASES = [
+    ({**_YARN, "type": "linear"}, r"ModelConfig.rope_scaling.type: expected 'yarn' \(or no rope_scaling\), got 'linear'"),
+    ({**_YARN, "beta_fast": 1, "beta_slow": 32}, r"beta_fast \(1\) must be >= beta_slow \(32\)"),
+    ({**_YARN, "factor": 0.5}, r"ModelConfig.rope_scaling.factor: expected >= 1"),
+    ({**_YARN, "factor": "40"}, r"ModelConfig.rope_scaling.factor: expected a finite number > 0, got '40'"),
+    ({**_YARN, "factor": math.nan}, r"ModelConfig.rope_scaling.factor: expected a finite number > 0, got nan"),
+    ({**_YARN, "mscale": -1.0}, r"ModelConfig.rope_scaling.mscale: expected a finite number >= 0, got -1.0"),
+    ({k: v for k, v in _YARN.items() if k != "original_max_position_embeddings"},
+     r"YaRN needs \['original_max_position_embeddings'\]"),
+    ("yarn", r"ModelConfig.rope_scaling: expected None or a dict, got 'yarn'"),
+]
+
+
+@pytest.mark.parametrize("changes,match", CONFIG_CASES, ids=[next(iter(c)) + f"={next(iter(c.values()))!r}"[:30]
+                                                             for c, _ in CONFIG_CASES])
+def test_config_field(changes, match):
+    with pytest.raises(ValueError, match=match):
+        TINY.replace(**changes)
+
+
+@pytest.mark.parametrize("rope_scaling,match", ROPE_CASES)
+def test_config_rope_scaling(rope_scaling, match):
+    with pytest.raises(ValueError, match=match):
+        TINY.replace(rope_scaling=rope_scaling)
+
+
+def _hf_dir(tmp_path, **edits):
+    model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    save_pretrained(model, tmp_path, config_form="current")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(edits)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("edits,match", [
+    (dict(index_topk_freq=0), r"index_topk_freq must be an int >= 1, got 0"),
+    (dict(index_topk_freq=-4), r"index_topk_freq must be an int >= 1, got -4"),
+    (dict(index_topk_freq=4, index_skip_topk_offset=-1), r"index_skip_topk_offset must be an int >= 0, got -1"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), r"rope type 'dynamic' is not supported"),
+    (dict(hidden_size="64"), r"hidden_size"),
+    (dict(rms_norm_eps=0), r"rms_norm_eps: expected a finite number > 0"),
+], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0"])
+def test_config_json(tmp_path, edits, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
+
+
+def test_config_json_unreadable(tmp_path):
+    with pytest.raises(ValueError, match="config.json: no such file"):
+        ModelConfig.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        ModelConfig.from_hf(tmp_path)
+    with pytest.raises(ValueError, match="unknown preset 'tiny'"):
+        ModelConfig.preset("tiny")
+
+
+# ---- checkpoint --------------------------------------------------------------------------------------
+
+def _ckpt(tmp_path, edit):
+    model = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32)
+    save_pretrained(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+W = "model.layers.0.self_attn.q_a_proj.weight"
+
+
+def _cast(dtype):
+    def edit(t):
+        t[W] = t[W].to(dtype) if dtype != torch.bool else t[W] > 0
+    return edit
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_cast(torch.int8), rf"wrong dtype: {W}: torch.int8"),
+    (_cast(torch.bool), rf"wrong dtype: {W}: torch.bool"),
+    (_cast(torch.float8_e5m2), rf"wrong dtype: {W}: torch.float8_e5m2"),
+    (lambda t: t.update({W + "_scale_inv": torch.ones(1, 1)}), rf"unexpected: {W}_scale_inv beside a torch.float32 weight"),
+    (lambda t: t.update({"model.layers.0.self_attn.nothing_scale_inv": torch.ones(1)}),
+     r"unexpected: model.layers.0.self_attn.nothing_scale_inv \(no weight"),
+    (lambda t: t.update({W: t[W].to(torch.float8_e4m3fn)}), rf"missing: {W}_scale_inv \(for fp8 tensor"),
+    (lambda t: t.update({W: t[W].to(torch.float8_e4m3fn), W + "_scale_inv": torch.ones(3, 3)}),
+     rf"mis-shaped: {W}_scale_inv"),
+    (lambda t: t.update({W: t[W].to(torch.float8_e4m3fn), W + "_scale_inv": torch.ones(1, 2, dtype=torch.int32)}),
+     rf"wrong dtype: {W}_scale_inv: torch.int32"),
+    (lambda t: t.pop("lm_head.weight"), r"missing: lm_head.weight"),
+    (lambda t: t.update({"model.extra.weight": torch.ones(2)}), r"unexpected: model.extra.weight"),
+    (lambda t: t.update({W: t[W][:, :-1].contiguous()}), rf"mis-shaped: {W}"),
+    (lambda t: t.update({"model.layers.4.self_attn.q_a_proj.weight": torch.ones(2, 2)}),
+     r"unexpected: model.layers.4.self_attn.q_a_proj.weight \(layer 4: the config has 4 layers and 0 MTP"),
+], ids=["int8", "bool", "e5m2", "scale-beside-fp32", "stray-scale", "fp8-no-scale", "scale-shape", "scale-int",
+        "missing", "unexpected", "mis-shaped", "layer-past-config"])
+def test_checkpoint_tensors(tmp_path, edit, match):
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(_ckpt(tmp_path, edit), dtype=torch.float32)
+
+
+def test_checkpoint_files(tmp_path):
+    model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    single = tmp_path / "single"
+    save_pretrained(model, single)
+    (single / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file"):
+        load_pretrained(single)
+    sharded = tmp_path / "sharded"
+    save_pretrained(model, sharded, max_shard_bytes=100_000)
+    index = sharded / "model.safetensors.index.json"
+    good = json.loads(index.read_text())
+    shard = next(iter(good["weight_map"].values()))
+    (sharded / shard).write_bytes(b"garbage" * 10)
+    with pytest.raises(ValueError, match=rf"{shard}: cannot read tensor"):
+        load_pretrained(sharded)
+    for bad, match in (({"weight_map": ["a"]}, "weight_map must map tensor names"),
+                       ({"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}, "weight_map must map tensor"),
+                       ({"weight_map": {"lm_head.weight": 3}}, "weight_map must map tensor names"),
+                       ({"metadata": {}}, "no readable weight_map"),
+                       ({"weight_map": {"lm_head.weight": "absent.safetensors"}}, r"shards listed but absent")):
+        index.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            load_pretrained(sharded)
+    index.write_text("[")
+    with pytest.raises(ValueError, match="no readable weight_map"):
+        load_pretrained(sharded)
+    with pytest.raises(ValueError, match=r"neither model.safetensors nor model.safetensors.index.json"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text((single / "config.json").read_text())
+        load_pretrained(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("block,match", [([128], "weight_block_size must be two positive ints"),
+                                         ("128", "weight_block_size must be two positive ints"),
+                                         ([0, 128], "weight_block_size must be two positive ints")])
+def test_checkpoint_block_size(tmp_path, block, match):
+    model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    save_pretrained(model, tmp_path, fp8=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = block
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(tmp_path)
+
+
+def test_checkpoint_arguments(tmp_path):
+    model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"max_shard_bytes: expected None or an int >= 1, got 0"):
+        save_pretrained(model, tmp_path, max_shard_bytes=0)
+    save_pretrained(model, tmp_path)
+    with pytest.raises(ValueError, match=r"dtype: expected a float dtype for the model, got torch.int8"):
+        load_pretrained(tmp_path, dtype=torch.int8)
+
+
+def test_interrupted_save_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
+    import safetensors.torch as st
+
+    model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    save_pretrained(model, tmp_path, max_shard_bytes=100_000)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    calls = []
+    real = st.save_file
+
+    def dying(tensors, filename, *a, **k):
+        calls.append(filename)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(tensors, filename, *a, **k)
+
+    monkeypatch.setattr(st, "save_file", dying)
+    other = tiny_model("tiny-glm-5.2", dtype=torch.float32, seed=1)
+    with pytest.raises(KeyboardInterrupt):
+        save_pretrained(other, tmp_path, max_shard_bytes=100_000)
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert after == before  # nothing replaced, no staging folder left
+    loaded = load_pretrained(tmp_path, dtype=torch.float32)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+# ---- reference ---------------------------------------------------------------------------------------
+
+def _q_kv(n=2, H=3, d=24, S=5):
+    return torch.randn(n, H, d), torch.randn(S, d)
+
+
+REFERENCE_CASES = [
+    (lambda: sparse_mla(torch.randn(2, 24), torch.randn(5, 24), torch.zeros(2, 4, dtype=torch.int32), 0.1, 16),
+     r"q: expected shape \[\*, \*, \*\], got \[2, 24\]"),
+    (lambda: sparse_mla(*_q_kv(), torch.zeros(2, 4, dtype=torch.int64), 0.1, 16),
+     r"indices: expected dtype torch.int32, got torch.int64"),
+    (lambda: sparse_mla(*_q_kv(), torch.zeros(3, 4, dtype=torch.int32), 0.1, 16),
+     r"indices: expected shape \[2, \*\], got \[3, 4\]"),
+    (lambda: sparse_mla(torch.randn(2, 3, 24), torch.randn(5, 25), torch.zeros(2, 4, dtype=torch.int32), 0.1, 16),
+     r"kv: expected shape \[\*, 24\], got \[5, 25\]"),
+    (lambda: sparse_mla(torch.randn(2, 3, 24), torch.randn(5, 24).double(), torch.zeros(2, 4, dtype=torch.int32), 0.1, 16),
+     r"kv: expected dtype torch.float32, got torch.float64"),
+    (lambda: sparse_mla(*_q_kv(), torch.zeros(2, 4, dtype=torch.int32), 0.1, 0), r"d_v: expected an int in 1..24, got 0"),
+    (lambda: sparse_mla(*_q_kv(), torch.zeros(2, 4, dtype=torch.int32), 0.1, 16.0),
+     r"d_v: expected an int in 1..24, got 16.0"),
+    (lambda: sparse_mla(*_q_kv(), torch.zeros(2, 4, dtype=torch.int32), math.nan, 16),
+     r"sm_scale: expected a finite number > 0, got nan"),
+    (lambda: sparse_mla(*_q_kv(), torch.zeros(2, 4, dtype=torch.int32), -0.1, 16),
+     r"sm_scale: expected a finite number > 0, got -0.1"),
+    (lambda: sparse_mla(torch.randn(2, 3, 24).int(), torch.randn(5, 24).int(), torch.zeros(2, 4, dtype=torch.int32), 0.1, 16),
+     r"q: expected dtype"),
+    (lambda: dense_mla(*_q_kv(), torch.ones(2, 4, dtype=torch.bool), 0.1, 16), r"mask: expected shape \[2, 5\], got \[2, 4\]"),
+    (lambda: dense_mla(*_q_kv(), torch.ones(2, 5), 0.1, 16), r"mask: expected dtype torch.bool, got torch.float32"),
+    (lambda: indexer_scores(torch.randn(2, 4, 8), torch.randn(5, 9), torch.randn(2, 4), 0.3),
+     r"k_idx: expected shape \[\*, 8\], got \[5, 9\]"),
+    (lambda: indexer_scores(torch.randn(2, 4, 8), torch.randn(5, 8), torch.randn(2, 3), 0.3),
+     r"weights: expected shape \[2, 4\], got \[2, 3\]"),
+    (lambda: indexer_scores(torch.randn(2, 4, 8), torch.randn(5, 8), torch.randn(2, 4), 0.0),
+     r"indexer_scores: softmax_scale: expected a finite number > 0, got 0.0"),
+    (lambda: topk_indices(torch.randn(2, 5), torch.tensor([1, 7]), 3), r"query_positions: a query at position 7 needs more"),
+    (lambda: topk_indices(torch.randn(2, 5), torch.tensor([1, -1]), 3), r"query_positions: expected positions >= 0, got -1"),
+    (lambda: topk_indices(torch.randn(2, 5), torch.tensor([1.0, 2.0]), 3), r"query_positions: expected dtype"),
+    (lambda: topk_indices(torch.randn(2, 5), torch.tensor([1, 2]), 0), r"topk: expected an int >= 1, got 0"),
+    (lambda: apply_rope(torch.randn(3, 8), torch.randn(3, 3), torch.randn(3, 3), True),
+     r"apply_rope: x has 8 rope dims but cos has 3 \(expected 4\)"),
+    (lambda: rms_norm(torch.randn(3, 8), torch.ones(7), 1e-6), r"weight: expected shape \[8\], got \[7\]"),
+    (lambda: fp8_quantize(torch.randn(2, 100), block=64), r"fp8_quantize: last dim 100 is not a multiple of the block 64"),
+    (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(3, 1)), r"fp8_quantize: scale: expected shape \[2, 1\]"),
+]
+
+
+@pytest.mark.parametrize("call,match", REFERENCE_CASES, ids=[f"ref{i}" for i in range(len(REFERENCE_CASES))])
+def test_reference(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_reference_model_inputs():
+    model = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32)
+    V = model.config.vocab_size
+    cases = [
+        ((torch.tensor([1.0, 2.0]),), r"input_ids: expected dtype"),
+        ((torch.tensor([[1, 2]]),), r"input_ids: expected shape \[\*\], got \[1, 2\]"),
+        ((torch.tensor([], dtype=torch.long),), r"input_ids: expected at least one token"),
+        ((torch.tensor([1, V]),), rf"input_ids: token ids must lie in \[0, {V}\), got \[1, {V}\]"),
+        ((torch.tensor([-1, 2]),), r"input_ids: token ids must lie in"),
+        ((torch.tensor([1, 2]), model.new_cache(4, 4)), r"kv_cache and attn_metadata: pass both or neither"),
+        ((torch.tensor([1, 2]), model.new_cache(4, 4), AttentionMetadata.build([0], [3], [[0]], 4)),
+         r"input_ids: attn_metadata describes 3 tokens, got 2"),
+        ((torch.tensor([1, 2]), model.new_cache(4, 8), AttentionMetadata.build([0], [2], [[0]], 4)),
+         r"kv_cache: block_size 8, but attn_metadata was built for blocks of 4"),
+        ((torch.tensor([1, 2]), model.new_cache(4, 4), AttentionMetadata.build([0], [2], [[9]], 4)),
+         r"attn_metadata.block_table: block ids must lie in \[0, 4\) \(kv_cache.num_blocks\), got 9"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            model(*args)
+    with pytest.raises(ValueError, match=r"form: expected 'absorbed' or 'naive', got 'mha'"):
+        model.set_form("mha")
+
+
+# ---- cache and metadata ------------------------------------------------------------------------------
+
+CACHE_CASES = [
+    (lambda: AttentionMetadata.build([0], [2], [[0.0]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got 0.0"),
+    (lambda: AttentionMetadata.build([0], [2], [[1.5]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got 1.5"),
+    (lambda: AttentionMetadata.build([0], [2], [[-1]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got -1"),
+    (lambda: AttentionMetadata.build([0], [2], [[5]], 4, num_blocks=4),
+     r"block_tables\[0\]: block ids must be ints \[0, 4\), got 5"),
+    (lambda: AttentionMetadata.build([0, 0], [2, 2], [[3], [3]], 4),
+     r"block_tables\[1\]: block 3 also belongs to request 0 of this step"),
+    (lambda: AttentionMetadata.build([0], [2], [[0]], 0), r"block_size must be an int >= 1, got 0"),
+    (lambda: AttentionMetadata.build([0], [2], [[0]], 2.5), r"block_size must be an int >= 1, got 2.5"),
+    (lambda: AttentionMetadata.build([-1], [2], [[0]], 4), r"request 0: context_len -1 must be >= 0"),
+    (lambda: AttentionMetadata.build([0.5], [2], [[0]], 4), r"context_lens\[0\] must be an int, got float 0.5"),
+    (lambda: AttentionMetadata.build([0], [2.0], [[0]], 4), r"query_lens\[0\] must be an int, got float 2.0"),
+    (lambda: AttentionMetadata.build([], [], [], 4), r"must have one equal, non-zero length"),
+    (lambda: AttentionMetadata.build([6], [3], [[0, 1]], 4), r"block_tables\[0\] has 2 blocks of 4 for 9 tokens"),
+    (lambda: PagedKVCache(TINY, 0, 4), r"PagedKVCache: num_blocks=0 and block_size=4 must be >= 1"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([8]), torch.zeros(1, 8)),
+     r"slot_mapping: slots must lie in \[0, 8\), got \[8, 8\]"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([1]), torch.zeros(1, 9)), r"rows: expected shape \[1, 8\]"),
+    (lambda: gather_tokens(torch.zeros(2, 4, 8), torch.tensor([0, 5]), 6),
+     r"block_table: sequence of 6 tokens reads blocks outside \[0, 2\)"),
+]
+
+
+@pytest.mark.parametrize("call,match", CACHE_CASES, ids=[f"cache{i}" for i in range(len(CACHE_CASES))])
+def test_cache_and_metadata(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ---- kernels: host-side facts (interpreter) ----------------------------------------------------------
+
+def _mla_args(T=2, H=4, B=1):
+    q, cache = torch.zeros(T, H, 40), torch.zeros(3, 4, 40)
+    bt, req, sl = torch.zeros(B, 3, dtype=torch.int32), torch.zeros(T, dtype=torch.int32), torch.ones(B, dtype=torch.int32)
+    topk, out = torch.zeros(T, 8, dtype=torch.int32), torch.zeros(T, H, 32)
+    return dict(q=q, latent_cache=cache, block_table=bt, req_indices=req, seq_lens=sl, topk_indices=topk,
+                sm_scale=0.1, out=out)
+
+
+def _mla(**over):
+    a = _mla_args()
+    a.update(over)
+    return lambda: sparse_mla_paged(**a)
+
+
+def _strided(t, dim=0):
+    """The same values with a gap after every element of `dim` (a view a careless caller might pass)."""
+    shape = list(t.shape)
+    shape[dim] *= 2
+    big = torch.zeros(shape, dtype=t.dtype)
+    idx = [slice(None)] * t.dim()
+    idx[dim] = slice(0, None, 2)
+    v = big[tuple(idx)]
+    v.copy_(t)
+    return v
+
+
+def _nr_args(T=2):
+    return dict(q_c=torch.zeros(T, 48), q_a_norm_weight=torch.ones(48), q_c_out=torch.zeros(T, 48),
+                kv=torch.zeros(T, 40), kv_a_norm_weight=torch.ones(32), latent_cache=torch.zeros(3, 4, 40),
+                positions=torch.zeros(T, dtype=torch.long), slot_mapping=torch.zeros(T, dtype=torch.long),
+                cos=torch.zeros(8, 4), sin=torch.zeros(8, 4), rms_eps=1e-6)
+
+
+def _nr(**over):
+    a = _nr_args()
+    a.update(over)
+    return lambda: fused_norm_rope(**a)
+
+
+def _fq_args(T=2):
+    return dict(q_lat=torch.zeros(T, 4, 32), q=torch.zeros(T, 4, 24), q_mqa=torch.zeros(T, 4, 40),
+                positions=torch.zeros(T, dtype=torch.long), cos=torch.zeros(8, 4), sin=torch.zeros(8, 4),
+                q_idx=torch.zeros(T, 2, 16), q_idx_out=torch.zeros(T, 2, 16), weights=torch.zeros(T, 2),
+                weights_out=torch.zeros(T, 2))
+
+
+def _fq(**over):
+    a = _fq_args()
+    a.update(over)
+    return lambda: fused_q(**a)
+
+
+def _idx_args(T=2):
+    return dict(q_idx=torch.zeros(T, 4, 16), weights=torch.zeros(T, 4), index_cache=torch.zeros(3, 4, 16),
+                block_table=torch.zeros(1, 3, dtype=torch.int32), req_indices=torch.zeros(T, dtype=torch.int32),
+                positions=torch.zeros(T, dtype=torch.long), softmax_scale=0.25, scores=torch.zeros(T, 12))
+
+
+def _idx(**over):
+    a = _idx_args()
+    a.update(over)
+    return lambda: indexer_scores_paged(**a)
+
+
+KERNEL_CASES = [
+    (_mla(config={"NUM_SPLIT": 2}), r"sparse_mla_paged: config: unknown key\(s\) \['NUM_SPLIT'\]"),
+    (_mla(config={"BLOCK_h": 16}), r"unknown key\(s\) \['BLOCK_h'\]"),
+    (_mla(q=torch.zeros(2, 4, 80)[..., ::2]), r"q: the last dim must be dense"),
+    (_mla(seq_lens=_strided(torch.ones(1, dtype=torch.int32).expand(2).clone())[:1]), None),  # size-1: any stride
+    (_mla(seq_lens=_strided(torch.ones(2, dtype=torch.int32)), block_table=torch.zeros(2, 3, dtype=torch.int32)),
+     r"seq_lens: the last dim must be dense \(stride 1 at dim 0\), got strides \(2,\)"),
+    (_mla(req_indices=_strided(torch.zeros(2, dtype=torch.int32))), r"req_indices: the last dim must be dense"),
+    (_mla(block_table=torch.zeros(1, 6, dtype=torch.int32)[:, ::2]), r"block_table: the last dim must be dense"),
+    (_mla(topk_indices=torch.zeros(2, 16, dtype=torch.int32)[:, ::2]), r"topk_indices: the last dim must be dense"),
+    (_mla(out=torch.zeros(2, 4, 64)[..., ::2]), r"out: the last dim must be dense"),
+    (_mla(lse=torch.zeros(2, 8)[:, ::2]), r"lse: the last dim must be dense"),
+    (_mla(lse=torch.zeros(2, 4, dtype=torch.float16)), r"lse: expected dtype torch.float32, got torch.float16"),
+    (_mla(lse=torch.zeros(2, 3)), r"lse: expected shape \[2, 4\], got \[2, 3\]"),
+    (_mla(sm_scale=math.nan), r"sparse_mla_paged: sm_scale: expected a finite number > 0, got nan"),
+    (_mla(sm_scale=0), r"sparse_mla_paged: sm_scale: expected a finite number > 0, got 0"),
+    (_mla(num_sms=0), r"sparse_mla_paged: num_sms must be None or an int >= 1, got 0"),
+    (_mla(out=torch.zeros(2, 4, 32, dtype=torch.float16)), r"out: expected dtype torch.float32, got torch.float16"),
+    (_mla(seq_lens=torch.ones(1, dtype=torch.int64)), r"seq_lens: expected dtype torch.int32, got torch.int64"),
+    (_mla(block_table=torch.zeros(2, 3, dtype=torch.int32)), r"block_table: expected shape \[1, \*\], got \[2, 3\]"),
+    (_mla(req_indices=torch.zeros(3, dtype=torch.int32)), r"req_indices: expected shape \[2\], got \[3\]"),
+    (_nr(sin=torch.zeros(4, 8).T), r"sin: the last dim must be dense"),
+    (_nr(sin=torch.zeros(8, 8)[:, :4], cos=torch.zeros(8, 4)),
+     r"fused_norm_rope: sin must have cos's strides \(4, 1\), got \(8, 1\)"),
+    (_nr(positions=_strided(torch.zeros(2, dtype=torch.long))), r"positions: the last dim must be dense"),
+    (_nr(slot_mapping=_strided(torch.zeros(2, dtype=torch.long))), r"slot_mapping: the last dim must be dense"),
+    (_nr(q_a_norm_weight=_strided(torch.ones(48))), r"q_a_norm_weight: the last dim must be dense"),
+    (_nr(kv_a_norm_weight=torch.ones(32, dtype=torch.int32)), r"kv_a_norm_weight: expected dtype"),
+    (_nr(rms_eps=0.0), r"fused_norm_rope: rms_eps: expected a finite number > 0, got 0.0"),
+    (_nr(cos=torch.zeros(0, 4), sin=torch.zeros(0, 4)), r"fused_norm_rope: cos/sin must hold at least one position"),
+    (_nr(cos=torch.zeros(8, 20), sin=torch.zeros(8, 20)), r"latent_cache.shape\[-1\] \(40\) must exceed qk_rope_head_dim"),
+    (_nr(index_cache=torch.zeros(3, 4, 16)), r"fused_norm_rope: \['index_cache'\] given without index_k"),
+    (_nr(slot_mapping=torch.zeros(2)), r"slot_mapping: expected dtype torch.int64 or torch.int32, got torch.float32"),
+    (_fq(q=torch.zeros(2, 4, 6)), r"fused_q: q.shape\[-1\] \(6\) must hold qk_nope_head_dim >= 0"),
+    (_fq(weights=torch.zeros(2, 4)[:, ::2]), r"weights: the last dim must be dense"),
+    (_fq(weights_out=torch.zeros(2, 2, dtype=torch.float64)), r"weights_out: expected dtype torch.float32"),
+    (_fq(q_idx_out=torch.zeros(2, 2, 16, dtype=torch.float16)), r"q_idx_out: expected dtype torch.float32 or"),
+    (_fq(q_idx=None), r"fused_q: \['q_idx_out', 'weights', 'weights_out'\] given without q_idx"),
+    (_fq(sin=torch.zeros(8, 8)[:, :4]), r"fused_q: sin must have cos's strides"),
+    (_fq(positions=torch.zeros(2, 1, dtype=torch.long)), r"positions: expected shape \[2\], got \[2, 1\]"),
+    (_fq(q_idx=torch.zeros(2, 2, 4), q_idx_out=torch.zeros(2, 2, 4)), r"fused_q: index_head_dim \(4\) must be >= qk_rope"),
+    (_idx(softmax_scale=-1.0), r"indexer_scores_paged: softmax_scale: expected a finite number > 0, got -1.0"),
+    (_idx(scores=torch.zeros(2, 24)[:, ::2]), r"scores: the last dim must be dense"),
+    (_idx(index_cache=torch.zeros(3, 4, 16, dtype=torch.float64)), r"index_cache: expected dtype torch.float32"),
+    (_idx(weights=torch.zeros(2, 4, dtype=torch.float16)), r"weights: expected dtype torch.float32"),
+    (_idx(q_idx=torch.zeros(2, 3, 16), weights=torch.zeros(2, 3)), r"indexer_topk: index_n_heads must be a power of two"),
+    (_idx(block_table=torch.zeros(1, 3, dtype=torch.int64)), r"block_table: expected dtype torch.int32"),
+    (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
+                              block=3), r"topk_from_scores: block must be a power of two, got 3"),
+    (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
+                              chunk=2), r"topk_from_scores: chunk \(2\) must be >= the top-k width \(4\)"),
+    (lambda: topk_from_scores(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, dtype=torch.long),
+                              torch.zeros(2, 4, dtype=torch.int32)), r"scores: expected dtype torch.float32"),
+]
+
+
+@CPU
+@pytest.mark.parametrize("call,match", KERNEL_CASES, ids=[f"kernel{i}" for i in range(len(KERNEL_CASES))])
+def test_kernel_launchers(call, match):
+    if match is None:  # a legal input that looks odd: runs
+        call()
+        return
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ---- kernels: values on the device (a subprocess, since a bad access could crash it) ------------------
+
+_DEVICE_VALUES = textwrap.dedent('''
+    import json, os, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from dsv32ref.checks import checking_device_values
+    from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
+    res = {}
+
+    def run(name, fn, check):
+        try:
+            res[name] = {"ok": bool(check(fn()))}
+        except Exception as e:
+            res[name] = {"ok": False, "error": repr(e)[:200]}
+        try:
+            with checking_device_values():
+                fn()
+            res[name]["debug"] = "no error"
+        except ValueError as e:
+            res[name]["debug"] = str(e)
+
+    torch.manual_seed(0)
+    q, cache = torch.randn(2, 4, 40), torch.randn(3, 4, 40)
+    topk = torch.tensor([[0, 1, 2, -1], [0, 5, 9, 11]], dtype=torch.int32)
+
+    def mla(bt, req, sl):
+        out, lse = torch.full((2, 4, 32), float("nan")), torch.full((2, 4), float("nan"))
+        sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out, lse)
+        return out, lse
+
+    bt = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+    ok = lambda r: torch.isfinite(r[0]).all() and not torch.isnan(r[1]).any()
+    empty = lambda r: (r[0] == 0).all() and torch.isposinf(r[1]).all()
+    run("mla req >= B", lambda: mla(bt, torch.tensor([0, 7], dtype=torch.int32), torch.tensor([12], dtype=torch.int32)),
+        lambda r: ok(r) and empty((r[0][1], r[1][1])))
+    run("mla req < 0", lambda: mla(bt, torch.tensor([-3, 0], dtype=torch.int32), torch.tensor([12], dtype=torch.int32)),
+        lambda r: ok(r) and empty((r[0][0], r[1][0])))
+    run("mla seq_len past the block table", lambda: mla(bt, torch.zeros(2, dtype=torch.int32),
+        torch.tensor([1000], dtype=torch.int32)), ok)
+    run("mla negative seq_len", lambda: mla(bt, torch.zeros(2, dtype=torch.int32), torch.tensor([-5], dtype=torch.int32)),
+        empty)
+    run("mla block id >= num_blocks", lambda: mla(torch.tensor([[2, 99, 1]], dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32), torch.tensor([12], dtype=torch.int32)), ok)
+    run("mla negative block id", lambda: mla(torch.tensor([[-4, 0, 1]], dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32), torch.tensor([12], dtype=torch.int32)), ok)
+
+    def norm_rope(pos, slot):
+        latent = torch.full((3, 4, 40), 7.0)
+        fused_norm_rope(torch.randn(2, 48), torch.ones(48), torch.zeros(2, 48), torch.randn(2, 40), torch.ones(32),
+                        latent, pos, slot, torch.randn(8, 4), torch.randn(8, 4), 1e-6)
+        return latent
+
+    run("norm_rope slot >= NB*BS", lambda: norm_rope(torch.tensor([0, 1]), torch.tensor([3, 12])),
+        lambda lat: (lat.view(12, 40)[3] != 7).any() and (lat.view(12, 40)[[0, 1, 2] + list(range(4, 12))] == 7).all())
+    run("norm_rope position past cos", lambda: norm_rope(torch.tensor([0, 8]), torch.tensor([3, 5])),
+        lambda lat: (lat.view(12, 40)[3] != 7).any() and (lat.view(12, 40)[5] == 7).all())
+    run("norm_rope negative position", lambda: norm_rope(torch.tensor([-1, 0]), torch.tensor([3, 5])),
+        lambda lat: (lat.view(12, 40)[3] == 7).all() and (lat.view(12, 40)[5] != 7).any())
+
+    def fq(pos):
+        out = torch.full((2, 4, 40), float("nan"))
+        fused_q(torch.randn(2, 4, 32), torch.randn(2, 4, 24), out, pos, torch.randn(8, 4), torch.randn(8, 4))
+        return out
+
+    run("fused_q position past cos", lambda: fq(torch.tensor([1, 50])), lambda o: torch.isfinite(o).all())
+
+    def idx(bt, req, pos, width=12):
+        scores = torch.full((2, width), -7.0)
+        indexer_scores_paged(torch.randn(2, 4, 16), torch.randn(2, 4), torch.randn(3, 4, 16), bt, req, pos, 0.25,
+                             scores)
+        return scores
+
+    bt_i = torch.tensor([[1, 0, 2]], dtype=torch.int32)
+    run("indexer position >= scores width", lambda: idx(bt_i, torch.zeros(2, dtype=torch.int32),
+        torch.tensor([3, 40])), lambda s: torch.isfinite(s).all() and (s[0, 4:] == -7).all())
+    run("indexer req >= B", lambda: idx(bt_i, torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3, 5])),
+        lambda s: (s[1] == -7).all() and (s[0, :4] != -7).all())
+    run("indexer block id >= num_blocks", lambda: idx(torch.tensor([[1, 50, 2]], dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32), torch.tensor([3, 9])), lambda s: torch.isfinite(s).all())
+
+    def tk(pos):
+        out = torch.full((2, 4), -7, dtype=torch.int32)
+        topk_from_scores(torch.randn(2, 8), pos, out, block=4)
+        return out
+
+    run("topk position >= scores width", lambda: tk(torch.tensor([2, 100])),
+        lambda o: (o[1] >= 0).all() and (o[1] < 8).all() and o[0].tolist()[3] == -1)
+    print("RESULT " + json.dumps(res))
+''')
+
+DEVICE_VALUE_DEBUG = {
+    "mla req >= B": r"req_indices: values must lie in \[0, 1\)",
+    "mla req < 0": r"req_indices: values must lie in \[0, 1\)",
+    "mla seq_len past the block table": r"seq_lens: values must lie in \[0, 13\)",
+    "mla negative seq_len": r"seq_lens: values must lie in",
+    "mla block id >= num_blocks": r"block_table\[0\] \(its first 3 blocks\): values must lie in \[0, 3\)",
+    "mla negative block id": r"block_table\[0\] \(its first 3 blocks\): values must lie in \[0, 3\)",
+    "norm_rope slot >= NB*BS": r"slot_mapping: values must lie in \[-1, 12\)",
+    "norm_rope position past cos": r"positions: values must lie in \[0, 8\) \(cos.shape\[0\]\)",
+    "norm_rope negative position": r"positions: values must lie in \[0, 8\)",
+    "fused_q position past cos": r"positions: values must lie in \[0, 8\) \(cos.shape\[0\]\)",
+    "indexer position >= scores width": r"positions: values must lie in \[0, 12\)",
+    "indexer req >= B": r"req_indices: values must lie in \[0, 1\)",
+    "indexer block id >= num_blocks": r"block_table\[0\] \(the blocks of token 1\): values must lie in \[0, 3\)",
+    "topk position >= scores width": r"positions: values must lie in \[0, 8\) \(scores.shape\[1\]\)",
+}
+
+
+@CPU
+def test_kernels_never_access_out_of_bounds_and_the_debug_mode_names_the_value():
+    """Out-of-range values on the device: the kernels mask them (documented results, no crash, nothing
+    outside the tensors touched), and checking_device_values() turns each into a ValueError that names it."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "-c", _DEVICE_VALUES], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.split("RESULT ", 1)[1])
+    assert set(res) == set(DEVICE_VALUE_DEBUG)
+    import re
+
+    for name, match in DEVICE_VALUE_DEBUG.items():
+        assert res[name]["ok"], (name, res[name])
+        assert re.search(match, res[name]["debug"]), (name, res[name]["debug"])
+
+
+# ---- engine ------------------------------------------------------------------------------------------
+
+ENGINE_CONFIG_CASES = [
+    (dict(boundary="medium"), r"EngineConfig.boundary: expected one of"),
+    (dict(mode="full"), r"EngineConfig.mode: expected a CUDAGraphMode .*, got str 'full'"),
+    (dict(max_model_len=0), r"EngineConfig.max_model_len: expected >= 1, got 0"),
+    (dict(max_num_seqs=0), r"EngineConfig.max_num_seqs: expected >= 1, got 0"),
+    (dict(max_num_batched_tokens=0), r"EngineConfig.max_num_batched_tokens: expected >= 1, got 0"),
+    (dict(max_num_batched_tokens=-8), r"EngineConfig.max_num_batched_tokens: expected >= 1, got -8"),
+    (dict(max_num_batched_tokens=8.0), r"EngineConfig.max_num_batched_tokens: expected an int, got float 8.0"),
+    (dict(block_size=0), r"EngineConfig.block_size: expected >= 1, got 0"),
+    (dict(block_size="16"), r"EngineConfig.block_size: expected an int, got str '16'"),
+    (dict(capture_sizes=[-1, 8]), r"EngineConfig.capture_sizes: every size must be an int >= 1, got -1"),
+    (dict(capture_sizes=[0]), r"EngineConfig.capture_sizes: every size must be an int >= 1, got 0"),
+    (dict(capture_sizes=[1.5]), r"EngineConfig.capture_sizes: every size must be an int >= 1, got 1.5"),
+    (dict(capture_sizes="8"), r"EngineConfig.capture_sizes: expected a list of ints, got '8'"),
+    (dict(gpu_memory_utilization=0), r"gpu_memory_utilization: expected \(0, 1\], got 0"),
+    (dict(gpu_memory_utilization="0.9"), r"gpu_memory_utilization: expected \(0, 1\], got '0.9'"),
+    (dict(num_blocks=0), r"EngineConfig.num_blocks: expected >= 1, got 0"),
+    (dict(seed=-1), r"EngineConfig.seed: expected >= 0, got -1"),
+    (dict(num_sms=0), r"EngineConfig.num_sms: expected >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("kw,match", ENGINE_CONFIG_CASES, ids=[next(iter(k)) for k, _ in ENGINE_CONFIG_CASES])
+def test_engine_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+STEP_CASES = [
+    ([], r"StepInput.requests: expected a non-empty list"),
+    ([(0, [1, 2], 0), (0, [3], 0)], r"StepInput.requests\[1\].seq_id: sequence 0 appears twice in one step"),
+    ([(0, [1, 2], -1)], r"StepInput.requests\[0\].context_len: expected >= 0, got -1"),
+    ([(0, [1.0, 2.0], 0)], r"StepInput.requests\[0\].token_ids: token ids must be ints, got float 1.0"),
+    ([(0, [], 0)], r"StepInput.requests\[0\].token_ids: expected a non-empty list of ints"),
+    ([(0, [1])], r"StepInput.requests\[0\]: expected \(seq_id, token_ids, context_len\)"),
+    ([(-1, [1], 0)], r"StepInput.requests\[0\].seq_id: expected >= 0, got -1"),
+    ([(0, [True], 0)], r"token ids must be ints, got bool True"),
+]
+
+
+@pytest.mark.parametrize("requests,match", STEP_CASES, ids=[f"step{i}" for i in range(len(STEP_CASES))])
+def test_step_input(requests, match):
+    with pytest.raises(ValueError, match=match):
+        StepInput(requests)
+
+
+@pytest.fixture(scope="module")
+def cpu_engine():
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=16, max_num_seqs=2,
+                      max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
+    return LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=EngineModel.from_reference(ref, "narrow"))
+
+
+@CPU
+def test_engine_rejects_requests_it_cannot_run(cpu_engine):
+    eng = cpu_engine
+    V = eng.config.vocab_size
+    cases = [
+        (lambda: eng.generate(list(range(1, 18)), 1), r"prompt: 17 tokens \+ 0 decoded ones exceed max_model_len=16"),
+        (lambda: eng.generate([1, 2, 3], 15), r"prompt: 3 tokens \+ 14 decoded ones exceed max_model_len=16"),
+        (lambda: eng.generate([], 1), r"prompt: expected a non-empty list of token ids"),
+        (lambda: eng.generate([1, V], 1), rf"token_ids: ids must lie in \[0, {V}\) \(vocab_size\), got \[{V}\]"),
+        (lambda: eng.generate([1, -2], 1), r"token_ids: ids must lie in .*got \[-2\]"),
+        (lambda: eng.generate([1, 2], 0), r"max_new_tokens: expected an int >= 1, got 0"),
+        (lambda: eng.generate([1, 2], "1"), r"max_new_tokens: expected an int >= 1, got '1'"),
+        (lambda: eng.step(StepInput([(0, [1], 0), (1, [2], 0), (2, [3], 0)])),
+         r"StepInput.requests: 3 requests in one step, max_num_seqs is 2"),
+        (lambda: eng.step(StepInput([(0, [1] * 17, 0)])), r"step of 17 tokens exceeds max_num_batched_tokens=16"),
+        (lambda: eng.step(StepInput([(0, [1] * 4, 14)])), r"sequence 0 would hold 18 tokens \(context 14 \+ 4 new\)"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    toks, _ = eng.generate([1, 2, 3], 2)  # still usable afterwards, and no block leaked
+    assert len(toks) == 2 and len(eng.allocator.free) == eng.kv_cache.num_blocks
+
+
+@CPU
+def test_uniform_decode_padded_past_max_num_seqs(seed):
+    """max_num_seqs=3 with capture sizes [1, 2, 4, 8, 16]: three decoding requests pad to 4 rows, which the
+    decode indexer's workspace must hold (it had 3 rows: a crash)."""
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=16, max_num_seqs=3,
+                      max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4, 8, 16])
+    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=EngineModel.from_reference(ref, "narrow"))
+    assert eng.scores.shape[0] == 4
+    eng.capture()
+    toks, how = eng.step(StepInput([(0, [1, 2], 0), (1, [3, 4, 5], 0), (2, [6], 0)]))
+    toks, how = eng.step(StepInput([(0, [toks[0]], 2), (1, [toks[1]], 3), (2, [toks[2]], 1)]))
+    assert how == "PIECEWISE" and len(toks) == 3
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    from dsv32ref.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["ttft", "--model", "llama"])
+    assert e.value.code == 2 and "invalid choice: 'llama'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["ttft", "--requests", "many"])
+    assert "invalid int value: 'many'" in capsys.readouterr().err
+    assert main(["ledger"]) == 2
+
+
+def test_comparator_arguments():
+    a = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"compare\('x'\): row_dims must lie in \[0, 2\], got -1"):
+        compare("x", a, a, row_dims=-1)
+    with pytest.raises(ValueError, match=r"compare\('x'\): expected: expected a torch.Tensor, got ndarray"):
+        compare("x", a, a.numpy())
