@@ -117,7 +117,11 @@ def print_recorded_results(data_dir: str = "data") -> None:
         with open(f) as fh:
             d = json.load(fh)
         p = d.get("provenance", {})
-        print(f"  {os.path.basename(f):<32} {p.get('device', '?')}, {p.get('date', '?')[:10]}, commit {p.get('git_commit', '?')[:10]}")
+        if p.get("git_commit") is None:  # seeds.json: the PR's published figures, not a run of ours
+            print(f"  {os.path.basename(f):<32} published figures: {d.get('title', p.get('source', '?'))}")
+            continue
+        print(f"  {os.path.basename(f):<32} {p.get('device', '?')}, {p.get('date', '?')[:10]}, "
+              f"commit {p['git_commit'][:10]}")
         for v, r in (d.get("variants") or {}).items():
             if "mean_ms" in r:
                 led = r["ledger"]

@@ -1,36 +1,42 @@
 #!/usr/bin/env bash
-# One device call for the graph experiments. Usage (GPU machine, repo root, .whl/ carried):
-#   DSV32REF_GIT_COMMIT=<sha> bash scripts/gpu_experiments.sh OUTDIR [model ...]
-# Steps, each switchable:
-#   NOTEBOOKS=1        every notebook under nbval first
-#   SKIP_TESTS=1       skip the engine's GPU tests (replay = eager per variant and mode, the out-of-memory test)
-#   SKIP_TTFT=1        skip TTFT + measured ledger of each model                     -> OUTDIR/ttft_<model>.json
-#   TP=4               TTFT with 4 ranks (tensor parallel attention/MLP, expert parallel MoE; needs 4 GPUs,
-#                      NVLink multicast off)                                          -> OUTDIR/ttft_<model>_tp4.json
-#   CAPTURE_MEMORY=1   issue 5's start-up memory for the first model at each head count in CAPTURE_HEADS
-#                      (default "16": one rank of TP4), plan CAPTURE_PLAN (default | history)
+# The GPU runs behind every result in data/, in one device call or a few. Usage (GPU machine, repo root,
+# .whl/ carried for the notebooks):
+#   DSV32REF_GIT_COMMIT=<sha> bash scripts/gpu_experiments.sh OUTDIR STEP [STEP ...]
+# Steps, in the order given:
+#   ttft       TTFT + measured ledger of every boundary, with the instrument A/B   -> OUTDIR/ttft_<model>.json
+#              (MODELS, default "glm-5.2 deepseek-v3.2")
+#   kernels    the kernel benchmark                                                -> OUTDIR/kernels.json
+#   capture    start-up memory at one TP4 rank's heads (16), every boundary        -> OUTDIR/capture_memory_glm-5.2_h16.json
+#   history    the same with the allocator's history, narrow_copy                  -> OUTDIR/capture_memory_glm-5.2_h16_history.json
+#   tests      every gpu-marked test                                               -> OUTDIR/pytest_gpu.txt
+#   suite      the full suite, notebooks under nbval                               -> OUTDIR/pytest_suite.txt
+# Each step's log goes to OUTDIR/<step>.log; the last lines print.
 set -uo pipefail
 OUT=${1:?output dir}; shift
 mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
-if [ "${NOTEBOOKS:-0}" = 1 ]; then
-  timeout 260 python3 -m pytest -q -p no:cacheprovider notebooks 2>&1 | tail -8 | tee "$OUT/pytest_notebooks.txt"
-fi
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 240 python3 -m pytest -q -x -p no:cacheprovider -o addopts="" -m gpu tests/test_engine.py 2>&1 | tail -15 | tee "$OUT/pytest_engine.txt"
-fi
-if [ "${SKIP_TTFT:-0}" != 1 ]; then
-  tp=${TP:-1}; tag=$([ "$tp" -gt 1 ] && echo "_tp$tp")
-  for model in "${@:-glm-5.2}"; do
-    timeout 300 python3 -m dsv32ref ttft --model "$model" --tp "$tp" --out "$OUT/ttft_$model$tag.json" 2>&1 | tee "$OUT/ttft_$model$tag.log" \
-      | grep -v "^\s*$" | grep -v "TTFT, all" | tail -8
-  done
-fi
-if [ "${CAPTURE_MEMORY:-0}" = 1 ]; then
-  plan=${CAPTURE_PLAN:-default}
-  for heads in ${CAPTURE_HEADS:-16}; do
-    tag=_h$heads$([ "$plan" = history ] && echo _history)
-    timeout 300 python3 -m dsv32ref capture --model "${1:-glm-5.2}" --heads-per-rank "$heads" --plan "$plan" \
-      --out "$OUT/capture_memory_${1:-glm-5.2}$tag.json" 2>&1 | tee "$OUT/capture_memory$tag.log" | tail -14
-  done
-fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+for step in "$@"; do
+  case $step in
+    ttft)
+      for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
+        timeout 300 python3 -m dsv32ref ttft --model "$model" --instrument-ab --out "$OUT/ttft_$model.json" 2>&1 \
+          | grep -v "TTFT, all" | tee "$OUT/ttft_$model.log" | tail -9
+      done ;;
+    kernels)
+      timeout 400 python3 -m dsv32ref kernels --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; echo "kernels rc $?"
+      tail -4 "$OUT/kernels.log" ;;
+    capture)
+      timeout 420 python3 -m dsv32ref capture --model glm-5.2 --heads-per-rank 16 \
+        --out "$OUT/capture_memory_glm-5.2_h16.json" 2>&1 | tee "$OUT/capture.log" | tail -12 ;;
+    history)
+      timeout 300 python3 -m dsv32ref capture --model glm-5.2 --heads-per-rank 16 --plan history \
+        --out "$OUT/capture_memory_glm-5.2_h16_history.json" 2>&1 | tee "$OUT/history.log" | tail -4 ;;
+    tests)
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests 2>&1 \
+        | tee "$OUT/pytest_gpu.txt" | tail -8 ;;
+    suite)
+      timeout 540 python3 -m pytest -q -p no:cacheprovider tests notebooks 2>&1 | tee "$OUT/pytest_suite.txt" | tail -12 ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done

@@ -722,3 +722,15 @@ def test_comparator_arguments():
         compare("x", a, a, row_dims=-1)
     with pytest.raises(ValueError, match=r"compare\('x'\): expected: expected a torch.Tensor, got ndarray"):
         compare("x", a, a.numpy())
+
+
+@pytest.mark.parametrize("kw,match", [(dict(n_requests=0), r"ttft.run: n_requests must be an int >= 1, got 0"),
+                                      (dict(warmup=-1), r"ttft.run: warmup must be an int >= 0, got -1"),
+                                      (dict(prompt_len=0), r"ttft.run: prompt_len must be an int >= 1, got 0"),
+                                      (dict(variants=["narow"]), r"ttft.run: unknown variant\(s\) \['narow'\]"),
+                                      (dict(instrument_ab=["wide", "x"]), r"unknown variant\(s\) \['x'\]")])
+def test_ttft_experiment_arguments(kw, match):
+    from dsv32ref.experiments.ttft import run
+
+    with pytest.raises(ValueError, match=match):
+        run(device="cpu", **kw)

@@ -93,7 +93,13 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     from dsv32ref.instrument import measuring
     from dsv32ref.provenance import provenance
 
+    for name, v, low in (("n_requests", n_requests, 1), ("warmup", warmup, 0), ("prompt_len", prompt_len, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"ttft.run: {name} must be an int >= {low}, got {v!r}")
     variants = list(variants or BOUNDARIES)
+    unknown = [v for v in list(variants) + list(instrument_ab) if v not in BOUNDARIES]
+    if unknown:
+        raise ValueError(f"ttft.run: unknown variant(s) {unknown}; expected some of {BOUNDARIES}")
     config = config or reduced_config(preset)
     cuda = device == "cuda"
     t0 = time.time()

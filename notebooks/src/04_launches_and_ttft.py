@@ -13,9 +13,7 @@
 # `data/`.
 
 # %%
-import glob
 import json
-import os
 
 import matplotlib.pyplot as plt
 
@@ -25,10 +23,10 @@ def load(name):
         return json.load(fh)
 
 
-SEEDS = {"wide": 57.42, "narrow": 28.72, "narrow_copy (PIECEWISE-only run)": 26.51}
+seeds = load("seeds.json")  # the PR's published figures
+SEEDS = {"wide": seeds["ttft"]["wide"]["mean_ms"], "narrow": seeds["ttft"]["narrow"]["mean_ms"],
+         "narrow_copy (PIECEWISE-only run)": seeds["piecewise_only"]["narrow_copy_mean_ms"]}
 runs = {m: load(f"ttft_{m}.json") for m in ("glm-5.2", "deepseek-v3.2")}
-earlier = {m: sorted((load(os.path.basename(f)) for f in glob.glob(f"../data/ttft_{m}_run_*.json")),
-                     key=lambda d: d["provenance"]["date"]) for m in ("glm-5.2", "deepseek-v3.2")}
 predicted = {m: load(f"ledger_predicted_{m}.json") for m in ("glm-5.2", "deepseek-v3.2")}
 for m, r in runs.items():
     p = r["provenance"]
@@ -98,11 +96,9 @@ plt.show()
 # %% [markdown]
 # ## TTFT
 # Per variant: mean, median, p99, requests/s, and the floor: the GPU-busy time of the same request (the
-# sum of its kernel durations, graph kernels included). The latest run interleaves the variants request by
-# request. Earlier runs of the same protocol (`data/ttft_<model>_run_<commit>.json`) are kept for the
-# spread of wide/narrow; their floors are not shown, because the profiler's GPU-side range annotations
-# were then summed as if they were kernels, which inflated the floor of every variant with eager regions
-# (the wide one most: the "4-5 ms higher floor" of wide in those runs was this, not the GPU).
+# sum of its kernel durations, graph kernels included). The run interleaves the variants request by
+# request, and times them with the instrument off: the named regions the ledger needs are opened only
+# while a request is profiled.
 
 # %%
 def ttft_table(model):
@@ -117,19 +113,12 @@ def ttft_table(model):
           f"{vs['wide']['median_ms'] / vs['narrow']['median_ms']:.2f}); narrow_copy vs narrow: "
           f"{1 - vs['narrow_copy']['mean_ms'] / vs['narrow']['mean_ms']:.1%} faster; narrow_out within "
           f"{vs['narrow_out']['mean_ms'] / vs['narrow_out']['ledger']['gpu_busy_ms']:.2f}x of its floor")
-    ratios = []
-    for d in earlier[model] + [runs[model]]:
-        e = d["variants"]
-        ratios.append(e["wide"]["mean_ms"] / e["narrow"]["mean_ms"])
-        print(f"  run {d['provenance']['git_commit'][:7]} ({d['protocol'].get('order', 'sequential').split(':')[0]}): "
-              f"wide {e['wide']['mean_ms']:.2f} ms, narrow {e['narrow']['mean_ms']:.2f} ms, wide/narrow {ratios[-1]:.2f}")
-    print(f"wide/narrow over {len(ratios)} runs: {min(ratios):.2f} to {max(ratios):.2f}")
-    print("same first tokens in every variant:",
-          all(d["same_tokens_across_variants"] for d in earlier[model] + [runs[model]]))
+    print("same first tokens in every variant:", runs[model]["same_tokens_across_variants"])
 
 
 ttft_table("glm-5.2")
-print("seeds (GLM-5.2, TP4/EP4):", SEEDS, f"wide/narrow {57.42 / 28.72:.2f}")
+print("seeds (GLM-5.2, TP4/EP4): " + ", ".join(f"{k} {v:.2f} ms" for k, v in SEEDS.items())
+      + f"; wide/narrow {SEEDS['wide'] / SEEDS['narrow']:.2f}")
 
 # %%
 ttft_table("deepseek-v3.2")
@@ -148,6 +137,27 @@ axes[0].set_ylabel("ms")
 axes[0].legend(fontsize=8)
 plt.tight_layout()
 plt.show()
+
+# %% [markdown]
+# ## What the instrument costs
+# The ledger attributes launches to named regions (profiler ranges). A `torch.profiler.record_function`
+# range costs host time even when no profiler runs, and an engine step opens hundreds of them, almost all
+# inside eager regions. In the same run, wide, narrow and narrow_out were also timed with every range open
+# on every request, as they used to be: the difference is what an always-on instrument adds to TTFT. With
+# the instrument off, what remains is one no-op context manager per region, whose host cost was timed in
+# the same process and multiplied by the regions one request enters.
+
+# %%
+for model in runs:
+    ab = runs[model]["instrument"]
+    print(f"{model}: one region costs {ab['region_cost_ns']['off']:.0f} ns off, {ab['region_cost_ns']['on']:.0f} ns on")
+    print(f"{'variant':<12}{'median with ranges':>20}{'without':>10}{'difference':>12}{'regions':>9}{'left, off':>11}")
+    for v, a in ab["variants"].items():
+        print(f"{v:<12}{a['with_ranges']['median_ms']:>17.2f} ms{a['without']['median_ms']:>10.2f}"
+              f"{a['ranges_median_ms']:>+12.2f}{a['regions_entered_per_request']:>9}{a['remaining_ms_per_request']:>8.3f} ms")
+    vs = runs[model]["variants"]
+    print(f"wide/narrow (means): {vs['wide']['mean_ms'] / vs['narrow']['mean_ms']:.2f} without ranges, "
+          f"{ab['wide_over_narrow_with_ranges']:.2f} with them")
 
 # %% [markdown]
 # ## Where the time goes

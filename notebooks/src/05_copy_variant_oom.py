@@ -218,23 +218,21 @@ for r in runs:
         print(f"  measured {label(r)}: {'out of memory at ' + r['failed_at'] if r['failed'] else 'starts'}")
 
 # %% [markdown]
-# ## A side finding: one capture stream, or 32
-# Our first measurement (kept in `data/capture_memory_glm-5.2_h16_32streams.json`, same settings) made a new
-# side stream per captured size. The caching allocator reuses a freed block only on the stream
-# that allocated it, so the pool grew by a full set of activations for each of PyTorch's 32 pooled streams,
-# and cuBLAS kept a 32 MiB workspace per stream in the graph pool; the engine's estimate, which extrapolates
-# the second capture's growth, over-counted accordingly. With one capture stream (the serving engine's
-# `graph_capture` does the same) the pool holds one set:
+# ## A side finding: one capture stream
+# Captures run on one side stream (`dsv32ref.graphs.capture_stream`), as the serving engine's `graph_capture`
+# does. An earlier version made a new side stream per captured size: the caching allocator reuses a freed
+# block only on the stream that allocated it, so the pool grew by a full set of activations for each of
+# PyTorch's 32 pooled streams, cuBLAS kept a 32 MiB workspace per stream in the pool, and the engine's
+# estimate, which extrapolates the second capture's growth, over-counted accordingly. (That run was not
+# taken at a clean commit and is not kept.) With one stream the pool holds one set of activations:
 
 # %%
-old = load("capture_memory_glm-5.2_h16_32streams.json")
-for name, data in (("32 streams", old), ("1 stream", mem)):
-    r = next(x for x in data["runs"] if x["boundary"] == "narrow" and not x["estimate_graph_memory"])
-    e = next(x for x in data["runs"] if x["boundary"] == "narrow" and x["estimate_graph_memory"])
-    pool = max(q["reserved"] for q in r["pools"] if q["pool"] != "(0, 0)")
-    took = r["before_capture"]["free"] - r["capture_log"][-1]["free"]
-    print(f"{name:<11} narrow: graph pool {pool / GiB:.2f} GiB, capture took {took / GiB:.2f} GiB, peak activations "
-          f"{r['startup']['peak_activations'] / GiB:.2f} GiB, the engine's estimate {e['startup']['graph_estimate'] / GiB:.2f} GiB")
+r = next(x for x in mem["runs"] if x["boundary"] == "narrow" and not x["estimate_graph_memory"])
+e = next(x for x in mem["runs"] if x["boundary"] == "narrow" and x["estimate_graph_memory"])
+pool = max(q["reserved"] for q in r["pools"] if q["pool"] != "(0, 0)")
+took = r["before_capture"]["free"] - r["capture_log"][-1]["free"]
+print(f"narrow: graph pool {pool / GiB:.2f} GiB, capture took {took / GiB:.2f} GiB, peak activations "
+      f"{r['startup']['peak_activations'] / GiB:.2f} GiB, the engine's estimate {e['startup']['graph_estimate'] / GiB:.2f} GiB")
 
 # %% [markdown]
 # ## The fix, and what it costs
