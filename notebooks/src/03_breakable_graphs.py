@@ -98,13 +98,14 @@ print("FULL segments:", full.graph.pattern)
 
 # %% [markdown]
 # ## 3. One DSA layer per eager boundary
-# `dsv32ref.engine.EngineDSAAttention` offers four boundaries, all computing the same function:
+# `dsv32ref.engine.EngineDSAAttention` offers five boundaries, all computing the same function:
 #
 # | boundary | eager region | UV BMM |
 # |---|---|---|
 # | `wide` | everything after the A-projections | eager |
 # | `narrow` | indexer + attention + UV BMM (the change) | eager, on the backend-owned output |
-# | `narrow_copy` | indexer + attention + a copy into a graph-owned buffer | captured |
+# | `narrow_copy` | indexer + attention + a copy into a static buffer per layer and size | captured |
+# | `narrow_copy_shared` | the same copy into one buffer shared by every layer | captured |
 # | `narrow_out` | indexer + attention writing into the graph-owned buffer | captured |
 #
 # Two layers with the GLM-5.2 structure at tiny widths (layer 0 runs its indexer, layer 1 shares its

@@ -186,10 +186,11 @@ for model in runs:
 #   per forward; the CPU prediction equals the profiler's count class by class. The copy variants' copy
 #   is a device-to-device `cudaMemcpyAsync`, not a kernel, so it shows up under memcpy.
 # - Every variant has the same GPU-busy floor (same kernels); TTFT above the floor is host time. The wide
-#   variant spends it launching 618 kernels one by one from Python between graph segments: its eager
-#   regions' host time is several times the others', and the GPU idles for most of the request. That is
-#   what narrowing removes, and why wide/narrow depends on the host: it moves from run to run (the range
-#   over our runs is printed above; the seeds: 2.0). `narrow_out` comes closest to the floor.
+#   variant spends it launching its direct kernels (the ledger above) one by one from Python between graph
+#   segments: its eager regions' host time is several times the others', and the GPU idles for most of the
+#   request. That is what narrowing removes, and why wide/narrow depends on the host. An always-on
+#   instrument is host time too: it inflated wide/narrow (the A/B above), which is why the regions are
+#   open only while the ledger profiles. `narrow_out` comes closest to the floor.
 # - Capturing the UV BMM (`narrow_copy`, `narrow_copy_shared`, `narrow_out`) beats leaving it eager, as in
 #   the seeds; the copy variants are slower than `narrow_out` by their memcpy per layer. Whether the copy
 #   variant can start at all is the subject of notebook 05.
