@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["check_tensor", "check_same_device", "check_keys", "check_range", "check_scale", "checking_device_values",
+__all__ = ["check_tensor", "check_same_device", "check_keys", "check_range", "check_rope_table", "check_scale", "checking_device_values",
            "device_value_checks_on", "rel_err"]
 
 
@@ -60,6 +60,17 @@ def check_scale(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
     return float(v)
+
+
+def check_rope_table(launcher: str, cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """cos/sin fp32 [max_pos >= 1, rope/2] with the same strides (a kernel indexes both with cos's); returns rope."""
+    check_tensor("cos", cos, shape=(None, None), dtype=torch.float32, dense_dims=1)
+    if cos.shape[0] < 1:
+        raise ValueError(f"{launcher}: cos/sin must hold at least one position, got shape {list(cos.shape)}")
+    check_tensor("sin", sin, shape=tuple(cos.shape), dtype=torch.float32, dense_dims=1)
+    if sin.stride() != cos.stride():
+        raise ValueError(f"{launcher}: sin must have cos's strides {cos.stride()}, got {sin.stride()}")
+    return 2 * cos.shape[1]
 
 
 def check_keys(name: str, given: dict | None, allowed) -> None:

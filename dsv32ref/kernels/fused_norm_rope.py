@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
+from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_scale, check_tensor,
                              device_value_checks_on)
 
 __all__ = ["fused_norm_rope"]
@@ -115,12 +115,7 @@ def fused_norm_rope(
     nb, bs, width = check_tensor("latent_cache", latent_cache, shape=(None, None, None), dtype=floats,
                                  contiguous=True).shape
     check_tensor("kv", kv, shape=(T, width), dtype=floats, dense_dims=1)
-    rope = 2 * check_tensor("cos", cos, shape=(None, None), dtype=torch.float32, dense_dims=1).shape[1]
-    if cos.shape[0] < 1:
-        raise ValueError(f"fused_norm_rope: cos/sin must hold at least one position, got shape {list(cos.shape)}")
-    check_tensor("sin", sin, shape=tuple(cos.shape), dtype=torch.float32, dense_dims=1)
-    if sin.stride() != cos.stride():
-        raise ValueError(f"fused_norm_rope: sin must have cos's strides {cos.stride()}, got {sin.stride()}")
+    rope = check_rope_table("fused_norm_rope", cos, sin)
     kv_lora = width - rope
     if kv_lora <= 0:
         raise ValueError(f"fused_norm_rope: latent_cache.shape[-1] ({width}) must exceed qk_rope_head_dim "

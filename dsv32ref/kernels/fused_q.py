@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_range, check_same_device, check_tensor, device_value_checks_on
+from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_tensor,
+                             device_value_checks_on)
 from dsv32ref.kernels.fused_norm_rope import _rope_pairs
 
 __all__ = ["fused_q"]
@@ -135,12 +136,7 @@ def fused_q(
     """
     floats = (torch.bfloat16, torch.float16, torch.float32)
     T, H, d_lat = check_tensor("q_lat", q_lat, shape=(None, None, None), dtype=floats, dense_dims=1).shape
-    rope = 2 * check_tensor("cos", cos, shape=(None, None), dtype=torch.float32, dense_dims=1).shape[1]
-    if cos.shape[0] < 1:
-        raise ValueError(f"fused_q: cos/sin must hold at least one position, got shape {list(cos.shape)}")
-    check_tensor("sin", sin, shape=tuple(cos.shape), dtype=torch.float32, dense_dims=1)
-    if sin.stride() != cos.stride():
-        raise ValueError(f"fused_q: sin must have cos's strides {cos.stride()}, got {sin.stride()}")
+    rope = check_rope_table("fused_q", cos, sin)
     nope = check_tensor("q", q, shape=(T, H, None), dtype=floats, dense_dims=1).shape[2] - rope
     if nope < 0:
         raise ValueError(f"fused_q: q.shape[-1] ({q.shape[2]}) must hold qk_nope_head_dim >= 0 plus "
