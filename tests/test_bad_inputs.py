@@ -734,3 +734,17 @@ def test_ttft_experiment_arguments(kw, match):
 
     with pytest.raises(ValueError, match=match):
         run(device="cpu", **kw)
+
+
+@pytest.mark.gpu
+def test_start_up_with_no_capture_size_in_a_phase():
+    """max_num_seqs=4 with capture sizes [8, 64]: no size is small enough for FULL (uniform decode), so the
+    graph-memory estimate has no FULL sample (it indexed an empty list: IndexError at start-up)."""
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32).to("cuda", torch.bfloat16)
+    ec = EngineConfig(boundary="narrow", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                      block_size=16, capture_sizes=[8, 64])
+    eng = LLMEngine(ref.config, ec, device="cuda", dtype=torch.bfloat16, model=EngineModel.from_reference(ref, "narrow"))
+    assert set(eng.memory["graph_estimate_detail"]) == {"PIECEWISE"}
+    eng.capture()
+    toks, how = eng.step(StepInput([(0, [1, 2, 3], 0)]))
+    assert how == "PIECEWISE" and len(toks) == 1
