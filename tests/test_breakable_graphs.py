@@ -290,3 +290,44 @@ def test_tensors_nested_in_containers_are_held_weakly_and_checked():
     with pytest.raises(CaptureError, match=r"eager region 'fresh' returned a tensor of shape \[4\]"):
         with BreakableCapture(FakeBackend(log)):
             fresh(torch.ones(4))
+
+
+@pytest.mark.gpu
+def test_eager_break_inside_a_side_stream_region_on_the_gpu():
+    """Work forked to a second stream and joined back, with an eager break inside the side-stream part (the
+    serving engine's indexer overlap): it captures, and replays what eager execution computes."""
+    from dsv32ref.graphs import CudaGraphBackend
+
+    @eager_break(name="side")
+    def side_op(x, out):
+        out.copy_(x * 3)
+        return out
+
+    x = torch.randn(1024, device="cuda")
+    a, b, y, out = (torch.empty(1024, device="cuda") for _ in range(4))
+    side = torch.cuda.Stream()
+
+    def step():
+        a.copy_(x + 1)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            b.copy_(a * 2)
+            side_op(b, y)  # the eager break, reached on the side stream
+            y.add_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        out.copy_(a + y)
+
+    step()  # warm-up outside the capture
+    torch.cuda.synchronize()
+    with BreakableCapture(CudaGraphBackend()) as cap:
+        step()
+    assert cap.graph.pattern == "G E G"
+    for trial in range(3):
+        x.normal_()
+        out.zero_()
+        cap.graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        step()  # the same step eagerly, on the same inputs
+        torch.cuda.synchronize()
+        assert torch.equal(got, out), trial

@@ -144,7 +144,13 @@ def capture_stream(device=None) -> "torch.cuda.Stream":
 
 
 class CudaGraphBackend:
-    """torch.cuda.CUDAGraph segments on the device's capture stream, all in one memory pool."""
+    """torch.cuda.CUDAGraph segments on the device's capture stream, all in one memory pool.
+
+    Every segment begins and ends on the capture stream, also when the eager break that ends it is reached
+    on a side stream (work forked from the capture stream and joined back later, as the serving engine
+    overlaps the indexer): the side stream is joined into the capture stream before the segment ends (CUDA
+    refuses to end a capture with unjoined work), and forked from it again once the next segment has begun,
+    so that what the side stream does next is captured and joins back as the caller wrote it."""
 
     def __init__(self, pool=None, stream=None):
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
@@ -152,11 +158,19 @@ class CudaGraphBackend:
 
     def begin(self):
         g = torch.cuda.CUDAGraph()
-        g.capture_begin(pool=self.pool)
+        side = torch.cuda.current_stream()
+        with torch.cuda.stream(self.stream):
+            g.capture_begin(pool=self.pool)
+        if side != self.stream:  # an eager break on a side stream: fork it from the new segment
+            side.wait_stream(self.stream)
         return g
 
     def end(self, g) -> None:
-        g.capture_end()
+        side = torch.cuda.current_stream()
+        if side != self.stream:  # join the side stream's captured work before the segment ends
+            self.stream.wait_stream(side)
+        with torch.cuda.stream(self.stream):
+            g.capture_end()
 
     @contextlib.contextmanager
     def capturing(self):
