@@ -740,7 +740,9 @@ def test_ttft_experiment_arguments(kw, match):
 def test_start_up_with_no_capture_size_in_a_phase():
     """max_num_seqs=4 with capture sizes [8, 64]: no size is small enough for FULL (uniform decode), so the
     graph-memory estimate has no FULL sample (it indexed an empty list: IndexError at start-up)."""
-    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32).to("cuda", torch.bfloat16)
+    widths = dict(hidden_size=256, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                  v_head_dim=32, num_attention_heads=16, index_n_heads=16, index_head_dim=32, index_topk=16)
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32, **widths).to("cuda", torch.bfloat16)  # compiled dots: K >= 16
     ec = EngineConfig(boundary="narrow", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
                       block_size=16, capture_sizes=[8, 64])
     eng = LLMEngine(ref.config, ec, device="cuda", dtype=torch.bfloat16, model=EngineModel.from_reference(ref, "narrow"))
