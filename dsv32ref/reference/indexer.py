@@ -73,7 +73,9 @@ def topk_indices(scores: torch.Tensor, query_positions: torch.Tensor, topk: int)
     """Causal top-k of scores [n, S]: key s is visible to query t iff s <= query_positions[t].
 
     Returns int32 [n, topk]: the visible keys with the highest scores, highest first, ties broken by the
-    lower position; entries past min(topk, #visible) are -1.
+    lower position; entries past min(topk, #visible) are -1. `torch.topk`, which HF transformers' indexer
+    uses, breaks exact ties differently; they do happen (every indexer head's ReLU 0 for several keys gives
+    them all the score 0), so compare selections with another implementation tie-aware.
     """
     check_tensor("scores", scores, shape=(None, None))
     check_tensor("query_positions", query_positions, shape=(scores.shape[0],), device=scores.device,
