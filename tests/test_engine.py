@@ -211,7 +211,7 @@ def test_ttft_instrument_ab_and_an_interrupted_run_keeps_the_complete_result(tmp
 
 @CPU
 def test_capture_memory_experiment_control_flow_on_cpu(tmp_path):
-    """Issue 5's start-up memory run, on emulated graphs: every variant starts, captures every size
+    """The start-up memory run, on emulated graphs: every variant starts, captures every size
     PIECEWISE largest first then FULL, and leaves a log per capture with its static buffers, which match
     the memory model."""
     from dsv32ref.experiments.memory_model import predict

@@ -13,7 +13,7 @@ from dsv32ref.parallel import spawn
 from dsv32ref.testing import assert_close
 from helpers import tiny_model
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) tests; the GPU run is issue 6's")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) tests; the GPU run needs 4 GPUs")
 
 
 def _config():

@@ -9,7 +9,7 @@ The attention's `boundary` decides what runs eagerly between graph segments unde
     narrow_copy   the attention output is copied into a static buffer, so the UV BMM is captured: the
                   alternative the change rejected. "Static" read as the layer keeping one buffer per token
                   count it has run (created on first use, so each captured size replays at a stable
-                  address): the reading FACTS.md section 4 hypothesises; issue 5 measures what it costs
+                  address): the reading whose cost the start-up memory experiment measures
     narrow_copy_shared  the same copy into ONE static buffer shared by every layer and sized for the
                   largest step (layers run one after another, and the UV BMM consumes the buffer before the
                   next layer's attention writes it): the copy variant made safe

@@ -1,4 +1,4 @@
-"""Start-up memory of each eager boundary under FULL_AND_PIECEWISE capture (issue 5's measurement).
+"""Start-up memory of each eager boundary under FULL_AND_PIECEWISE capture (why the copy variant runs out of memory).
 
 Each run builds an engine on a shared model the way the serving engine starts: a profile run (largest
 prefill step), the graph-memory estimate (two largest captures per mode in a temporary pool, extrapolated),
@@ -156,7 +156,7 @@ def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank:
     return result
 
 
-PLAN = [  # issue 5 at default settings (util 0.9, max_num_seqs 256, capture sizes up to 512)
+PLAN = [  # the engine's default settings (util 0.9, max_num_seqs 256, capture sizes up to 512)
     {"boundary": "narrow", "history": True},
     {"boundary": "narrow", "estimate_graph_memory": False},
     {"boundary": "narrow_copy"},

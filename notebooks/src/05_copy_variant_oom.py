@@ -18,7 +18,7 @@
 #
 # **What "a static buffer" means.** The seeds do not say how the buffer is owned. We build two readings:
 # - `narrow_copy`: each layer keeps one `[T, H, 512]` buffer per token count T it has run, created on first
-#   use: the natural way to give every captured size a stable address (and FACTS.md's hypothesis);
+#   use: the natural way to give every captured size a stable address (the reading an unverified hypothesis blamed);
 # - `narrow_copy_shared`: one buffer for all layers, sized for the largest step: the safe version.
 #
 # `narrow` (no copy) and `narrow_out` (the attention writes into a graph-owned activation) are the
