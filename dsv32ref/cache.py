@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv32ref.checks import check_tensor
+from dsv32ref.checks import check_tensor, is_int
 from dsv32ref.config import ModelConfig
 
 __all__ = ["AttentionMetadata", "BlockAllocator", "PagedKVCache", "gather_tokens"]
@@ -80,7 +80,7 @@ class AttentionMetadata:
 
         Block ids are ints in [0, num_blocks) (when num_blocks is given), and no block belongs to two
         requests of one step (their tokens would overwrite each other)."""
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if not is_int(block_size) or block_size < 1:
             raise ValueError(f"AttentionMetadata.build: block_size must be an int >= 1, got {block_size!r}")
         if not (len(context_lens) == len(query_lens) == len(block_tables)) or not query_lens:
             raise ValueError(
@@ -91,12 +91,12 @@ class AttentionMetadata:
         owner: dict[int, int] = {}
         for b, (ctx, n, blocks) in enumerate(zip(context_lens, query_lens, block_tables)):
             for name, v in (("context_lens", ctx), ("query_lens", n)):
-                if isinstance(v, bool) or not isinstance(v, int):
+                if not is_int(v):
                     raise ValueError(f"AttentionMetadata.build: {name}[{b}] must be an int, got {type(v).__name__} {v!r}")
             if ctx < 0 or n < 1:
                 raise ValueError(f"request {b}: context_len {ctx} must be >= 0 and query_len {n} >= 1")
             for blk in blocks:
-                if isinstance(blk, bool) or not isinstance(blk, int) or blk < 0 or (num_blocks is not None
+                if not is_int(blk) or blk < 0 or (num_blocks is not None
                                                                                     and blk >= num_blocks):
                     bound = f"[0, {num_blocks})" if num_blocks is not None else ">= 0"
                     raise ValueError(f"block_tables[{b}]: block ids must be ints {bound}, got {blk!r}")

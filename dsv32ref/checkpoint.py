@@ -14,6 +14,7 @@ import zlib
 
 import torch
 
+from dsv32ref.checks import is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -107,7 +108,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     config = ModelConfig.from_hf(path)
     block = (config.extra.get("quantization_config") or {}).get("weight_block_size", (128, 128))
     if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            or not all(is_int(b) and b > 0 for b in block)):
         raise ValueError(f"config.json: quantization_config.weight_block_size must be two positive ints, got {block!r}")
     block = tuple(block)
     where = _open_shards(path)
@@ -196,8 +197,7 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     from safetensors.torch import save_file
 
     path = os.fspath(path)
-    if isinstance(max_shard_bytes, bool) or max_shard_bytes is not None and (
-            not isinstance(max_shard_bytes, int) or max_shard_bytes < 1):
+    if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")
     config_json = to_hf(model.config, form=config_form)
     if fp8:

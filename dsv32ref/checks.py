@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["check_tensor", "check_same_device", "check_keys", "check_range", "check_rope_table", "check_scale", "checking_device_values",
-           "device_value_checks_on", "rel_err"]
+__all__ = ["check_tensor", "check_same_device", "check_int", "check_keys", "check_range", "check_rope_table", "check_scale", "checking_device_values",
+           "device_value_checks_on", "is_int", "rel_err"]
 
 
 def check_tensor(
@@ -53,6 +53,20 @@ def check_tensor(
                                  f"{t.stride()} for shape {list(t.shape)}")
             step *= t.shape[d]
     return t
+
+
+def is_int(v) -> bool:
+    """An int that is not a bool (True is an int to Python, never a size or an id here)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_int(name: str, v, low: int = 1) -> int:
+    """An int >= low: else ValueError naming `name` and what it got."""
+    if not is_int(v):
+        raise ValueError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
+    if v < low:
+        raise ValueError(f"{name}: expected >= {low}, got {v}")
+    return v
 
 
 def check_scale(name: str, v) -> float:

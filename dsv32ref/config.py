@@ -13,14 +13,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv32ref.checks import check_scale, is_int
+
 __all__ = ["ModelConfig", "PRESETS", "indexer_types_from_schedule"]
 
 _INDEXER_TYPES = ("full", "shared")
 
 
-def _finite_positive(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
 
 
 def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
@@ -29,7 +28,7 @@ def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> tupl
     The other layers ("shared") reuse the top-k of the closest earlier "full" layer.
     """
     for name, v, low in (("index_topk_freq", freq, 1), ("index_skip_topk_offset", offset, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        if not is_int(v) or v < low:
             raise ValueError(f"config: {name} must be an int >= {low}, got {v!r}")
     return tuple(
         "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)
@@ -92,7 +91,7 @@ class ModelConfig:
         ]
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}: expected a positive int, got {value!r}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ValueError(
@@ -122,13 +121,12 @@ class ModelConfig:
                 f"from topk_group={self.topk_group} groups of {per_group}"
             )
         for name in ("rope_theta", "routed_scaling_factor", "rms_norm_eps"):
-            _finite_positive(f"ModelConfig.{name}", getattr(self, name))
+            check_scale(f"ModelConfig.{name}", getattr(self, name))
         for name in ("max_position_embeddings",):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}: expected a positive int, got {value!r}")
-        if (not isinstance(self.num_nextn_predict_layers, int) or isinstance(self.num_nextn_predict_layers, bool)
-                or self.num_nextn_predict_layers < 0):
+        if not is_int(self.num_nextn_predict_layers) or self.num_nextn_predict_layers < 0:
             raise ValueError(f"ModelConfig.num_nextn_predict_layers: expected an int >= 0, got "
                              f"{self.num_nextn_predict_layers!r}")
         for name in ("indexer_rope_interleave", "norm_topk_prob"):
@@ -146,7 +144,7 @@ class ModelConfig:
             if missing:
                 raise ValueError(f"ModelConfig.rope_scaling: YaRN needs {missing}, got {rs}")
             for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
-                _finite_positive(f"ModelConfig.rope_scaling.{key}", rs[key])
+                check_scale(f"ModelConfig.rope_scaling.{key}", rs[key])
             for key in ("mscale", "mscale_all_dim"):
                 if key in rs and rs[key] is not None:
                     v = rs[key]

@@ -66,14 +66,6 @@ class Comparison:
         return self.message
 
 
-def _idx(flat: int, shape) -> tuple[int, ...]:
-    out = []
-    for s in reversed(shape):
-        out.append(flat % s if s else 0)
-        flat //= max(s, 1)
-    return tuple(reversed(out))
-
-
 def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
             rtol: float = 2.0, atol: float = 2.0, row_dims: int = 1, precision: torch.dtype | None = None
             ) -> Comparison:
@@ -108,7 +100,7 @@ def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torc
         diff = test(g2) != test(e2)
         if diff.any():
             flat = int(diff.flatten().nonzero()[0])
-            at = _idx(flat, tuple(g.shape))
+            at = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), g.shape))
             n_el = int(diff.sum())
             return fail(f"{kind} positions differ at {n_el} element(s) in {int(diff.any(1).sum())} row(s); first at "
                         f"{at}: got {g[at].item():.6g}, expected {e[at].item():.6g}", elems=n_el,
@@ -123,7 +115,7 @@ def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torc
     n_bad, rows_bad = int(bad.sum()), int(bad.any(dim=1).sum()) if bad.numel() else 0
     if ratio.numel():
         flat = int(ratio.flatten().argmax())
-        at = _idx(flat, tuple(g.shape))
+        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), g.shape))
         w = (f"worst at {at}: got {g[at].item():.6g}, expected {e[at].item():.6g}, |err| {err.flatten()[flat].item():.3g}"
              f" = {worst:.3g} x the allowed {allowed.flatten()[flat].item():.3g}")
     else:

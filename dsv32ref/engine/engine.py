@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv32ref.cache import AttentionMetadata, BlockAllocator, PagedKVCache
+from dsv32ref.checks import check_int, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.context import ForwardContext, set_forward_context
 from dsv32ref.engine.model import EngineModel
@@ -22,13 +23,6 @@ from dsv32ref.graphs.breakable import CaptureError, CudaGraphBackend
 from dsv32ref.graphs.emulated import RecordingBackend
 from dsv32ref.graphs.runner import CUDAGraphMode, GraphRunner, default_capture_sizes
 from dsv32ref.reference.rope import RotaryEmbedding
-
-
-def _int_field(owner: str, name: str, value, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{owner}.{name}: expected an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{owner}.{name}: expected >= {low}, got {value}")
 
 
 @dataclass
@@ -56,11 +50,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.mode: expected a CUDAGraphMode (e.g. CUDAGraphMode("
                              f"'full_and_piecewise')), got {type(self.mode).__name__} {self.mode!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-            _int_field("EngineConfig", name, getattr(self, name))
-        _int_field("EngineConfig", "seed", self.seed, low=0)
+            check_int(f"EngineConfig.{name}", getattr(self, name))
+        check_int("EngineConfig.seed", self.seed, low=0)
         for name in ("num_blocks", "num_sms"):
             if getattr(self, name) is not None:
-                _int_field("EngineConfig", name, getattr(self, name))
+                check_int(f"EngineConfig.{name}", getattr(self, name))
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {u!r}")
@@ -69,14 +63,14 @@ class EngineConfig:
         if not isinstance(self.capture_sizes, (list, tuple)):
             raise ValueError(f"EngineConfig.capture_sizes: expected a list of ints, got {self.capture_sizes!r}")
         for s in self.capture_sizes:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            if not is_int(s) or s < 1:
                 raise ValueError(f"EngineConfig.capture_sizes: every size must be an int >= 1, got {s!r} in "
                                  f"{list(self.capture_sizes)}")
         self.capture_sizes = sorted(set(self.capture_sizes))
-        if max(self.capture_sizes + [self.max_num_batched_tokens]) > self.max_num_seqs * self.max_model_len:
+        if self.max_step_tokens > self.max_num_seqs * self.max_model_len:
             raise ValueError(f"max_num_batched_tokens / capture sizes: at most max_num_seqs x max_model_len = "
                              f"{self.max_num_seqs * self.max_model_len} tokens fit in one step, got "
-                             f"{max(self.capture_sizes + [self.max_num_batched_tokens])}")
+                             f"{self.max_step_tokens}")
 
     @property
     def max_step_tokens(self) -> int:
@@ -119,15 +113,15 @@ class StepInput:
             if not isinstance(req, (list, tuple)) or len(req) != 3:
                 raise ValueError(f"StepInput.requests[{b}]: expected (seq_id, token_ids, context_len), got {req!r}")
             seq_id, toks, ctx_len = req
-            _int_field("StepInput", f"requests[{b}].seq_id", seq_id, low=0)
-            _int_field("StepInput", f"requests[{b}].context_len", ctx_len, low=0)
+            check_int(f"StepInput.requests[{b}].seq_id", seq_id, low=0)
+            check_int(f"StepInput.requests[{b}].context_len", ctx_len, low=0)
             if seq_id in seen:
                 raise ValueError(f"StepInput.requests[{b}].seq_id: sequence {seq_id} appears twice in one step")
             seen.add(seq_id)
             if not isinstance(toks, (list, tuple)) or not toks:
                 raise ValueError(f"StepInput.requests[{b}].token_ids: expected a non-empty list of ints, got {toks!r}")
             for t in toks:
-                if isinstance(t, bool) or not isinstance(t, int):
+                if not is_int(t):
                     raise ValueError(f"StepInput.requests[{b}].token_ids: token ids must be ints, got "
                                      f"{type(t).__name__} {t!r}")
         self.uniform_decode = all(len(toks) == 1 for _, toks, _ in self.requests)
@@ -136,15 +130,22 @@ class StepInput:
 @dataclass
 class PreparedStep:
     """One step's metadata once the engine has placed it: `meta` as AttentionMetadata.build makes it (host
-    tensors), copied into the engine's static buffers; `last` is the row of each request's last token."""
+    tensors), copied into the engine's static buffers."""
 
     meta: AttentionMetadata
-    last: list[int]
-    uniform_decode: bool
 
     @property
     def num_tokens(self) -> int:
         return self.meta.num_tokens
+
+    @property
+    def last(self) -> list[int]:
+        """The row of each request's last token (what sampling reads)."""
+        return [q - 1 for q in self.meta.query_start_loc_cpu[1:]]
+
+    @property
+    def uniform_decode(self) -> bool:
+        return all(n == 1 for n in self.meta.query_lens())
 
 
 class LLMEngine:
@@ -396,7 +397,7 @@ class LLMEngine:
         self.positions[n:].zero_()
         self.slot_mapping[n:].fill_(-1)
         self.req_indices[n:].fill_(ec.max_num_seqs)
-        return PreparedStep(meta, [q - 1 for q in meta.query_start_loc_cpu[1:]], step.uniform_decode)
+        return PreparedStep(meta)
 
     def forward_context(self, prep: PreparedStep, size: int | None = None) -> ForwardContext:
         """The forward context of a prepared step, padded to `size` rows (default: the step's own)."""
@@ -424,7 +425,7 @@ class LLMEngine:
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> tuple[list[int], float]:
         """One request alone: prefill, then greedy decode. Returns (new tokens, time to first token in s)."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError(f"prompt: expected a non-empty list of token ids, got {prompt!r}")

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from dsv32ref.checks import is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.results import write_partial, write_result
 
@@ -94,7 +95,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     from dsv32ref.provenance import provenance
 
     for name, v, low in (("n_requests", n_requests, 1), ("warmup", warmup, 0), ("prompt_len", prompt_len, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        if not is_int(v) or v < low:
             raise ValueError(f"ttft.run: {name} must be an int >= {low}, got {v!r}")
     variants = list(variants or BOUNDARIES)
     unknown = [v for v in list(variants) + list(instrument_ab) if v not in BOUNDARIES]

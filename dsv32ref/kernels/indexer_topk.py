@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
-                             device_value_checks_on)
+                             device_value_checks_on, is_int)
 
 __all__ = ["indexer_scores_paged", "topk_from_scores", "indexer_topk_paged"]
 
@@ -228,7 +228,7 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
                  dense_dims=1)
     K = check_tensor("out", out, shape=(T, None), dtype=torch.int32, device=scores.device, dense_dims=1).shape[1]
     for name, v in (("block", block), ("chunk", chunk), ("num_warps", num_warps)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+        if not is_int(v) or v < 1 or v & (v - 1):
             raise ValueError(f"topk_from_scores: {name} must be a power of two, got {v!r}")
     if device_value_checks_on():
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")

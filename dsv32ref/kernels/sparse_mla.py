@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from dsv32ref.checks import (check_keys, check_range, check_same_device, check_scale, check_tensor,
-                             device_value_checks_on)
+                             device_value_checks_on, is_int)
 
 __all__ = ["sparse_mla_paged", "DEFAULT_CONFIG"]
 
@@ -308,7 +308,7 @@ def sparse_mla_paged(
     if lse is not None:
         check_tensor("lse", lse, shape=(T, H), dtype=torch.float32, dense_dims=1)
     check_scale("sparse_mla_paged: sm_scale", sm_scale)
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
+    if num_sms is not None and (not is_int(num_sms) or num_sms < 1):
         raise ValueError(f"sparse_mla_paged: num_sms must be None or an int >= 1, got {num_sms!r}")
     if device_value_checks_on():  # debug mode (dsv32ref.checks.checking_device_values): syncs
         check_range("req_indices", req_indices, 0, B, "seq_lens.shape[0]")

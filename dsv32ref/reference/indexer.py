@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv32ref.checks import check_scale, check_tensor
+from dsv32ref.checks import check_scale, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.reference.norms import LayerNorm
 from dsv32ref.reference.numerics import QUANT_BLOCK, fp8_round_trip, hadamard_transform
@@ -80,7 +80,7 @@ def topk_indices(scores: torch.Tensor, query_positions: torch.Tensor, topk: int)
     check_tensor("scores", scores, shape=(None, None))
     check_tensor("query_positions", query_positions, shape=(scores.shape[0],), device=scores.device,
                  dtype=(torch.int64, torch.int32))
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+    if not is_int(topk) or topk < 1:
         raise ValueError(f"topk: expected an int >= 1, got {topk!r}")
     n, s = scores.shape
     if query_positions.numel() and int(query_positions.min()) < 0:

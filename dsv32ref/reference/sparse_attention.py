@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from dsv32ref.checks import check_scale, check_tensor
+from dsv32ref.checks import check_scale, check_tensor, is_int
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, d_v: int, sm_scale: float) -> None:
     check_tensor("q", q, shape=(None, None, None), dtype=(torch.float32, torch.float64, torch.bfloat16, torch.float16))
     check_tensor("kv", kv, shape=(None, q.shape[-1]), dtype=q.dtype, device=q.device)
-    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 0 < d_v <= kv.shape[-1]:
+    if not is_int(d_v) or not 0 < d_v <= kv.shape[-1]:
         raise ValueError(f"d_v: expected an int in 1..{kv.shape[-1]}, got {d_v!r}")
     check_scale("sm_scale", sm_scale)
 
@@ -53,7 +53,8 @@ def sparse_mla(
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs, lse = _softmax_lse(scores)  # (n, H, k), (n, H)
     out = torch.einsum("nhk,nkv->nhv", probs, rows[..., :d_v])
-    return _non_finite_rows(out, lse, scores).to(q.dtype), lse
+    out, lse = _non_finite_rows(out, lse, scores)
+    return out.to(q.dtype), lse
 
 
 def _softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,11 +65,11 @@ def _softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return probs, torch.where(empty, float("inf"), lse)
 
 
-def _non_finite_rows(out: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """NaN out and lse (in place) for every (token, head) with a NaN or +inf score at a valid key."""
+def _non_finite_rows(out: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) with NaN at every (token, head) that has a NaN or +inf score at a valid key."""
     bad = (torch.isnan(scores) | torch.isposinf(scores)).any(dim=-1)  # (n, H)
-    lse.masked_fill_(bad, float("nan"))
-    return out.masked_fill(bad[..., None], float("nan"))
+    return out.masked_fill(bad[..., None], float("nan")), lse.masked_fill(bad, float("nan"))
 
 
 def dense_mla(
@@ -93,4 +94,5 @@ def dense_mla(
     for i in range(0, q.shape[0], step):
         v = torch.where(mask[i: i + step, :, None], kv_acc[None, :, :d_v], 0.0)  # (chunk, S, d_v)
         out[i: i + step] = torch.einsum("nhs,nsv->nhv", probs[i: i + step], v)
-    return _non_finite_rows(out, lse, scores).to(q.dtype), lse
+    out, lse = _non_finite_rows(out, lse, scores)
+    return out.to(q.dtype), lse
