@@ -1,7 +1,13 @@
 """`python -m dsv32ref` / `dsv32ref`: the main job and the experiments.
 
-    dsv32ref [summary]          presets (per-layer parameter counts), the reference end to end on the small
+    dsv32ref                    on a CPU: the summary below. On a CUDA GPU: the summary, then the seed PR's
+                                measurements reproduced live (`reproduce`), --full by default or --quick
+    dsv32ref summary            presets (per-layer parameter counts), the reference end to end on the small
                                 presets with every check it makes, and the recorded GPU results
+    dsv32ref reproduce          the PR's TTFT protocol for every boundary, the ledger, capture memory at one
+                                TP4 rank's heads; one table, PR / ours (GPU) -> data/
+    dsv32ref regimes            TTFT against prompt length, decode TPOT per batch and context (GPU)
+                                                                            -> data/regimes_<preset>.json
     dsv32ref kernels            the kernel benchmark (GPU)                     -> data/kernels.json
     dsv32ref ledger --predict   launch ledger of each eager boundary, on a CPU -> data/ledger_predicted.json
     dsv32ref ttft               TTFT + measured ledger of each boundary (GPU)  -> data/ttft_<preset>.json
@@ -146,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--preset", action="append", choices=sorted(p for p in PRESETS if p.startswith("tiny")),
                        help="small preset(s) to run end to end (default: all tiny presets)")
         p.add_argument("--seed", type=int, default=0)
+    rp = sub.add_parser("reproduce", help="the seed PR's measurements on this GPU, beside its figures")
+    for p in (parser, rp):
+        p.add_argument("--quick", action="store_true", help="the quick preset (minutes) instead of the full one")
+    rg = sub.add_parser("regimes", help="TTFT against prompt length and decode TPOT, every variant (GPU)")
+    rg.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
+    rg.add_argument("--out", default=None)
     k = sub.add_parser("kernels", help="kernel benchmark on the GPU")
     k.add_argument("--out", default="data/kernels.json")
     k.add_argument("--quick", action="store_true")
@@ -159,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--warmup", type=int, default=8)
     t.add_argument("--tp", type=int, default=1, help="ranks (GPUs): tensor parallel attention/MLP, expert parallel MoE")
     t.add_argument("--out", default=None)
+    t.add_argument("--skip-topk", nargs="*", default=["narrow", "narrow_out"], metavar="BOUNDARY",
+                   help="boundaries that also run with EngineConfig.skip_short_topk on (default: narrow narrow_out)")
     t.add_argument("--instrument-ab", action="store_true",
                    help="also time wide, narrow and narrow_out with every profiler range open (what the instrument "
                         "costs when on), interleaved with the rest")
@@ -210,13 +224,35 @@ def main(argv: list[str] | None = None) -> int:
             spawn(rank_main, args.tp, args.model, args.requests, args.warmup, out)
         else:
             run(args.model, n_requests=args.requests, warmup=args.warmup, out=out,
-                instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else ())
+                instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else (),
+                skip_topk=tuple(args.skip_topk))
+        return 0
+    if args.cmd == "regimes":
+        from dsv32ref.experiments.regimes import run as run_regimes
+
+        if not torch.cuda.is_available():
+            print("regimes needs a CUDA GPU; the recorded map is in data/regimes_glm-5.2.json")
+            return 2
+        run_regimes(args.model, out=args.out or f"data/regimes_{args.model}.json")
+        return 0
+    if args.cmd == "reproduce":
+        from dsv32ref.experiments.reproduce import print_table, run as reproduce, table
+
+        if not torch.cuda.is_available():
+            print("reproduce needs a CUDA GPU; the recorded runs beside the PR's figures:")
+            print_table(table())
+            return 2
+        reproduce("quick" if args.quick else "full")
         return 0
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     print_presets()
     ok = all([run_reference(p, args.seed) for p in (args.preset or ["tiny-deepseek-v3.2", "tiny-glm-5.2"])])
     print_recorded_results()
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+    if ok and args.cmd is None and torch.cuda.is_available():
+        from dsv32ref.experiments.reproduce import run as reproduce
+
+        reproduce("quick" if args.quick else "full")
     return 0 if ok else 1
 
 

@@ -8,6 +8,7 @@
 #   kernels    the kernel benchmark                                                -> OUTDIR/kernels.json
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary        -> OUTDIR/capture_memory_glm-5.2_h16.json
 #   history    the same with the allocator's history, narrow_copy                  -> OUTDIR/capture_memory_glm-5.2_h16_history.json
+#   regimes    TTFT against prompt length, decode TPOT, every variant              -> OUTDIR/regimes_glm-5.2.json
 #   tests      every gpu-marked test                                               -> OUTDIR/pytest_gpu.txt
 #   suite      the full suite, notebooks under nbval                               -> OUTDIR/pytest_suite.txt
 # Each step's log goes to OUTDIR/<step>.log; the last lines print.
@@ -20,7 +21,7 @@ for step in "$@"; do
   case $step in
     ttft)
       for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
-        timeout 300 python3 -m dsv32ref ttft --model "$model" --instrument-ab --out "$OUT/ttft_$model.json" 2>&1 \
+        timeout 400 python3 -m dsv32ref ttft --model "$model" ${TTFT_ARGS---instrument-ab} --out "$OUT/ttft_$model.json" 2>&1 \
           | grep -v "TTFT, all" | tee "$OUT/ttft_$model.log" | tail -9
       done ;;
     kernels)
@@ -32,6 +33,9 @@ for step in "$@"; do
     history)
       timeout 300 python3 -m dsv32ref capture --model glm-5.2 --heads-per-rank 16 --plan history \
         --out "$OUT/capture_memory_glm-5.2_h16_history.json" 2>&1 | tee "$OUT/history.log" | tail -4 ;;
+    regimes)
+      timeout 420 python3 -m dsv32ref regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" 2>&1 \
+        | tr '\r' '\n' | grep -v "all variants.*\] [0-9]*/" | tee "$OUT/regimes.log" | tail -6 ;;
     tests)
       timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests 2>&1 \
         | tee "$OUT/pytest_gpu.txt" | tail -8 ;;

@@ -27,7 +27,8 @@ class ForwardContext:
         positions int64 [N], slot_mapping int64 [N] (-1 on padding rows), req_indices int32 [N],
         seq_lens int32 [B_max + 1] (the last entry is a zero-length request the padding rows point to),
         block_table int32 [B_max + 1, max_blocks], topk int32 [N, index_topk] (shared by IndexShare layers),
-        scores fp32 [N, max_model_len] (the decode indexer's workspace).
+        scores fp32 [N', max_model_len] (the graph-safe indexer's workspace: N' = N for boundary "none", the
+        padded decode rows otherwise).
     Host metadata (eager regions only): query_start_loc_cpu, seq_lens_cpu of the real requests.
     """
 
@@ -45,6 +46,7 @@ class ForwardContext:
     seq_lens_cpu: list[int]
     uniform_decode: bool
     num_sms: int | None = None  # SMs the attention's split-K fills (None: the device's)
+    skip_topk: bool = False  # every request has <= index_topk keys: the indexer may skip scoring and selection
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,8 @@ class EngineConfig:
     seed: int = 0
     num_sms: int | None = None  # SMs sparse_mla's split-K fills (None: the device's; set it to predict a GPU's
     # launches on a CPU)
+    skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's
+    # scoring and selection (their result is known: every key); eager regions and graph-less steps only
 
     def __post_init__(self):
         from dsv32ref.engine.model import BOUNDARIES
@@ -55,6 +57,8 @@ class EngineConfig:
         for name in ("num_blocks", "num_sms"):
             if getattr(self, name) is not None:
                 check_int(f"EngineConfig.{name}", getattr(self, name))
+        if not isinstance(self.skip_short_topk, bool):
+            raise ValueError(f"EngineConfig.skip_short_topk: expected a bool, got {self.skip_short_topk!r}")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {u!r}")
@@ -76,6 +80,17 @@ class EngineConfig:
     def max_step_tokens(self) -> int:
         """Rows of the static buffers: the largest step, or the largest captured size if that is larger."""
         return max(self.capture_sizes + [self.max_num_batched_tokens])
+
+    @property
+    def graph_safe_prefill(self) -> bool:
+        """Boundary "none": every step takes the graph-safe path, so FULL graphs serve prefill too."""
+        return self.boundary == "none"
+
+    @property
+    def scores_rows(self) -> int:
+        """Rows of the graph-safe indexer's workspace: every row of a step for "none", else the padded decode
+        rows. Its bytes: scores_rows x max_model_len x 4."""
+        return self.max_step_tokens if self.graph_safe_prefill else self.max_decode_rows
 
     @property
     def max_decode_rows(self) -> int:
@@ -150,7 +165,10 @@ class PreparedStep:
 
 class LLMEngine:
     def __init__(self, config: ModelConfig, engine_config: EngineConfig | None = None, device="cuda",
-                 dtype=torch.bfloat16, model: EngineModel | None = None):
+                 dtype=torch.bfloat16, model: EngineModel | None = None, kv_cache: PagedKVCache | None = None):
+        """`model`: share one model between engines (its boundary is set before each step). `kv_cache`: use this
+        cache instead of sizing one from the memory budget (engines that run one after another can share it;
+        each keeps its own block allocator, so no two of them may hold live sequences at once)."""
         self.config, self.ec = config, engine_config or EngineConfig()
         self.device, self.dtype = torch.device(device), dtype
         ec = self.ec
@@ -163,25 +181,39 @@ class LLMEngine:
         self.cos, self.sin = cos.contiguous(), sin.contiguous()
         seqs = ec.max_num_seqs
         self.max_blocks_per_seq = -(-ec.max_model_len // ec.block_size)
-        i32, i64 = dict(dtype=torch.int32, device=self.device), dict(dtype=torch.int64, device=self.device)
-        self.input_ids = torch.zeros(n_max, **i64)
-        self.positions = torch.zeros(n_max, **i64)
-        self.slot_mapping = torch.full((n_max,), -1, **i64)
-        self.req_indices = torch.full((n_max,), seqs, **i32)  # row `seqs` is the padding request
-        self.seq_lens = torch.zeros(seqs + 1, **i32)
-        self.block_table = torch.zeros(seqs + 1, self.max_blocks_per_seq, **i32)
-        self.topk = torch.full((n_max, config.index_topk), -1, **i32)
-        # the graph-safe indexer's workspace: one row per token of a (padded) uniform-decode step
-        self.scores = torch.zeros(ec.max_decode_rows, ec.max_model_len, dtype=torch.float32, device=self.device)
-        self.memory: dict[str, float] = {}
-        self._size_kv_cache()
+        # The step's metadata lives in two device buffers (int64, int32), each filled from a pinned host twin by
+        # one copy per step; the views below keep fixed addresses for the graphs.
+        nb = self.max_blocks_per_seq
+        self._meta = StepBuffers(self.device, n64=3 * n_max + seqs, n32=n_max + (seqs + 1) * (1 + nb))
+        d64, d32 = self._meta.device64, self._meta.device32
+        self.input_ids, self.positions, self.slot_mapping = (d64[i * n_max:(i + 1) * n_max] for i in range(3))
+        self.logits_indices = d64[3 * n_max:]  # [max_num_seqs]: each request's last row
+        self.req_indices = d32[:n_max]  # row `seqs` of seq_lens / block_table is the padding request
+        self.seq_lens = d32[n_max:n_max + seqs + 1]
+        self.block_table = d32[n_max + seqs + 1:].view(seqs + 1, nb)
+        self.slot_mapping.fill_(-1)
+        self.req_indices.fill_(seqs)
+        self.topk = torch.full((n_max, config.index_topk), -1, dtype=torch.int32, device=self.device)
+        # the graph-safe indexer's workspace: one row per token of a (padded) uniform-decode step, or of any
+        # step for boundary "none"
+        self.scores = torch.zeros(ec.scores_rows, ec.max_model_len, dtype=torch.float32, device=self.device)
+        self.memory: dict[str, float] = {"scores_workspace": self.scores.numel() * 4}
+        if kv_cache is None:
+            self._size_kv_cache()
+        else:
+            if not isinstance(kv_cache, PagedKVCache):
+                raise ValueError(f"kv_cache: expected a PagedKVCache, got {type(kv_cache).__name__}")
+            want = (config.num_hidden_layers, ec.block_size, str(self.device.type), self.dtype)
+            got = (len(kv_cache.latent), kv_cache.block_size, kv_cache.latent[0].device.type, kv_cache.latent[0].dtype)
+            if got != want:
+                raise ValueError(f"kv_cache: expected (layers, block_size, device, dtype) = {want}, got {got}")
+            self.kv_cache = kv_cache
+            self.memory.update(kv_cache=kv_cache.nbytes(), num_blocks=kv_cache.num_blocks, shared_kv_cache=True)
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, ec.block_size)
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         # On a GPU: CUDA graphs in one shared pool. On a CPU: the recording stand-in (dsv32ref.graphs.emulated).
         backend = (lambda: CudaGraphBackend(self._pool)) if self.device.type == "cuda" else RecordingBackend
-        self.runner = GraphRunner(self._forward_for_capture, ec.mode, ec.capture_sizes, backend,
-                                  max_full_size=ec.max_num_seqs, prepare=self._prepare_capture,
-                                  on_capture=self._record_capture)
+        self.runner = self._graph_runner(backend, on_capture=self._record_capture)
         self.capture_log: list[dict] = []  # per captured (phase, size): what the allocator holds after it
         self.on_capture_failure = None  # called once a capture failed, before anything is released
         self._capture_ctx: ForwardContext | None = None
@@ -242,9 +274,7 @@ class LLMEngine:
         if self.ec.mode is CUDAGraphMode.NONE:
             return 0
         pool = torch.cuda.graph_pool_handle()
-        runner = GraphRunner(self._forward_for_capture, self.ec.mode, self.ec.capture_sizes,
-                             lambda: CudaGraphBackend(pool), max_full_size=self.ec.max_num_seqs,
-                             prepare=self._prepare_capture)
+        runner = self._graph_runner(lambda: CudaGraphBackend(pool))
         first, per_graph, detail = {}, {}, {}
         try:
             for phase, sizes in runner.phase_sizes():
@@ -268,13 +298,24 @@ class LLMEngine:
         self.memory["graph_estimate_detail"] = detail
         return max(first.values()) + sum(per_graph.values()) if first else 0
 
+    def _graph_runner(self, backend, on_capture=None) -> GraphRunner:
+        """FULL graphs serve uniform decode (at most max_num_seqs tokens), or every step when the model has no
+        eager break (boundary "none": then no PIECEWISE graphs are captured, they would be the same graphs)."""
+        ec = self.ec
+        return GraphRunner(self._forward_for_capture, ec.mode, ec.capture_sizes, backend,
+                           max_full_size=None if ec.graph_safe_prefill else ec.max_num_seqs,
+                           full_serves_all=ec.graph_safe_prefill, prepare=self._prepare_capture,
+                           on_capture=on_capture)
+
     # ---- contexts ---------------------------------------------------------------------------------------
-    def _context(self, size: int, qsl: list[int], seq_lens: list[int], uniform: bool) -> ForwardContext:
+    def _context(self, size: int, qsl: list[int], seq_lens: list[int], uniform: bool,
+                 skip_topk: bool = False) -> ForwardContext:
         return ForwardContext(
             kv_cache=self.kv_cache, cos=self.cos, sin=self.sin, positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size], req_indices=self.req_indices[:size], seq_lens=self.seq_lens,
             block_table=self.block_table, topk=self.topk[:size], scores=self.scores[: min(size, self.scores.shape[0])],
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, uniform_decode=uniform, num_sms=self.ec.num_sms)
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, uniform_decode=uniform, num_sms=self.ec.num_sms,
+            skip_topk=skip_topk)
 
     def _dummy_context(self, size: int, uniform: bool) -> ForwardContext:
         """Capture-time metadata: padding everywhere (no cache writes); for prefill, `size` tokens in requests
@@ -301,7 +342,8 @@ class LLMEngine:
         return self._context(size, starts + [size], lens, False)
 
     def _prepare_capture(self, size: int, full: bool) -> None:
-        self._capture_ctx = self._dummy_context(size, uniform=full)
+        # FULL sizes past max_num_seqs exist only for boundary "none", whose graph code reads no host metadata
+        self._capture_ctx = self._dummy_context(size, uniform=full and size <= self.ec.max_num_seqs)
 
     def _forward_for_capture(self, size: int, full: bool):
         self.model.set_boundary(self.ec.boundary)
@@ -365,8 +407,19 @@ class LLMEngine:
 
     def prepare(self, step: StepInput) -> PreparedStep:
         """Place one step: check it against the engine's limits, grow each sequence's blocks, build its metadata
-        with AttentionMetadata.build and copy it into the static buffers (rows past the step are padding:
-        they write nothing and attend to the empty padding request)."""
+        with AttentionMetadata.build, write it into the pinned host buffers (stage) and copy them into the
+        static device buffers (upload: two host-to-device copies). Rows past the step are padding: they write
+        nothing and attend to the empty padding request."""
+        prep = self.stage(step)
+        self.upload()
+        return prep
+
+    def upload(self) -> None:
+        """The staged metadata to the device: one copy per buffer, asynchronous (pinned memory)."""
+        self._meta.upload()
+
+    def stage(self, step: StepInput) -> PreparedStep:
+        """prepare() without the upload: host work only."""
         ec, V = self.ec, self.config.vocab_size
         if len(step.requests) > ec.max_num_seqs:
             raise ValueError(f"StepInput.requests: {len(step.requests)} requests in one step, max_num_seqs is "
@@ -385,43 +438,54 @@ class LLMEngine:
         tables = [self.allocator.ensure(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
         meta = AttentionMetadata.build([c for _, _, c in step.requests], [len(t) for _, t, _ in step.requests],
                                        tables, ec.block_size, num_blocks=self.kv_cache.num_blocks)
-        B = meta.num_reqs
-        self.input_ids[:n] = torch.tensor([t for _, toks, _ in step.requests for t in toks])
-        self.positions[:n] = meta.positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.req_indices[:n] = meta.req_indices
-        self.seq_lens[:B] = meta.seq_lens
-        self.seq_lens[B:] = 0
-        self.block_table[:B, : meta.block_table.shape[1]] = meta.block_table
-        self.input_ids[n:].zero_()
-        self.positions[n:].zero_()
-        self.slot_mapping[n:].fill_(-1)
-        self.req_indices[n:].fill_(ec.max_num_seqs)
+        B, n_max, seqs = meta.num_reqs, self.input_ids.shape[0], ec.max_num_seqs
+        h64, h32 = self._meta.host()  # numpy views of the pinned buffers (waits for the previous copy)
+        ids, pos, slots = h64[:n_max], h64[n_max:2 * n_max], h64[2 * n_max:3 * n_max]
+        ids[:n] = [t for _, toks, _ in step.requests for t in toks]
+        pos[:n], slots[:n] = meta.positions.numpy(), meta.slot_mapping.numpy()
+        ids[n:], pos[n:], slots[n:] = 0, 0, -1  # padding rows: no cache write, attend to the padding request
+        last = h64[3 * n_max:]
+        last[:B], last[B:] = meta.query_start_loc_cpu[1:], 0
+        last[:B] -= 1
+        h32[:n], h32[n:n_max] = meta.req_indices.numpy(), seqs
+        lens, table = h32[n_max:n_max + seqs + 1], h32[n_max + seqs + 1:].reshape(seqs + 1, -1)
+        lens[:B], lens[B:] = meta.seq_lens.numpy(), 0
+        table[:] = 0
+        table[:B, : meta.block_table.shape[1]] = meta.block_table.numpy()
         return PreparedStep(meta)
 
     def forward_context(self, prep: PreparedStep, size: int | None = None) -> ForwardContext:
         """The forward context of a prepared step, padded to `size` rows (default: the step's own)."""
+        skip = self.ec.skip_short_topk and max(prep.meta.seq_lens_cpu) <= self.config.index_topk
         return self._context(size or prep.num_tokens, prep.meta.query_start_loc_cpu, prep.meta.seq_lens_cpu,
-                             prep.uniform_decode)
+                             prep.uniform_decode, skip)
 
     @torch.no_grad()
     def step(self, step: StepInput) -> tuple[list[int], str]:
         """Run one step; returns (the next token of each request, how it ran: FULL / PIECEWISE / NONE)."""
         prep = self.prepare(step)
-        n, last = prep.num_tokens, prep.last
+        how, hidden = self.execute(prep)
+        return self.sample(prep, hidden), how
+
+    def execute(self, prep: PreparedStep) -> tuple[str, torch.Tensor]:
+        """The forward of a prepared step: a graph replay of its padded size, or eager. Returns (how it ran,
+        hidden states [>= num_tokens, hidden])."""
+        n = prep.num_tokens
         if self.model.boundary != self.ec.boundary:  # engines may share one model (the TTFT experiment)
             self.model.set_boundary(self.ec.boundary)
-        how, size, captured = self.runner.lookup(n, step.uniform_decode)
-        ctx = self.forward_context(prep, size if captured is not None else n)
-        with set_forward_context(ctx):
+        how, size, captured = self.runner.lookup(n, prep.uniform_decode)
+        with set_forward_context(self.forward_context(prep, size if captured is not None else n)):
             if captured is not None:
                 captured.graph.replay()
-                hidden = captured.output
-            else:
-                hidden = self.model(self.input_ids[:n])
-            logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+                return how, captured.output
+            return how, self.model(self.input_ids[:n])
+
+    def sample(self, prep: PreparedStep, hidden: torch.Tensor) -> list[int]:
+        """Greedy sampling after the graph: logits of each request's last row (kept in last_logits), argmax,
+        read back to the host (the step's one sync)."""
+        logits = self.model.compute_logits(hidden[self.logits_indices[: prep.meta.num_reqs]])
         self.last_logits = logits
-        return logits.argmax(-1).tolist(), how
+        return logits.argmax(-1).tolist()
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> tuple[list[int], float]:
         """One request alone: prefill, then greedy decode. Returns (new tokens, time to first token in s)."""
@@ -444,6 +508,34 @@ class LLMEngine:
         finally:
             self.allocator.release(seq_id)
         return out, ttft
+
+
+class StepBuffers:
+    """A step's metadata as two flat device buffers (int64, int32) with pinned host twins: the host fills the
+    twins in place, `upload()` copies each in one asynchronous host-to-device copy. Before the host writes the
+    twins again, `host()` waits for the previous copy to finish (the copy reads them asynchronously)."""
+
+    def __init__(self, device: torch.device, n64: int, n32: int):
+        pin = device.type == "cuda"
+        self.device64 = torch.zeros(n64, dtype=torch.int64, device=device)
+        self.device32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
+        self._pending = False
+
+    def host(self):
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+        return self.host64.numpy(), self.host32.numpy()
+
+    def upload(self) -> None:
+        self.device64.copy_(self.host64, non_blocking=True)
+        self.device32.copy_(self.host32, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+            self._pending = True
 
 
 def _drop_frames(exc: BaseException | None) -> None:

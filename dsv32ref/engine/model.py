@@ -15,13 +15,21 @@ The attention's `boundary` decides what runs eagerly between graph segments unde
                   next layer's attention writes it): the copy variant made safe
     narrow_out    the attention kernel writes straight into a graph-owned activation buffer, UV BMM
                   captured, no copy: the follow-up the change's authors asked for (forward_mqa with `out`)
+    none          no eager break: prefill and mixed batches take the graph-safe path that uniform decode
+                  takes (indexer scores into the engine's static [tokens, max_model_len] workspace, one top-k
+                  and one sparse-attention launch per layer over the whole batch, lengths and block tables
+                  read on the device), so FULL graphs capture every step of a captured size, prefill included
 
-All five compute the same function. Under FULL capture (uniform decode) every region is captured.
+All six compute the same function. Under FULL capture (uniform decode) every region is captured.
+
+`ForwardContext.skip_topk` (set by the engine when every request of the step has at most index_topk keys,
+if EngineConfig.skip_short_topk): the top-k would keep every visible key, so the indexer's scoring and
+selection are replaced by the causal index list they would produce (0..position, -1 padded). The indexer
+keys are still written to the cache by the graph-safe part. Read by Python at run time only: graphs are
+captured without it, so a replayed graph always runs the indexer.
 """
 
 from __future__ import annotations
-
-import zlib
 
 import torch
 from torch import nn
@@ -34,7 +42,7 @@ from dsv32ref.reference.moe import Router
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 
-BOUNDARIES = ("wide", "narrow", "narrow_copy", "narrow_copy_shared", "narrow_out")
+BOUNDARIES = ("wide", "narrow", "narrow_copy", "narrow_copy_shared", "narrow_out", "none")
 COPY_BOUNDARIES = ("narrow_copy", "narrow_copy_shared")
 
 
@@ -53,6 +61,13 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+def causal_topk(positions: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+    """topk [T, K] <- j where j <= positions[t], else -1: the indices a top-k returns when every visible key is
+    kept (increasing, -1 padded), without scores. Four small launches, no host sync."""
+    iota = torch.arange(topk.shape[1], dtype=topk.dtype, device=topk.device)  # (K,)
+    return topk.copy_(torch.where(iota[None, :] <= positions[:, None], iota[None, :], -1))  # (T, K)
 
 
 def _param(*shape) -> nn.Parameter:
@@ -136,15 +151,18 @@ class EngineDSAAttention(nn.Module):
         with region("uv_bmm"):
             torch.bmm(o_lat.transpose(0, 1), self.W_UV, out=out.view(T, self.H, self.v).transpose(0, 1))
 
-    # ---- the sparse path (host metadata: eager under PIECEWISE) --------------------------------------
+    # ---- the sparse path (host metadata: eager under PIECEWISE, unless boundary "none") ---------------
     def _indexer_and_attention(self, q_mqa, q_idx, w_idx, o_lat):
         """Top-k (or the shared one) and sparse attention into o_lat [T, H, kv_lora]."""
         ctx = get_forward_context()
         cache = ctx.kv_cache
         scale = self.config.softmax_scale
-        if ctx.uniform_decode:
-            # Graph-safe decode: one launch each over the whole batch, static workspace, device metadata.
-            if self.has_indexer:
+        if self.has_indexer and ctx.skip_topk:
+            with region("indexer"):  # every key is kept: top-k = 0..position, -1 padded (what selection returns)
+                causal_topk(ctx.positions, ctx.topk)
+        if ctx.uniform_decode or self.boundary == "none":
+            # Graph-safe: one launch each over the whole batch, static workspace, device metadata.
+            if self.has_indexer and not ctx.skip_topk:
                 with region("indexer"):
                     indexer_scores_paged(q_idx, w_idx, cache.indexer_k[self.layer_idx], ctx.block_table,
                                          ctx.req_indices, ctx.positions, self.D_I ** -0.5, ctx.scores)
@@ -159,7 +177,7 @@ class EngineDSAAttention(nn.Module):
         qsl = ctx.query_start_loc_cpu
         for b in range(ctx.num_reqs):
             t0, t1 = qsl[b], qsl[b + 1]
-            if self.has_indexer:
+            if self.has_indexer and not ctx.skip_topk:
                 with region("indexer"):
                     scores = torch.empty(t1 - t0, ctx.seq_lens_cpu[b], dtype=torch.float32, device=q_mqa.device)
                     indexer_scores_paged(q_idx[t0:t1], w_idx[t0:t1], cache.indexer_k[self.layer_idx], ctx.block_table,
@@ -215,7 +233,11 @@ class EngineDSAAttention(nn.Module):
             self._fused_attention(q_c_raw, kv, k_raw, w_raw, out)
         else:
             q_mqa, q_idx, w_idx = self._prepare(q_c_raw, kv, k_raw, w_raw)
-            if self.boundary == "narrow":
+            if self.boundary == "none":  # graph-safe throughout: nothing leaves the graph
+                o_lat = x.new_empty(T, self.H, self.kv_lora)
+                self._indexer_and_attention(q_mqa, q_idx, w_idx, o_lat)
+                self._uv(o_lat, out)
+            elif self.boundary == "narrow":
                 self._sparse_indexer_and_attn(q_mqa, q_idx, w_idx, out)
             else:
                 if self.boundary in COPY_BOUNDARIES:
@@ -307,36 +329,6 @@ class EngineModel(nn.Module):
             layer.self_attn.boundary = boundary
         self.boundary = boundary
 
-    def reserve_copy_buffer(self, max_tokens: int) -> torch.Tensor:
-        """narrow_copy_shared: one [max_tokens, H, kv_lora] buffer, handed to every layer (allocated once, before
-        the engine's memory profiling, so the KV-cache budget sees it)."""
-        a = self.layers[0].self_attn
-        buf = a.shared_out
-        if buf is None or buf.shape[0] < max_tokens:
-            buf = self.embed_tokens.new_empty(max_tokens, a.H, a.kv_lora)
-        for layer in self.layers:
-            layer.self_attn.shared_out = buf
-        return buf
-
-    def release_static_buffers(self, include_shared: bool = False) -> int:
-        """Drop narrow_copy's per-size static buffers (after a failed capture, or between experiments), and the
-        shared buffer too if asked; returns the bytes released."""
-        before = self.static_buffer_bytes()
-        for layer in self.layers:
-            layer.self_attn.static_out.clear()
-            if include_shared:
-                layer.self_attn.shared_out = None
-        return before - self.static_buffer_bytes()
-
-    def static_buffer_bytes(self) -> int:
-        """Bytes the copy variants' static buffers hold now (each shared buffer counted once)."""
-        seen: dict[int, int] = {}
-        for layer in self.layers:
-            a = layer.self_attn
-            for t in list(a.static_out.values()) + ([a.shared_out] if a.shared_out is not None else []):
-                seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values())
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N] -> hidden states [N, hidden] before the final norm (what a graph captures)."""
         with region("embed"):
@@ -349,106 +341,34 @@ class EngineModel(nn.Module):
         """hidden [n, hidden] (the rows to sample from) -> logits [n, vocab] fp32; eager, after the graph."""
         return F.linear(F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps), self.lm_head).float()
 
-    # ---- weights ----------------------------------------------------------------------------------------
+    # ---- weights and the copy variants' buffers: dsv32ref.engine.weights / copy_buffers ---------------------
     @classmethod
     def from_reference(cls, ref, boundary: str = "narrow") -> "EngineModel":
-        """The same weights as a dsv32ref reference model (for equivalence tests)."""
-        c = ref.config
-        m = cls(c, boundary)
-        dev, dt = ref.lm_head.weight.device, ref.lm_head.weight.dtype
-        m.to(device=dev, dtype=dt)
-        with torch.no_grad():
-            m.embed_tokens.copy_(ref.model.embed_tokens.weight)
-            m.norm.copy_(ref.model.norm.weight)
-            m.lm_head.copy_(ref.lm_head.weight)
-            for L, R in zip(m.layers, ref.model.layers):
-                L.input_layernorm.copy_(R.input_layernorm.weight)
-                L.post_attention_layernorm.copy_(R.post_attention_layernorm.weight)
-                a, r = L.self_attn, R.self_attn
-                a.fused_qkv_a_proj.copy_(torch.cat((r.q_a_proj.weight, r.kv_a_proj_with_mqa.weight)))
-                a.q_a_layernorm.copy_(r.q_a_layernorm.weight)
-                a.kv_a_layernorm.copy_(r.kv_a_layernorm.weight)
-                a.q_b_proj.copy_(r.q_b_proj.weight)
-                a.W_UK.copy_(r.W_UK)
-                a.W_UV.copy_(r.W_UV.transpose(1, 2))
-                a.o_proj.copy_(r.o_proj.weight)
-                if a.has_indexer:
-                    a.wq_b.copy_(r.indexer.wq_b.weight)
-                    a.wk_weights_proj.copy_(torch.cat((r.indexer.wk.weight, r.indexer.weights_proj.weight)))
-                    a.k_norm_weight.copy_(r.indexer.k_norm.weight)
-                    a.k_norm_bias.copy_(r.indexer.k_norm.bias)
-                if isinstance(L.mlp, EngineMoE):
-                    L.mlp.gate.load_state_dict(R.mlp.gate.state_dict())
-                    L.mlp.w13.copy_(torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in R.mlp.experts]))
-                    L.mlp.w2.copy_(torch.stack([e.down_proj.weight for e in R.mlp.experts]))
-                    if L.mlp.shared is not None:
-                        s = R.mlp.shared_experts
-                        L.mlp.shared.gate_up_proj.copy_(torch.cat((s.gate_proj.weight, s.up_proj.weight)))
-                        L.mlp.shared.down_proj.copy_(s.down_proj.weight)
-                else:
-                    L.mlp.gate_up_proj.copy_(torch.cat((R.mlp.gate_proj.weight, R.mlp.up_proj.weight)))
-                    L.mlp.down_proj.copy_(R.mlp.down_proj.weight)
-        return m
+        from dsv32ref.engine.weights import from_reference
 
-    @torch.no_grad()
+        return from_reference(ref, boundary)
+
     def shard(self, tp: TensorParallel) -> "EngineModel":
-        """This rank's part of the model, in place: attention heads, dense-MLP and shared-expert columns split
-        tp.size ways, routed experts split tp.size ways (expert parallel). The A-projections, norms, the
-        indexer, the router, the embedding and lm_head stay replicated, as the serving engine keeps them;
-        so does the latent cache (one [c_kv | k_pe] row per token, shared by all heads)."""
-        c, n = self.config, tp.size
-        for name, v in (("num_attention_heads", c.num_attention_heads), ("n_routed_experts", c.n_routed_experts),
-                        ("intermediate_size", c.intermediate_size), ("moe_intermediate_size", c.moe_intermediate_size)):
-            if v % n:
-                raise ValueError(f"shard: {name}={v} is not divisible by the tensor-parallel size {n}")
-        H = c.num_attention_heads
-        heads = slice(tp.rank * H // n, (tp.rank + 1) * H // n)
+        from dsv32ref.engine.weights import shard
 
-        def cols(w, total):  # [.., total] -> this rank's share of the last dim
-            k = total // n
-            return w[..., tp.rank * k:(tp.rank + 1) * k].contiguous()
+        return shard(self, tp)
 
-        def gate_up(w, inter):  # rows [gate (inter) ; up (inter)] -> this rank's rows of each half
-            k = inter // n
-            g, u = w[:inter], w[inter:]
-            return torch.cat((g[tp.rank * k:(tp.rank + 1) * k], u[tp.rank * k:(tp.rank + 1) * k]))
-
-        def set_(module, name, value):
-            setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=False))
-
-        for layer in self.layers:
-            a = layer.self_attn
-            set_(a, "q_b_proj", a.q_b_proj.view(H, c.qk_head_dim, c.q_lora_rank)[heads].reshape(-1, c.q_lora_rank))
-            set_(a, "W_UK", a.W_UK[heads])
-            set_(a, "W_UV", a.W_UV[heads])
-            set_(a, "o_proj", a.o_proj.view(c.hidden_size, H, c.v_head_dim)[:, heads].reshape(c.hidden_size, -1))
-            a.H, a.tp = H // n, tp
-            mlps = [layer.mlp] if isinstance(layer.mlp, EngineMLP) else [m for m in [layer.mlp.shared] if m is not None]
-            for m in mlps:
-                inter = m.down_proj.shape[1]
-                set_(m, "gate_up_proj", gate_up(m.gate_up_proj, inter))
-                set_(m, "down_proj", cols(m.down_proj, inter))
-            if isinstance(layer.mlp, EngineMoE):
-                moe, k = layer.mlp, c.n_routed_experts // n
-                moe.expert0, moe.n_local = tp.rank * k, k
-                set_(moe, "w13", moe.w13[moe.expert0: moe.expert0 + k])
-                set_(moe, "w2", moe.w2[moe.expert0: moe.expert0 + k])
-        return self
-
-    @torch.no_grad()
     def init_dummy(self, seed: int = 0) -> "EngineModel":
-        """Reproducible weights drawn on the model's device (fast at full size), scaled like
-        dsv32ref.init_dummy_weights: linear ~ N(0, 1/fan_in), norms ~ 1, embeddings ~ N(0, 1)."""
-        for name, p in self.named_parameters():
-            g = torch.Generator(device=p.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            x = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
-            if name.endswith("e_score_correction_bias"):
-                x *= 0.01
-            elif name.endswith("bias"):
-                x *= 0.05
-            elif "norm" in name:
-                x = 1.0 + 0.05 * x
-            elif not name.endswith("embed_tokens"):
-                x /= p.shape[-1] ** 0.5 if name.split(".")[-1] not in ("W_UV",) else p.shape[-2] ** 0.5
-            p.copy_(x.to(p.dtype))
-        return self
+        from dsv32ref.engine.weights import init_dummy
+
+        return init_dummy(self, seed)
+
+    def reserve_copy_buffer(self, max_tokens: int) -> torch.Tensor:
+        from dsv32ref.engine.copy_buffers import reserve_copy_buffer
+
+        return reserve_copy_buffer(self, max_tokens)
+
+    def release_static_buffers(self, include_shared: bool = False) -> int:
+        from dsv32ref.engine.copy_buffers import release_static_buffers
+
+        return release_static_buffers(self, include_shared)
+
+    def static_buffer_bytes(self) -> int:
+        from dsv32ref.engine.copy_buffers import static_buffer_bytes
+
+        return static_buffer_bytes(self)

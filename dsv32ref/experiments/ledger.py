@@ -23,6 +23,7 @@ import time
 from collections import Counter
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv32ref.graphs.breakable import BreakableCapture, current_capture
@@ -42,11 +43,35 @@ class _LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name == "copy_" and _is_memcpy(*args[:2]):
+        if self.ledger.fused:  # inside a function that is one kernel on the GPU (already counted)
+            pass
+        elif name == "copy_" and _is_memcpy(*args[:2]):
             self.ledger.record("aten::copy_", memcpy=True)
         elif name not in _NO_KERNEL:
             self.ledger.record(f"aten::{name}")
         return func(*args, **(kwargs or {}))
+
+
+ONE_KERNEL_ON_CUDA = {torch.nn.functional.rms_norm: "aten::_fused_rms_norm"}  # decomposed into ~8 ops on a CPU
+
+
+class _FusedOnCuda(TorchFunctionMode):
+    """Functions that CUDA runs as one kernel but the CPU decomposes: counted once, their ops not at all."""
+
+    def __init__(self, ledger):
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = ONE_KERNEL_ON_CUDA.get(func)
+        if name is None or self.ledger.fused:
+            return func(*args, **(kwargs or {}))
+        self.ledger.record(name)
+        self.ledger.fused = True
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.ledger.fused = False
 
 
 def _is_memcpy(dst, src) -> bool:
@@ -63,6 +88,7 @@ class PredictedLedger:
         self.memcpy: Counter = Counter()  # region -> direct cudaMemcpyAsync calls
         self.events: list[tuple[str, str, bool]] = []  # (region, op, direct?) in launch order
         self.graph_launches = 0
+        self.fused = False  # set while a ONE_KERNEL_ON_CUDA function runs
 
     def record(self, op: str, memcpy: bool = False) -> None:
         cap = current_capture()
@@ -111,22 +137,27 @@ class _CountingBackend:
 
 
 def predict(engine, step, piecewise: bool = True) -> PredictedLedger:
-    """Count the launches of one step of `engine` (a CPU LLMEngine), as PIECEWISE graphs or with no graphs.
-    Kernels whose launch count depends on the GPU's size (sparse_mla's split) assume the engine's
-    EngineConfig.num_sms."""
+    """Count the launches of one step of `engine` (a CPU LLMEngine), as PIECEWISE graphs (one graph segment
+    per stretch between eager breaks; the whole forward for boundary "none") or with no graphs. The step's
+    launches outside the forward are counted too, in region "other", as the GPU measurement counts them:
+    the metadata upload (LLMEngine.upload), logits and greedy sampling (LLMEngine.sample, whose read-back of
+    the tokens is one device-to-host copy). Kernels whose launch count depends on the GPU's size (sparse_mla's
+    split) assume the engine's EngineConfig.num_sms."""
     from dsv32ref.engine.context import set_forward_context
 
     ledger = PredictedLedger()
-    prep = engine.prepare(step)
-    ctx = engine.forward_context(prep)
-    with torch.no_grad(), measuring(), set_forward_context(ctx), _count_triton_launches(ledger), \
-            _LaunchCounter(ledger):
-        if piecewise:
-            with BreakableCapture(_CountingBackend(), name="ledger prediction") as cap:
-                engine.model(engine.input_ids[: prep.num_tokens])
-            ledger.graph_launches = cap.graph.num_graphs
-        else:
-            engine.model(engine.input_ids[: prep.num_tokens])
+    prep = engine.stage(step)  # host work only: the CPU tensors it builds are not launches
+    with torch.no_grad(), measuring(), _count_triton_launches(ledger), _FusedOnCuda(ledger), _LaunchCounter(ledger):
+        engine.upload()
+        with set_forward_context(engine.forward_context(prep)):
+            if piecewise:
+                with BreakableCapture(_CountingBackend(), name="ledger prediction") as cap:
+                    hidden = engine.model(engine.input_ids[: prep.num_tokens])
+                ledger.graph_launches = cap.graph.num_graphs
+            else:
+                hidden = engine.model(engine.input_ids[: prep.num_tokens])
+        engine.sample(prep, hidden)
+        ledger.record("aten::_local_scalar_dense", memcpy=True)  # .tolist(): one device-to-host copy
     return ledger
 
 

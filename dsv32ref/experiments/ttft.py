@@ -73,10 +73,48 @@ def region_cost_ns(calls: int = 200_000, repeats: int = 7) -> dict:
     return res
 
 
+def anatomy(engines: dict, prompts: list[list[int]]) -> dict:
+    """Where one prefill step's time goes, per engine (interleaved request by request, instrument off), medians
+    in ms: host time of stage + upload (the GPU has nothing to do yet), of execute (the graph launch; for
+    eager boundaries every eager region's host work too), of sample until the tokens are on the host; and the
+    GPU time from the upload to the sampled tokens (CUDA events, recorded around the step: two event records
+    are the only additions to the step)."""
+    import torch
+
+    from dsv32ref.engine import StepInput
+
+    rec = {v: {"stage_ms": [], "execute_ms": [], "sample_ms": [], "total_ms": [], "gpu_ms": []} for v in engines}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    seq = 10**6
+    for i, p in enumerate(prompts):
+        for k in range(len(engines)):
+            v = list(engines)[(i + k) % len(engines)]
+            eng = engines[v]
+            torch.cuda.synchronize()
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                prep = eng.stage(StepInput([(seq, list(p), 0)]))
+                ev[0].record()
+                eng.upload()
+                t1 = time.perf_counter()
+                _, hidden = eng.execute(prep)
+                t2 = time.perf_counter()
+                eng.sample(prep, hidden)
+                ev[1].record()
+                t3 = time.perf_counter()
+            eng.allocator.release(seq)
+            r = rec[v]
+            for key, dt in (("stage_ms", t1 - t0), ("execute_ms", t2 - t1), ("sample_ms", t3 - t2),
+                            ("total_ms", t3 - t0)):
+                r[key].append(dt * 1e3)
+            r["gpu_ms"].append(ev[0].elapsed_time(ev[1]))
+    return {v: {k: statistics.median(x) for k, x in r.items()} | {"requests": len(prompts)} for v, r in rec.items()}
+
+
 def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: int = 8, prompt_len: int = 8,
         mode: str = "full_and_piecewise", seed: int = 0, out: str | None = None, device: str = "cuda",
         config: ModelConfig | None = None, tp_rank: int = 0, tp_size: int = 1, instrument_ab=(),
-        capture_sizes=(1, 2, 4, 8, 16)) -> dict:
+        capture_sizes=(1, 2, 4, 8, 16), skip_topk=(), anatomy_requests: int = 32, host_costs: bool = True) -> dict:
     """The experiment; `device="cpu"` (with a tiny `config`) runs the same control flow on emulated graphs
     as a smoke test, without timings that mean anything.
 
@@ -84,6 +122,14 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     eager range open on every request (the instrument as it was before it was made free when off), interleaved
     with the rest: the difference is what the instrument costs when it is on. TTFT of the plain variants is
     always timed with the instrument off.
+
+    `skip_topk`: variants that also run `<variant>+skip`, an engine with EngineConfig.skip_short_topk on (the
+    prompt has fewer keys than index_topk, so the indexer's scoring and selection are skipped where Python
+    decides: in eager regions), interleaved with the rest.
+
+    Then, per variant, the step's anatomy over `anatomy_requests` more requests (see `anatomy`), and on a GPU
+    the host costs of the TTFT model (dsv32ref.experiments.host_costs), measured with the "none" engine when
+    it runs.
 
     With tp_size > 1 (inside torch.distributed, one call per rank: `dsv32ref ttft --tp N`), every rank holds its
     shard (heads and MLP columns split, experts split: TP = EP) and runs the same requests in lockstep, the
@@ -98,7 +144,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
         if not is_int(v) or v < low:
             raise ValueError(f"ttft.run: {name} must be an int >= {low}, got {v!r}")
     variants = list(variants or BOUNDARIES)
-    unknown = [v for v in list(variants) + list(instrument_ab) if v not in BOUNDARIES]
+    unknown = [v for v in list(variants) + list(instrument_ab) + list(skip_topk) if v not in BOUNDARIES]
     if unknown:
         raise ValueError(f"ttft.run: unknown variant(s) {unknown}; expected some of {BOUNDARIES}")
     config = config or reduced_config(preset)
@@ -123,41 +169,45 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
         "requests": n_requests, "warmup": warmup, "prompt_len": prompt_len, "output_tokens": 1, "concurrency": 1,
         "mode": mode, "tensor_parallel": tp_size, "expert_parallel": tp_size}, "variants": {}}
     result["protocol"]["order"] = "interleaved: request i runs on every variant in turn (rotating the order)"
-    engines = {}
-    for v in variants:  # every variant captured up front, so that run-to-run drift hits them all alike
+    engines = {}  # every variant captured up front, so that run-to-run drift hits them all alike
+    for v, skip in [(v, False) for v in variants] + [(v, True) for v in skip_topk]:
         ec = EngineConfig(boundary=v, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
-                          max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed)
+                          max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed,
+                          skip_short_topk=skip)
         eng = LLMEngine(config, ec, device=device, dtype=model.lm_head.dtype, model=model)
-        engines[v] = (eng, eng.capture())
-    arms = [(v, False) for v in variants] + [(v, True) for v in instrument_ab if v in engines]
-    name = lambda v, on: f"{v}+ranges" if on else v  # noqa: E731
+        engines[f"{v}+skip" if skip else v] = (eng, eng.capture())
+    # an arm: (its name, its engine, the instrument on)
+    arms = ([(v, v, False) for v in variants] + [(f"{v}+skip", f"{v}+skip", False) for v in skip_topk]
+            + [(f"{v}+ranges", v, True) for v in instrument_ab if v in engines])
     for i in range(warmup):
-        for v, on in arms:
+        for _, e, on in arms:
             with measuring(on):
-                engines[v][0].generate(prompts[i], 1)
-    ttft = {name(*a): [] for a in arms}
-    wall = {name(*a): 0.0 for a in arms}
-    first_tokens = {name(*a): [] for a in arms}
+                engines[e][0].generate(prompts[i], 1)
+    ttft = {a[0]: [] for a in arms}
+    wall = {a[0]: 0.0 for a in arms}
+    first_tokens = {a[0]: [] for a in arms}
     for i in range(n_requests):
         for k in range(len(arms)):
-            v, on = arms[(i + k) % len(arms)]
-            key = name(v, on)
+            key, e, on = arms[(i + k) % len(arms)]
             with measuring(on):
                 t0 = time.perf_counter()
-                tok, t = engines[v][0].generate(prompts[warmup + i], 1)
+                tok, t = engines[e][0].generate(prompts[warmup + i], 1)
                 wall[key] += time.perf_counter() - t0
             ttft[key].append(t * 1e3)
             first_tokens[key].append(tok[0])
         if lead:
             _progress(i + 1, n_requests, "TTFT, all variants")
-    for v in variants:
+    plain = [a[0] for a in arms if not a[2]]
+    anat = anatomy({v: engines[v][0] for v in plain}, prompts[:anatomy_requests]) if cuda and anatomy_requests else {}
+    for v in plain:
         eng, cap_s = engines[v]
         ledger = measure(eng, prompts[warmup])
         how = eng.runner.lookup(prompt_len, False)[0]
         result["variants"][v] = {**_stats(ttft[v]), "ttft_ms": ttft[v], "req_per_s": n_requests / wall[v],
                                  "capture_s": cap_s, "prefill_runs_as": how, "ledger": ledger,
                                  "ttft_over_floor": statistics.fmean(ttft[v]) / ledger["gpu_busy_ms"]
-                                 if ledger["gpu_busy_ms"] else None}
+                                 if ledger["gpu_busy_ms"] else None, "anatomy": anat.get(v),
+                                 "skip_short_topk": eng.ec.skip_short_topk}
         r = result["variants"][v]
         if not lead:
             continue
@@ -165,6 +215,14 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
               f"{r['req_per_s']:.1f} req/s; direct launches {ledger['direct_total']}, graph launches "
               f"{ledger['graph_launches']}, floor {ledger['gpu_busy_ms']:.2f} ms, GPU idle {ledger['gpu_idle_ms']:.2f} ms, "
               f"eager-region host time {ledger['eager_region_host_ms']:.2f} ms", flush=True)
+        if out:
+            write_partial(out, result)
+    if cuda and host_costs and lead:
+        from dsv32ref.experiments import host_costs as hc
+
+        probe = engines["none"][0] if "none" in engines else engines[variants[0]][0]
+        result["host_costs"] = hc.measure(probe, prompts[warmup])
+        result["host_costs"]["engine"] = probe.ec.boundary
         if out:
             write_partial(out, result)
     for eng, _ in engines.values():

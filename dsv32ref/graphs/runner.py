@@ -40,12 +40,13 @@ def default_capture_sizes(max_size: int = 512) -> list[int]:
     return [s for s in sizes if s <= max_size]
 
 
-def phase_sizes(mode: CUDAGraphMode, capture_sizes: list[int], max_full_size: int | None = None
-                ) -> list[tuple[str, list[int]]]:
+def phase_sizes(mode: CUDAGraphMode, capture_sizes: list[int], max_full_size: int | None = None,
+                full_serves_all: bool = False) -> list[tuple[str, list[int]]]:
     """[(phase, sizes largest first)] in capture order: PIECEWISE (every size), then FULL (sizes up to
-    max_full_size: uniform decode has at most one token per sequence)."""
+    max_full_size: uniform decode has at most one token per sequence). With `full_serves_all` (a model
+    with no eager break) FULL graphs serve every step and PIECEWISE ones are not captured when FULL is."""
     sizes = sorted(set(capture_sizes), reverse=True)
-    out = [("PIECEWISE", sizes)] if mode.has_piecewise else []
+    out = [("PIECEWISE", sizes)] if mode.has_piecewise and not (full_serves_all and mode.has_full) else []
     if mode.has_full:
         out.append(("FULL", [s for s in sizes if max_full_size is None or s <= max_full_size]))
     return out
@@ -78,6 +79,7 @@ class GraphRunner:
     warmup: bool = True
     prepare: Callable[[int, bool], None] | None = None  # fills static inputs before a capture (host copies
     # are not allowed while capturing)
+    full_serves_all: bool = False  # FULL graphs serve prefill and mixed steps too (no eager break)
 
     def __post_init__(self):
         self.capture_sizes = sorted(set(self.capture_sizes))
@@ -87,7 +89,7 @@ class GraphRunner:
         return self.capture_sizes[i] if i < len(self.capture_sizes) else None
 
     def phase_sizes(self) -> list[tuple[str, list[int]]]:
-        return phase_sizes(self.mode, self.capture_sizes, self.max_full_size)
+        return phase_sizes(self.mode, self.capture_sizes, self.max_full_size, self.full_serves_all)
 
     def capture_all(self) -> None:
         for phase, sizes in self.phase_sizes():
@@ -120,9 +122,9 @@ class GraphRunner:
         size = self.padded_size(num_tokens)
         if size is None or self.mode is CUDAGraphMode.NONE:
             return "NONE", None, None
-        if uniform_decode and size in self.full:
+        if (uniform_decode or self.full_serves_all) and self.mode.has_full and size in self.full:
             return "FULL", size, self.full[size]
-        if size in self.piecewise:
+        if self.mode.has_piecewise and size in self.piecewise:
             return "PIECEWISE", size, self.piecewise[size]
         return "NONE", None, None
 

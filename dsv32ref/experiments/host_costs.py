@@ -1,0 +1,175 @@
+"""What a step costs the host, and what the GPU loses between graph kernels, measured once on the GPU machine:
+the inputs of the TTFT model (dsv32ref.experiments.ttft_model).
+
+Each figure is the median over `repeats` timed loops (time.perf_counter_ns), with the instrument off:
+    aten_launch_us     one small aten kernel launch from Python (torch.add into an out tensor, 8 x 64 bf16)
+    memcpy_us          one small asynchronous host-to-device copy from pinned memory
+    graph_launch_us    CUDAGraph.replay() of a one-kernel graph (host side)
+    eager_region_us    what one eager region adds when a breakable graph replays (ending a segment, the call
+                       and the next segment's launch), beyond its own launches: a replay of N regions that each
+                       launch one small kernel, minus N aten launches and N + 1 graph launches, per region
+    in_graph_gap_us    GPU time lost per kernel inside a graph: a replay of 512 dependent small kernels (CUDA
+                       events), per kernel, minus their mean duration (profiler)
+    wrapper_us         host time of each Triton launcher of dsv32ref.kernels, timed around every call of one
+                       eager forward of `engine` (its own shapes; checks and launch included)
+    stage_us           LLMEngine.stage + upload of one `prompt` (host work before the first launch)
+    sync_us            reading a small finished GPU tensor back (.tolist(): the step's last act)
+Loops of small launches are host-bound (the GPU runs each kernel faster than the host launches it), so the
+loop time per iteration is the host cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+# Which kernels each launcher starts: the first is charged the launcher's host time, the others nothing.
+WRAPPER_KERNELS = {
+    "fused_norm_rope": ("_fused_norm_rope_kernel",),
+    "fused_q": ("_fused_q_kernel",),
+    "indexer_scores_paged": ("_indexer_scores_kernel",),
+    "topk_from_scores": ("_topk_kernel", "_topk_chunk_kernel", "_topk_merge_kernel"),
+    "sparse_mla_paged": ("_sparse_mla_kernel", "_combine_splits_kernel"),
+}
+
+
+def _loop_us(fn, n: int, repeats: int) -> float:
+    """Median over `repeats` of the host time per call of n calls of fn() (one warm-up loop first)."""
+    fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter_ns() - t0) / n / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(runs)
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def _in_graph_gap_us(n_kernels: int, repeats: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.zeros(64, device="cuda")
+
+    def chain():
+        for _ in range(n_kernels):
+            x.add_(1.0)
+
+    g = _graph(chain)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_kernel = []
+    for _ in range(repeats):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        per_kernel.append(start.elapsed_time(end) * 1e3 / n_kernels)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    durs = [e.time_range.elapsed_us() for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and "add" in e.name.lower()]
+    kernel_us = statistics.fmean(durs) if durs else float("nan")
+    t = statistics.median(per_kernel)
+    return {"per_kernel_us": t, "kernel_us": kernel_us, "gap_us": t - kernel_us, "kernels_profiled": len(durs)}
+
+
+def _eager_region_us(n_regions: int, repeats: int, aten_us: float, graph_us: float) -> float:
+    from dsv32ref.graphs.breakable import BreakableCapture, CudaGraphBackend, eager_break
+
+    x = torch.zeros(64, device="cuda")
+
+    @eager_break(name="host-cost probe")
+    def region(t):
+        t.add_(1.0)
+        return t
+
+    def forward():
+        for _ in range(n_regions):
+            x.add_(1.0)  # one captured kernel per segment
+            region(x)
+        x.add_(1.0)
+
+    forward()
+    torch.cuda.synchronize()
+    with BreakableCapture(CudaGraphBackend(torch.cuda.graph_pool_handle())) as cap:
+        forward()
+    per = _loop_us(cap.graph.replay, 20, repeats) / n_regions
+    cap.graph.reset()
+    return per - aten_us - graph_us * (n_regions + 1) / n_regions
+
+
+def wrapper_us(engine, prompt: list[int]) -> dict:
+    """Host time per call of each Triton launcher in one eager forward of `engine` (graphs off): median."""
+    import dsv32ref.engine.model as engine_model
+
+    calls: dict[str, list[float]] = {name: [] for name in WRAPPER_KERNELS}
+    saved = {name: getattr(engine_model, name) for name in WRAPPER_KERNELS}
+
+    def timed(name, fn):
+        def inner(*a, **k):
+            t0 = time.perf_counter_ns()
+            out = fn(*a, **k)
+            calls[name].append((time.perf_counter_ns() - t0) / 1e3)
+            return out
+        return inner
+
+    mode, engine.runner.mode = engine.runner.mode, type(engine.runner.mode).NONE
+    try:
+        engine.generate(prompt, 1)  # warm
+        for name, fn in saved.items():
+            setattr(engine_model, name, timed(name, fn))
+        for _ in range(3):
+            engine.generate(prompt, 1)
+    finally:
+        for name, fn in saved.items():
+            setattr(engine_model, name, fn)
+        engine.runner.mode = mode
+    return {name: statistics.median(v) for name, v in calls.items() if v}
+
+
+def measure(engine, prompt: list[int], repeats: int = 7) -> dict:
+    """Every figure of the module docstring, on the current CUDA device; `engine` is a captured LLMEngine
+    (any boundary: its eager forward is what the launcher timings come from)."""
+    from dsv32ref.engine import StepInput
+
+    a, b, c = (torch.randn(8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    aten = _loop_us(lambda: torch.add(a, b, out=c), 2000, repeats)
+    src = torch.zeros(1024, dtype=torch.int32, pin_memory=True)
+    dst = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    memcpy = _loop_us(lambda: dst.copy_(src, non_blocking=True), 2000, repeats)
+    g = _graph(lambda: torch.add(a, b, out=c))
+    graph = _loop_us(g.replay, 2000, repeats)
+    gap = _in_graph_gap_us(512, repeats * 3)
+    region = _eager_region_us(64, repeats, aten, graph)
+    small = torch.zeros(4, dtype=torch.int64, device="cuda")
+    sync = _loop_us(lambda: small.tolist(), 500, repeats)
+    seq = 10**6
+
+    def stage():
+        engine.stage(StepInput([(seq, list(prompt), 0)]))
+        engine.upload()
+        engine.allocator.release(seq)
+
+    stage_us = _loop_us(stage, 200, repeats)
+    return {"aten_launch_us": aten, "memcpy_us": memcpy, "graph_launch_us": graph, "eager_region_us": region,
+            "in_graph_gap_us": gap["gap_us"], "in_graph": gap, "wrapper_us": wrapper_us(engine, prompt),
+            "stage_us": stage_us, "sync_us": sync, "repeats": repeats, "prompt_len": len(prompt),
+            "note": "medians of timed loops, instrument off; see dsv32ref.experiments.host_costs"}
