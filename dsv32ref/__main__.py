@@ -205,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.predict:
             print("the measured ledger comes with `dsv32ref ttft` (GPU); use --predict for the CPU prediction")
             return 2
-        predict_all(args.model, out=args.out or f"data/ledger_predicted_{args.model}.json")
+        import os
+
+        measured = f"data/ttft_{args.model}.json"
+        predict_all(args.model, out=args.out or f"data/ledger_predicted_{args.model}.json",
+                    measured=measured if os.path.exists(measured) else None)
         return 0
     if args.cmd == "ttft":
         from dsv32ref.experiments.ttft import rank_main, run

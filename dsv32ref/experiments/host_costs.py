@@ -3,11 +3,14 @@ the inputs of the TTFT model (dsv32ref.experiments.ttft_model).
 
 Each figure is the median over `repeats` timed loops (time.perf_counter_ns), with the instrument off:
     aten_launch_us     one small aten kernel launch from Python (torch.add into an out tensor, 8 x 64 bf16)
+    gemm_launch_us     one cuBLAS launch from Python (F.linear / torch.bmm at 8 tokens; its host work picks the
+                       kernel), the mean of the two
     memcpy_us          one small asynchronous host-to-device copy from pinned memory
     graph_launch_us    CUDAGraph.replay() of a one-kernel graph (host side)
-    eager_region_us    what one eager region adds when a breakable graph replays (ending a segment, the call
-                       and the next segment's launch), beyond its own launches: a replay of N regions that each
-                       launch one small kernel, minus N aten launches and N + 1 graph launches, per region
+    graph_node_us      what each further kernel node adds to a replay's host time (a 512-kernel graph)
+    eager_region_us    what one eager region adds when a breakable graph replays (the call and the next
+                       segment's graph launch), beyond its own launches: a replay of N regions that each launch
+                       one small kernel between one-kernel segments, per region, minus one aten launch
     in_graph_gap_us    GPU time lost per kernel inside a graph: a replay of 512 dependent small kernels (CUDA
                        events), per kernel, minus their mean duration (profiler)
     wrapper_us         host time of each Triton launcher of dsv32ref.kernels, timed around every call of one
@@ -63,7 +66,7 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-def _in_graph_gap_us(n_kernels: int, repeats: int) -> dict:
+def _in_graph_gap_us(n_kernels: int, repeats: int, graph_us: float) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.zeros(64, device="cuda")
@@ -73,6 +76,7 @@ def _in_graph_gap_us(n_kernels: int, repeats: int) -> dict:
             x.add_(1.0)
 
     g = _graph(chain)
+    host = _loop_us(g.replay, 20, repeats)  # host-side launch of the whole graph
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     per_kernel = []
     for _ in range(repeats):
@@ -88,7 +92,8 @@ def _in_graph_gap_us(n_kernels: int, repeats: int) -> dict:
             if e.device_type == torch.autograd.DeviceType.CUDA and "add" in e.name.lower()]
     kernel_us = statistics.fmean(durs) if durs else float("nan")
     t = statistics.median(per_kernel)
-    return {"per_kernel_us": t, "kernel_us": kernel_us, "gap_us": t - kernel_us, "kernels_profiled": len(durs)}
+    return {"per_kernel_us": t, "kernel_us": kernel_us, "gap_us": t - kernel_us, "kernels_profiled": len(durs),
+            "replay_host_us": host, "node_us": (host - graph_us) / (n_kernels - 1)}
 
 
 def _eager_region_us(n_regions: int, repeats: int, aten_us: float, graph_us: float) -> float:
@@ -113,7 +118,7 @@ def _eager_region_us(n_regions: int, repeats: int, aten_us: float, graph_us: flo
         forward()
     per = _loop_us(cap.graph.replay, 20, repeats) / n_regions
     cap.graph.reset()
-    return per - aten_us - graph_us * (n_regions + 1) / n_regions
+    return per - aten_us
 
 
 def wrapper_us(engine, prompt: list[int]) -> dict:
@@ -155,9 +160,16 @@ def measure(engine, prompt: list[int], repeats: int = 7) -> dict:
     src = torch.zeros(1024, dtype=torch.int32, pin_memory=True)
     dst = torch.zeros(1024, dtype=torch.int32, device="cuda")
     memcpy = _loop_us(lambda: dst.copy_(src, non_blocking=True), 2000, repeats)
+    c0 = engine.config
+    x = torch.randn(8, c0.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(c0.q_lora_rank, c0.hidden_size, device="cuda", dtype=torch.bfloat16)
+    qb = torch.randn(c0.num_attention_heads, 8, c0.qk_nope_head_dim, device="cuda", dtype=torch.bfloat16)
+    wb = torch.randn(c0.num_attention_heads, c0.qk_nope_head_dim, c0.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
+    gemm = (_loop_us(lambda: torch.nn.functional.linear(x, w), 1000, repeats)
+            + _loop_us(lambda: torch.bmm(qb, wb), 1000, repeats)) / 2
     g = _graph(lambda: torch.add(a, b, out=c))
     graph = _loop_us(g.replay, 2000, repeats)
-    gap = _in_graph_gap_us(512, repeats * 3)
+    gap = _in_graph_gap_us(512, repeats * 3, graph)
     region = _eager_region_us(64, repeats, aten, graph)
     small = torch.zeros(4, dtype=torch.int64, device="cuda")
     sync = _loop_us(lambda: small.tolist(), 500, repeats)
@@ -169,7 +181,8 @@ def measure(engine, prompt: list[int], repeats: int = 7) -> dict:
         engine.allocator.release(seq)
 
     stage_us = _loop_us(stage, 200, repeats)
-    return {"aten_launch_us": aten, "memcpy_us": memcpy, "graph_launch_us": graph, "eager_region_us": region,
+    return {"aten_launch_us": aten, "gemm_launch_us": gemm, "memcpy_us": memcpy, "graph_launch_us": graph,
+            "graph_node_us": gap["node_us"], "eager_region_us": region,
             "in_graph_gap_us": gap["gap_us"], "in_graph": gap, "wrapper_us": wrapper_us(engine, prompt),
             "stage_us": stage_us, "sync_us": sync, "repeats": repeats, "prompt_len": len(prompt),
             "note": "medians of timed loops, instrument off; see dsv32ref.experiments.host_costs"}

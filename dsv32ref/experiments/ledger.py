@@ -284,7 +284,11 @@ def structure_config(preset: str):
         index_head_dim=16, intermediate_size=64, moe_intermediate_size=32, vocab_size=128)
 
 
-def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out: str | None = None) -> dict:
+def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out: str | None = None,
+                measured: str | None = None) -> dict:
+    """Every variant's predicted ledger; with `measured` (a TTFT run's JSON that holds host costs, e.g.
+    data/ttft_<preset>.json) also the TTFT model of each variant beside that run's measurement
+    (dsv32ref.experiments.ttft_model), under "ttft_model"."""
     from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput
     from dsv32ref.experiments.ttft import reduced_config
     from dsv32ref.graphs import CUDAGraphMode
@@ -311,6 +315,19 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
               f"({time.time() - t0:.0f} s)", flush=True)
         if out:
             write_partial(out, result)
+    if measured:
+        import json
+
+        from dsv32ref.experiments import ttft_model
+
+        with open(measured) as f:
+            run = json.load(f)
+        if "host_costs" in run:
+            result["ttft_model"] = {"measured": measured, "measured_commit": run["provenance"].get("git_commit"),
+                                    "host_costs": run["host_costs"], "variants": ttft_model.compare(result, run)}
+            for v, m in result["ttft_model"]["variants"].items():
+                print(f"  model {v:<18} {m['ttft_ms']:.2f} ms predicted, {m['measured_ttft_ms']:.2f} measured "
+                      f"({m['miss_pct']:+.1f} %), {m['bound']}-bound", flush=True)
     if out:
         write_result(out, result)
     return result

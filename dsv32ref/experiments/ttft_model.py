@@ -4,9 +4,10 @@
 A prefill step is the host's work before the first launch, then the forward, then the read-back:
 
     TTFT = stage + max(host_forward, gpu_forward) + sync
-    host_forward = sum over the forward's direct launches of their cost (aten_launch_us, memcpy_us, or the
-                   Triton launcher's wrapper_us, charged to its first kernel) + eager regions x eager_region_us
-                   + graph launches x graph_launch_us
+    host_forward = sum over the forward's direct launches of their cost (gemm_launch_us for mm / bmm,
+                   aten_launch_us for other aten ops, memcpy_us, or the Triton launcher's wrapper_us, charged
+                   to its first kernel) + eager regions x eager_region_us (which includes the next segment's
+                   graph launch) + the first graph launch + graph_node_us per kernel captured in graphs
     gpu_forward  = floor + kernels launched inside graphs x in_graph_gap_us
 
 The forward is whichever of host and GPU is slower: when the host launches faster than the GPU runs, the
@@ -34,7 +35,12 @@ def launch_cost_us(op: str, costs: dict) -> float:
         if kernel in _FREE:
             return 0.0
         return costs["wrapper_us"][_CHARGED[kernel]]
+    if op in GEMMS:
+        return costs["gemm_launch_us"]
     return costs["aten_launch_us"]
+
+
+GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul"}
 
 
 def predict(predicted: dict, costs: dict, floor_ms: float) -> dict:
@@ -49,7 +55,8 @@ def predict(predicted: dict, costs: dict, floor_ms: float) -> dict:
     graphs = predicted["graph_launches"]
     regions = max(graphs - 1, 0)
     host = {"launches_ms": direct_us / 1e3, "eager_regions_ms": regions * costs["eager_region_us"] / 1e3,
-            "graph_launches_ms": graphs * costs["graph_launch_us"] / 1e3}
+            "graph_launches_ms": (costs["graph_launch_us"] if graphs else 0.0) / 1e3
+            + graph_kernels * costs["graph_node_us"] / 1e3}
     gpu = {"floor_ms": floor_ms, "in_graph_gaps_ms": graph_kernels * costs["in_graph_gap_us"] / 1e3}
     host_ms, gpu_ms = sum(host.values()), sum(gpu.values())
     fixed = {"stage_ms": costs["stage_us"] / 1e3, "sync_ms": costs["sync_us"] / 1e3}
