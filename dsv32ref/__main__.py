@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("reproduce", help="the seed PR's measurements on this GPU, beside its figures")
     for p in (parser, rp):
         p.add_argument("--quick", action="store_true", help="the quick preset (minutes) instead of the full one")
+    hcp = sub.add_parser("hostcosts", help="the TTFT model's host costs, per-region times included (GPU)")
+    hcp.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
+    hcp.add_argument("--out", default=None)
     rg = sub.add_parser("regimes", help="TTFT against prompt length and decode TPOT, every variant (GPU)")
     rg.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
     rg.add_argument("--out", default=None)
@@ -207,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         import os
 
-        measured = f"data/ttft_{args.model}.json"
+        measured, costs = f"data/ttft_{args.model}.json", f"data/host_costs_{args.model}.json"
         predict_all(args.model, out=args.out or f"data/ledger_predicted_{args.model}.json",
-                    measured=measured if os.path.exists(measured) else None)
+                    measured=measured if os.path.exists(measured) else None,
+                    host_costs=costs if os.path.exists(costs) else None)
         return 0
     if args.cmd == "ttft":
         from dsv32ref.experiments.ttft import rank_main, run
@@ -230,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
             run(args.model, n_requests=args.requests, warmup=args.warmup, out=out,
                 instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else (),
                 skip_topk=tuple(args.skip_topk))
+        return 0
+    if args.cmd == "hostcosts":
+        from dsv32ref.experiments.host_costs import run as run_host_costs
+
+        if not torch.cuda.is_available():
+            print("hostcosts needs a CUDA GPU; the recorded ones are in data/host_costs_<model>.json")
+            return 2
+        run_host_costs(args.model, out=args.out or f"data/host_costs_{args.model}.json")
         return 0
     if args.cmd == "regimes":
         from dsv32ref.experiments.regimes import run as run_regimes

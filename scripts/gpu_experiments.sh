@@ -9,6 +9,7 @@
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary        -> OUTDIR/capture_memory_glm-5.2_h16.json
 #   history    the same with the allocator's history, narrow_copy                  -> OUTDIR/capture_memory_glm-5.2_h16_history.json
 #   regimes    TTFT against prompt length, decode TPOT, every variant              -> OUTDIR/regimes_glm-5.2.json
+#   hostcosts  the TTFT model's host costs, per-region times included (MODELS)     -> OUTDIR/host_costs_<model>.json
 #   tests      every gpu-marked test                                               -> OUTDIR/pytest_gpu.txt
 #   suite      the full suite, notebooks under nbval                               -> OUTDIR/pytest_suite.txt
 # Each step's log goes to OUTDIR/<step>.log; the last lines print.
@@ -36,6 +37,11 @@ for step in "$@"; do
     regimes)
       timeout 420 python3 -m dsv32ref regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" 2>&1 \
         | tr '\r' '\n' | grep -v "all variants.*\] [0-9]*/" | tee "$OUT/regimes.log" | tail -6 ;;
+    hostcosts)
+      for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
+        timeout 240 python3 -m dsv32ref hostcosts --model "$model" --out "$OUT/host_costs_$model.json" 2>&1 \
+          | tee "$OUT/host_costs_$model.log" | tail -7
+      done ;;
     tests)
       timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests 2>&1 \
         | tee "$OUT/pytest_gpu.txt" | tail -8 ;;

@@ -185,3 +185,50 @@ def test_none_on_cuda_graphs_matches_eager(preset):
         for i, (a, b) in enumerate(zip(graphs[0], out[key][0])):
             assert_close(f"none FULL vs {key}, step {i}", a, b, dtype=torch.float32, precision=torch.bfloat16,
                          rtol=2, atol=4)
+
+
+@CPU
+def test_region_host_times_wrap_the_replay_and_leave_it_as_it_was(seed):
+    """host_costs.region_host_us times each entry of the PIECEWISE graph in replay order, one eager region per
+    layer, and puts the entries back: the next replay is the same objects and gives the same logits."""
+    from dsv32ref.experiments.host_costs import region_host_us
+
+    ref = _small_ref(seed=seed)
+    eng = _engine(ref, "narrow", capture_sizes=(8,))
+    eng.capture()
+    prompt = torch.randint(0, ref.config.vocab_size, (8,)).tolist()
+    entries = list(eng.runner.piecewise[8].graph.entries)
+    eng.generate(prompt, 1)
+    before = eng.last_logits.clone()
+    r = region_host_us(eng, prompt, requests=2)
+    assert r["runs_as"] == "PIECEWISE" and len(r["eager_us"]) == 2 and len(r["graph_us"]) == 3
+    assert all(t > 0 for t in r["eager_us"] + r["graph_us"])
+    assert [e[1] for e in eng.runner.piecewise[8].graph.entries] == [e[1] for e in entries]
+    eng.generate(prompt, 1)
+    assert torch.equal(eng.last_logits, before)
+    none = _engine(ref, "none", capture_sizes=(8,))
+    none.capture()
+    assert region_host_us(none, prompt, requests=1) == {"runs_as": "FULL"}
+
+
+def test_ttft_model_is_a_pipeline_of_layers():
+    """Two layers, GPU 1 ms each: a layer whose host takes 3 ms costs 3, one whose host takes 0.5 costs 1;
+    stage, the first graph launch and the sync are added once; from launches, each op is priced by class."""
+    from dsv32ref.experiments.ttft_model import launch_cost_us, predict
+
+    costs = {"in_graph_gap_us": 0.0, "graph_node_us": 0.0, "eager_region_us": 0.0, "graph_launch_us": 10.0,
+             "stage_us": 100.0, "sync_us": 20.0, "aten_launch_us": 5.0, "gemm_launch_us": 15.0, "memcpy_us": 7.0,
+             "wrapper_us": {"sparse_mla_paged": 200.0}}
+    assert launch_cost_us("aten::bmm", costs) == 15.0 and launch_cost_us("aten::add", costs) == 5.0
+    assert launch_cost_us("aten::copy_ (memcpy)", costs) == 7.0
+    assert launch_cost_us("triton::_sparse_mla_kernel", costs) == 200.0
+    assert launch_cost_us("triton::_combine_splits_kernel", costs) == 0.0
+    ledger = {"layers": [{"direct": {}, "graph": 10}, {"direct": {}, "graph": 10}], "graph_launches": 3, "ops": {}}
+    regions = {"eager_us": [2990.0, 490.0], "graph_us": [10.0, 10.0, 10.0]}
+    p = predict(ledger, costs, floor_ms=2.0, regions=regions)
+    assert p["host_source"] == "measured regions" and p["host_bound_layers"] == 1
+    assert abs(p["forward_ms"] - 4.0) < 1e-9
+    assert abs(p["ttft_ms"] - (0.1 + 0.01 + 4.0 + 0.02)) < 1e-9
+    ledger["layers"][0]["direct"] = {"triton::_sparse_mla_kernel": 1, "aten::bmm": 2}  # 230 us < 1 ms
+    q = predict(ledger, costs, floor_ms=2.0)
+    assert q["host_source"] == "launches" and abs(q["forward_ms"] - 2.0) < 1e-9

@@ -17,6 +17,12 @@ Each figure is the median over `repeats` timed loops (time.perf_counter_ns), wit
                        eager forward of `engine` (its own shapes; checks and launch included)
     stage_us           LLMEngine.stage + upload of one `prompt` (host work before the first launch)
     sync_us            reading a small finished GPU tensor back (.tolist(): the step's last act)
+    regions            per boundary with eager regions: the host time of each eager region and of each graph
+                       segment's launch while the PIECEWISE graph of one prefill replays (median per entry,
+                       in replay order: one region per layer), by timing wrappers put around the replay's
+                       entries for the measurement only (`region_host_us`)
+`run` measures all of it in one process, apart from any TTFT measurement, so that the TTFT model
+(dsv32ref.experiments.ttft_model) predicts a run it was not fitted to.
 Loops of small launches are host-bound (the GPU runs each kernel faster than the host launches it), so the
 loop time per iteration is the host cost.
 """
@@ -186,3 +192,94 @@ def measure(engine, prompt: list[int], repeats: int = 7) -> dict:
             "in_graph_gap_us": gap["gap_us"], "in_graph": gap, "wrapper_us": wrapper_us(engine, prompt),
             "stage_us": stage_us, "sync_us": sync, "repeats": repeats, "prompt_len": len(prompt),
             "note": "medians of timed loops, instrument off; see dsv32ref.experiments.host_costs"}
+
+
+class _Timed:
+    """Stands in for one replay entry: calls through and records the host time of each call, in us."""
+
+    def __init__(self, call):
+        self.call, self.times = call, []
+
+    def __call__(self, *a, **k):
+        t0 = time.perf_counter_ns()
+        out = self.call(*a, **k)
+        self.times.append((time.perf_counter_ns() - t0) / 1e3)
+        return out
+
+    def replay(self):
+        self()
+
+
+def region_host_us(engine, prompt: list[int], requests: int = 32) -> dict:
+    """Host time of each entry of the PIECEWISE graph that serves `prompt`, over `requests` requests (medians,
+    in replay order): "eager_us" per eager region, "graph_us" per graph segment launch."""
+    from dsv32ref.graphs.breakable import _EagerCall
+
+    how, size, captured = engine.runner.lookup(len(prompt), False)
+    if how != "PIECEWISE":
+        return {"runs_as": how}
+    entries = captured.graph.entries
+    saved = list(entries)
+    timed = []
+    for i, (kind, item) in enumerate(saved):
+        if kind == "graph":
+            t = _Timed(item.replay)
+            entries[i] = ("graph", t)
+        else:
+            t = _Timed(item.fn)
+            entries[i] = ("eager", _EagerCall(t, item.name, item.args, item.kwargs))
+        timed.append((kind, t))
+    try:
+        engine.generate(prompt, 1)
+        for _, t in timed:
+            t.times.clear()
+        for _ in range(requests):
+            engine.generate(prompt, 1)
+    finally:
+        entries[:] = saved
+    return {"runs_as": how, "size": size, "requests": requests,
+            "eager_us": [statistics.median(t.times) for k, t in timed if k == "eager"],
+            "graph_us": [statistics.median(t.times) for k, t in timed if k == "graph"],
+            "names": sorted({item.name for kind, item in saved if kind == "eager"})}
+
+
+def run(preset: str = "glm-5.2", variants=None, prompt_len: int = 8, requests: int = 32, seed: int = 0,
+        out: str | None = None) -> dict:
+    """Every figure of the module docstring for one preset (the TTFT experiment's model and engines), one
+    engine per boundary captured at the prompt's size only; written to `out` with provenance."""
+    from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, build_model
+    from dsv32ref.experiments.ttft import reduced_config
+    from dsv32ref.graphs import CUDAGraphMode
+    from dsv32ref.provenance import provenance
+    from dsv32ref.results import write_result
+
+    variants = list(variants or BOUNDARIES)
+    config = reduced_config(preset)
+    model = build_model(config, variants[0], "cuda", torch.bfloat16, seed)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=g).tolist()
+    result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "variants": variants}
+    regions = {}
+    for v in variants:
+        ec = EngineConfig(boundary=v, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=512, max_num_seqs=16,
+                          max_num_batched_tokens=16, capture_sizes=[prompt_len], seed=seed)
+        eng = LLMEngine(config, ec, device="cuda", dtype=torch.bfloat16, model=model)
+        eng.capture()
+        if v == "none":
+            result.update(measure(eng, prompt))
+        else:
+            regions[v] = region_host_us(eng, prompt, requests)
+            r = regions[v]
+            print(f"  {v:<18} eager regions {statistics.fmean(r['eager_us']):.0f} us mean, graph launches "
+                  f"{statistics.fmean(r['graph_us']):.1f} us mean", flush=True)
+        eng.release_graphs()
+        del eng
+    result["regions"] = regions
+    print(f"  launches: aten {result.get('aten_launch_us', float('nan')):.2f} us, gemm "
+          f"{result.get('gemm_launch_us', float('nan')):.2f}, graph {result.get('graph_launch_us', float('nan')):.2f} "
+          f"+ {result.get('graph_node_us', float('nan')):.3f} per node, in-graph gap "
+          f"{result.get('in_graph_gap_us', float('nan')):.3f}, stage {result.get('stage_us', float('nan')):.0f}",
+          flush=True)
+    if out:
+        write_result(out, result)
+    return result

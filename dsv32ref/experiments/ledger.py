@@ -89,6 +89,8 @@ class PredictedLedger:
         self.events: list[tuple[str, str, bool]] = []  # (region, op, direct?) in launch order
         self.graph_launches = 0
         self.fused = False  # set while a ONE_KERNEL_ON_CUDA function runs
+        self.layer: int | None = None  # the decoder layer running now (None: outside the layers)
+        self.by_layer: Counter = Counter()  # (layer, op, direct?) -> count
 
     def record(self, op: str, memcpy: bool = False) -> None:
         cap = current_capture()
@@ -101,6 +103,32 @@ class PredictedLedger:
             (self.direct if direct else self.in_graph)[region] += 1
         self.ops[(region, op + (" (memcpy)" if memcpy else ""), direct)] += 1
         self.events.append((region, op + (" (memcpy)" if memcpy else ""), direct))
+        if self.layer is not None:
+            self.by_layer[(self.layer, op + (" (memcpy)" if memcpy else ""), direct)] += 1
+
+    def layers(self, num_layers: int) -> list[dict]:
+        """Per decoder layer: its direct launches by op and how many launches it has inside graphs."""
+        out = [{"direct": {}, "graph": 0} for _ in range(num_layers)]
+        for (layer, op, direct), n in sorted(self.by_layer.items()):
+            if direct:
+                out[layer]["direct"][op] = out[layer]["direct"].get(op, 0) + n
+            else:
+                out[layer]["graph"] += n
+        return out
+
+
+@contextlib.contextmanager
+def _track_layers(model, ledger: PredictedLedger):
+    """Set ledger.layer while each decoder layer's forward runs (forward hooks, removed afterwards)."""
+    handles = []
+    for i, layer in enumerate(model.layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(ledger, "layer", i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o: setattr(ledger, "layer", None)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
@@ -147,7 +175,8 @@ def predict(engine, step, piecewise: bool = True) -> PredictedLedger:
 
     ledger = PredictedLedger()
     prep = engine.stage(step)  # host work only: the CPU tensors it builds are not launches
-    with torch.no_grad(), measuring(), _count_triton_launches(ledger), _FusedOnCuda(ledger), _LaunchCounter(ledger):
+    with torch.no_grad(), measuring(), _count_triton_launches(ledger), _FusedOnCuda(ledger), _LaunchCounter(ledger), \
+            _track_layers(engine.model, ledger):
         engine.upload()
         with set_forward_context(engine.forward_context(prep)):
             if piecewise:
@@ -285,10 +314,11 @@ def structure_config(preset: str):
 
 
 def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out: str | None = None,
-                measured: str | None = None) -> dict:
-    """Every variant's predicted ledger; with `measured` (a TTFT run's JSON that holds host costs, e.g.
-    data/ttft_<preset>.json) also the TTFT model of each variant beside that run's measurement
-    (dsv32ref.experiments.ttft_model), under "ttft_model"."""
+                measured: str | None = None, host_costs: str | None = None) -> dict:
+    """Every variant's predicted ledger; with `measured` (a TTFT run's JSON, e.g. data/ttft_<preset>.json) also
+    the TTFT model of each variant beside that run's measurement (dsv32ref.experiments.ttft_model), under
+    "ttft_model", priced with the host costs in `host_costs` (data/host_costs_<preset>.json) or, without it,
+    the ones the TTFT run measured."""
     from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput
     from dsv32ref.experiments.ttft import reduced_config
     from dsv32ref.graphs import CUDAGraphMode
@@ -310,7 +340,8 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
             ops.setdefault(region, {}).setdefault("direct" if direct else "graph", {})[op] = n
         result["variants"][v] = {"direct": dict(L.direct), "direct_total": sum(L.direct.values()),
                                  "memcpy": dict(L.memcpy),
-                                 "in_graph": dict(L.in_graph), "graph_launches": L.graph_launches, "ops": ops}
+                                 "in_graph": dict(L.in_graph), "graph_launches": L.graph_launches, "ops": ops,
+                                 "layers": L.layers(config.num_hidden_layers)}
         print(f"  {v:<12} direct {sum(L.direct.values())}, graph launches {L.graph_launches} "
               f"({time.time() - t0:.0f} s)", flush=True)
         if out:
@@ -322,9 +353,15 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
 
         with open(measured) as f:
             run = json.load(f)
-        if "host_costs" in run:
+        costs, source = run.get("host_costs"), measured
+        if host_costs:
+            with open(host_costs) as f:
+                costs, source = json.load(f), host_costs
+        if costs is not None:
             result["ttft_model"] = {"measured": measured, "measured_commit": run["provenance"].get("git_commit"),
-                                    "host_costs": run["host_costs"], "variants": ttft_model.compare(result, run)}
+                                    "host_costs_from": source, "host_costs_commit": costs.get("provenance", run[
+                                        "provenance"]).get("git_commit"), "host_costs": costs,
+                                    "variants": ttft_model.compare(result, run, costs)}
             for v, m in result["ttft_model"]["variants"].items():
                 print(f"  model {v:<18} {m['ttft_ms']:.2f} ms predicted, {m['measured_ttft_ms']:.2f} measured "
                       f"({m['miss_pct']:+.1f} %), {m['bound']}-bound", flush=True)

@@ -1,21 +1,25 @@
 """Predict a variant's TTFT from its CPU-predicted launch ledger, the host costs measured once on the GPU
-(dsv32ref.experiments.host_costs) and its GPU-busy floor.
+(dsv32ref.experiments.host_costs, in a process of its own) and its GPU-busy floor.
 
-A prefill step is the host's work before the first launch, then the forward, then the read-back:
+A prefill step is the host's work before the first launch, the forward, then the read-back. The forward is a
+pipeline of layers: the host launches layer l (its graph segment and its eager region) while the GPU runs what
+it was given, so each layer takes the longer of the two, and a graph's kernels start once its launch returns:
 
-    TTFT = stage + max(host_forward, gpu_forward) + sync
-    host_forward = sum over the forward's direct launches of their cost (gemm_launch_us for mm / bmm,
-                   aten_launch_us for other aten ops, memcpy_us, or the Triton launcher's wrapper_us, charged
-                   to its first kernel) + eager regions x eager_region_us (which includes the next segment's
-                   graph launch) + the first graph launch + graph_node_us per kernel captured in graphs
-    gpu_forward  = floor + kernels launched inside graphs x in_graph_gap_us
+    TTFT     = stage + first graph launch + sum over layers of max(host_l, gpu_l) + sync
+    gpu_l    = (floor + kernels launched inside graphs x in_graph_gap_us) / layers
+    host_l   = the layer's eager region + the launch of the graph segment after it, either
+               measured: the region's host time timed in replay (`regions`, per-region host costs), or
+               from launches: the ledger's direct launches of the layer x their per-launch costs
+               (gemm_launch_us, aten_launch_us, memcpy_us, the Triton launcher's wrapper_us charged to its
+               first kernel) + eager_region_us + graph_node_us per kernel of the segment
+    first graph launch = graph_launch_us + graph_node_us x the kernels of the first segment (for boundary
+               "none": the whole forward)
 
-The forward is whichever of host and GPU is slower: when the host launches faster than the GPU runs, the
-queue hides the host (boundary "none", one graph launch); when it is slower, the GPU waits on it (wide). The
-launches after the forward (logits, sampling) overlap the graph and are not charged. What the model leaves
-out: Python in the model between launches (slicing, the forward context), layers where host and GPU take
-turns being the slower one (the max is taken over the whole forward, not per layer), kernels one op launches
-beyond the first (cuBLAS split-K, aten's top-k).
+The two host_l differ by the Python the model runs between launches inside a region (slicing, views,
+allocations, the forward context): "from launches" leaves it out. The launches after the forward (logits,
+sampling) overlap the graph and are not charged; the floor spreads evenly over the layers (it does not: the
+layers that run their indexer do more); kernels one op launches beyond the first (cuBLAS split-K, aten's
+top-k) are not counted as graph kernels.
 """
 
 from __future__ import annotations
@@ -43,40 +47,55 @@ def launch_cost_us(op: str, costs: dict) -> float:
 GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul"}
 
 
-def predict(predicted: dict, costs: dict, floor_ms: float) -> dict:
-    """`predicted`: one variant of ledger.predict_all's result; returns each term in ms and the TTFT."""
-    direct_us = graph_kernels = 0.0
-    for region, kinds in predicted["ops"].items():
-        if region == "other":  # after the forward: overlapped with the graph (the upload is in stage)
-            continue
-        for op, n in kinds.get("direct", {}).items():
-            direct_us += n * launch_cost_us(op, costs)
-        graph_kernels += sum(n for op, n in kinds.get("graph", {}).items() if not op.endswith("(memcpy)"))
-    graphs = predicted["graph_launches"]
-    regions = max(graphs - 1, 0)
-    host = {"launches_ms": direct_us / 1e3, "eager_regions_ms": regions * costs["eager_region_us"] / 1e3,
-            "graph_launches_ms": (costs["graph_launch_us"] if graphs else 0.0) / 1e3
-            + graph_kernels * costs["graph_node_us"] / 1e3}
-    gpu = {"floor_ms": floor_ms, "in_graph_gaps_ms": graph_kernels * costs["in_graph_gap_us"] / 1e3}
-    host_ms, gpu_ms = sum(host.values()), sum(gpu.values())
-    fixed = {"stage_ms": costs["stage_us"] / 1e3, "sync_ms": costs["sync_us"] / 1e3}
-    return {"host_forward": host, "gpu_forward": gpu, "fixed": fixed, "host_forward_ms": host_ms,
-            "gpu_forward_ms": gpu_ms, "bound": "host" if host_ms > gpu_ms else "gpu",
-            "eager_regions": regions, "graph_kernels": int(graph_kernels),
-            "ttft_ms": sum(fixed.values()) + max(host_ms, gpu_ms)}
+def predict(predicted: dict, costs: dict, floor_ms: float, regions: dict | None = None) -> dict:
+    """`predicted`: one variant of ledger.predict_all's result (with "layers"); `regions`: that boundary's
+    measured replay entries (host_costs "regions"), or None to price the layers from their launches."""
+    layers = predicted["layers"]
+    L = len(layers)
+    graph_kernels = sum(layer["graph"] for layer in layers)
+    for region, kinds in predicted["ops"].items():  # launches in graphs outside the layers (embedding)
+        if region == "embed":
+            graph_kernels += sum(kinds.get("graph", {}).values())
+    gpu_total = floor_ms + graph_kernels * costs["in_graph_gap_us"] / 1e3
+    gpu_l = gpu_total / L
+    segments = predicted["graph_launches"]
+    per_layer_regions = max(segments - 1, 0) / L
+    host_from_launches = []
+    for layer in layers:
+        us = sum(n * launch_cost_us(op, costs) for op, n in layer["direct"].items())
+        us += per_layer_regions * costs["eager_region_us"] + layer["graph"] * costs["graph_node_us"]
+        host_from_launches.append(us / 1e3)
+    measured = regions is not None and "eager_us" in regions and len(regions["eager_us"]) == L
+    if measured:
+        host = [(e + g) / 1e3 for e, g in zip(regions["eager_us"], regions["graph_us"][1:])]
+        first = regions["graph_us"][0] / 1e3
+    else:
+        host = host_from_launches
+        first_nodes = layers[0]["graph"] if segments > 1 else graph_kernels
+        first = (costs["graph_launch_us"] + first_nodes * costs["graph_node_us"]) / 1e3 if segments else 0.0
+    forward = sum(max(h, gpu_l) for h in host)
+    fixed = {"stage_ms": costs["stage_us"] / 1e3, "first_launch_ms": first, "sync_ms": costs["sync_us"] / 1e3}
+    host_bound = sum(h > gpu_l for h in host)
+    return {"fixed": fixed, "forward_ms": forward, "host_forward_ms": sum(host),
+            "host_forward_from_launches_ms": sum(host_from_launches), "gpu_forward_ms": gpu_total,
+            "floor_ms": floor_ms, "in_graph_gaps_ms": gpu_total - floor_ms, "graph_kernels": int(graph_kernels),
+            "host_bound_layers": host_bound, "layers": L, "host_source": "measured regions" if measured else "launches",
+            "bound": "host" if host_bound > L / 2 else "gpu", "eager_regions": max(segments - 1, 0),
+            "ttft_ms": sum(fixed.values()) + forward}
 
 
-def compare(predicted_ledger: dict, ttft_result: dict) -> dict:
-    """The model for every variant measured in `ttft_result` (a data/ttft_<model>.json) beside its mean TTFT,
-    with the host costs that run measured; the miss in percent of the measurement."""
-    costs = ttft_result["host_costs"]
+def compare(predicted_ledger: dict, ttft_result: dict, costs: dict | None = None) -> dict:
+    """The model for every variant measured in `ttft_result` (a data/ttft_<model>.json) beside its mean and
+    median TTFT; `costs`: host costs measured in their own run (data/host_costs_<model>.json), else the ones
+    the TTFT run measured (then without per-region times). The miss in percent of the measured mean."""
+    costs = costs or ttft_result["host_costs"]
     out = {}
     for v, meas in ttft_result["variants"].items():
-        base = v.split("+")[0]
-        if base not in predicted_ledger["variants"] or "+" in v:
+        if "+" in v or v not in predicted_ledger["variants"]:
             continue
-        p = predict(predicted_ledger["variants"][base], costs, meas["ledger"]["gpu_busy_ms"])
-        p["measured_ttft_ms"] = meas["mean_ms"]
+        p = predict(predicted_ledger["variants"][v], costs, meas["ledger"]["gpu_busy_ms"],
+                    (costs.get("regions") or {}).get(v))
+        p["measured_ttft_ms"], p["measured_median_ms"] = meas["mean_ms"], meas["median_ms"]
         p["miss_pct"] = 100 * (p["ttft_ms"] - meas["mean_ms"]) / meas["mean_ms"]
         out[v] = p
     return out
