@@ -223,6 +223,9 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
         probe = engines["none"][0] if "none" in engines else engines[variants[0]][0]
         result["host_costs"] = hc.measure(probe, prompts[warmup])
         result["host_costs"]["engine"] = probe.ec.boundary
+        # each eager region's host time in replay, in this process (the TTFT model's per-region costs)
+        result["host_costs"]["regions"] = {v: hc.region_host_us(engines[v][0], prompts[warmup], anatomy_requests)
+                                           for v in variants if not engines[v][0].ec.graph_safe_prefill}
         if out:
             write_partial(out, result)
     for eng, _ in engines.values():
