@@ -213,34 +213,49 @@ class _Timed:
 def region_host_us(engine, prompt: list[int], requests: int = 32) -> dict:
     """Host time of each entry of the PIECEWISE graph that serves `prompt`, over `requests` requests (medians,
     in replay order): "eager_us" per eager region, "graph_us" per graph segment launch."""
+    return regions_host_us({"engine": engine}, prompt, requests)["engine"]
+
+
+def regions_host_us(engines: dict, prompt: list[int], requests: int = 32) -> dict:
+    """region_host_us for several engines at once, interleaved request by request (rotating the order), so
+    that drift over the measurement hits them all alike."""
     from dsv32ref.graphs.breakable import _EagerCall
 
-    how, size, captured = engine.runner.lookup(len(prompt), False)
-    if how != "PIECEWISE":
-        return {"runs_as": how}
-    entries = captured.graph.entries
-    saved = list(entries)
-    timed = []
-    for i, (kind, item) in enumerate(saved):
-        if kind == "graph":
-            t = _Timed(item.replay)
-            entries[i] = ("graph", t)
-        else:
-            t = _Timed(item.fn)
-            entries[i] = ("eager", _EagerCall(t, item.name, item.args, item.kwargs))
-        timed.append((kind, t))
+    plans, out = {}, {}
+    for key, engine in engines.items():
+        how, size, captured = engine.runner.lookup(len(prompt), False)
+        if how != "PIECEWISE":
+            out[key] = {"runs_as": how}
+            continue
+        entries = captured.graph.entries
+        saved, timed = list(entries), []
+        for i, (kind, item) in enumerate(saved):
+            if kind == "graph":
+                t = _Timed(item.replay)
+                entries[i] = ("graph", t)
+            else:
+                t = _Timed(item.fn)
+                entries[i] = ("eager", _EagerCall(t, item.name, item.args, item.kwargs))
+            timed.append((kind, t))
+        plans[key] = (engine, entries, saved, timed, size)
     try:
-        engine.generate(prompt, 1)
-        for _, t in timed:
-            t.times.clear()
-        for _ in range(requests):
-            engine.generate(prompt, 1)
+        keys = list(plans)
+        for i in range(requests + 1):
+            for k in range(len(keys)):
+                plans[keys[(i + k) % len(keys)]][0].generate(prompt, 1)
+            if i == 0:  # warm-up
+                for plan in plans.values():
+                    for _, t in plan[3]:
+                        t.times.clear()
     finally:
-        entries[:] = saved
-    return {"runs_as": how, "size": size, "requests": requests,
-            "eager_us": [statistics.median(t.times) for k, t in timed if k == "eager"],
-            "graph_us": [statistics.median(t.times) for k, t in timed if k == "graph"],
-            "names": sorted({item.name for kind, item in saved if kind == "eager"})}
+        for engine, entries, saved, _, _ in plans.values():
+            entries[:] = saved
+    for key, (engine, entries, saved, timed, size) in plans.items():
+        out[key] = {"runs_as": "PIECEWISE", "size": size, "requests": requests,
+                    "eager_us": [statistics.median(t.times) for k, t in timed if k == "eager"],
+                    "graph_us": [statistics.median(t.times) for k, t in timed if k == "graph"],
+                    "names": sorted({item.name for kind, item in saved if kind == "eager"})}
+    return out
 
 
 def run(preset: str = "glm-5.2", variants=None, prompt_len: int = 8, requests: int = 32, seed: int = 0,
@@ -259,21 +274,20 @@ def run(preset: str = "glm-5.2", variants=None, prompt_len: int = 8, requests: i
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=g).tolist()
     result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "variants": variants}
-    regions = {}
+    engines = {}
     for v in variants:
         ec = EngineConfig(boundary=v, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=512, max_num_seqs=16,
                           max_num_batched_tokens=16, capture_sizes=[prompt_len], seed=seed)
-        eng = LLMEngine(config, ec, device="cuda", dtype=torch.bfloat16, model=model)
-        eng.capture()
-        if v == "none":
-            result.update(measure(eng, prompt))
-        else:
-            regions[v] = region_host_us(eng, prompt, requests)
-            r = regions[v]
-            print(f"  {v:<18} eager regions {statistics.fmean(r['eager_us']):.0f} us mean, graph launches "
-                  f"{statistics.fmean(r['graph_us']):.1f} us mean", flush=True)
-        eng.release_graphs()
-        del eng
+        engines[v] = LLMEngine(config, ec, device="cuda", dtype=torch.bfloat16, model=model)
+        engines[v].capture()
+    probe = engines.get("none", engines[variants[0]])
+    result.update(measure(probe, prompt))
+    regions = regions_host_us({v: e for v, e in engines.items() if not e.ec.graph_safe_prefill}, prompt, requests)
+    for v, r in regions.items():
+        print(f"  {v:<18} eager regions {statistics.fmean(r['eager_us']):.0f} us mean, graph launches "
+              f"{statistics.fmean(r['graph_us']):.1f} us mean", flush=True)
+    for e in engines.values():
+        e.release_graphs()
     result["regions"] = regions
     print(f"  launches: aten {result.get('aten_launch_us', float('nan')):.2f} us, gemm "
           f"{result.get('gemm_launch_us', float('nan')):.2f}, graph {result.get('graph_launch_us', float('nan')):.2f} "

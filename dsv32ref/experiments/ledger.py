@@ -317,8 +317,8 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
                 measured: str | None = None, host_costs: str | None = None) -> dict:
     """Every variant's predicted ledger; with `measured` (a TTFT run's JSON, e.g. data/ttft_<preset>.json) also
     the TTFT model of each variant beside that run's measurement (dsv32ref.experiments.ttft_model), under
-    "ttft_model", priced with the host costs in `host_costs` (data/host_costs_<preset>.json) or, without it,
-    the ones the TTFT run measured."""
+    "ttft_model", priced with the host costs the TTFT run measured in its own process when they include its
+    eager regions' times, else with those in `host_costs` (data/host_costs_<preset>.json, another process)."""
     from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput
     from dsv32ref.experiments.ttft import reduced_config
     from dsv32ref.graphs import CUDAGraphMode
@@ -354,7 +354,7 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
         with open(measured) as f:
             run = json.load(f)
         costs, source = run.get("host_costs"), measured
-        if host_costs:
+        if host_costs and not (costs or {}).get("regions"):  # the run's own, when it timed its regions
             with open(host_costs) as f:
                 costs, source = json.load(f), host_costs
         if costs is not None:

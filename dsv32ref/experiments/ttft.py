@@ -224,8 +224,9 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
         result["host_costs"] = hc.measure(probe, prompts[warmup])
         result["host_costs"]["engine"] = probe.ec.boundary
         # each eager region's host time in replay, in this process (the TTFT model's per-region costs)
-        result["host_costs"]["regions"] = {v: hc.region_host_us(engines[v][0], prompts[warmup], anatomy_requests)
-                                           for v in variants if not engines[v][0].ec.graph_safe_prefill}
+        result["host_costs"]["regions"] = hc.regions_host_us(
+            {v: engines[v][0] for v in variants if not engines[v][0].ec.graph_safe_prefill}, prompts[warmup],
+            anatomy_requests)
         if out:
             write_partial(out, result)
     for eng, _ in engines.values():
