@@ -235,21 +235,14 @@ def main(argv: list[str] | None = None) -> int:
                 instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else (),
                 skip_topk=tuple(args.skip_topk))
         return 0
-    if args.cmd == "hostcosts":
-        from dsv32ref.experiments.host_costs import run as run_host_costs
+    if args.cmd in ("hostcosts", "regimes"):  # one GPU experiment per model -> data/<name>_<model>.json
+        from dsv32ref.experiments import host_costs, regimes
 
+        name, experiment = {"hostcosts": ("host_costs", host_costs), "regimes": ("regimes", regimes)}[args.cmd]
         if not torch.cuda.is_available():
-            print("hostcosts needs a CUDA GPU; the recorded ones are in data/host_costs_<model>.json")
+            print(f"{args.cmd} needs a CUDA GPU; the recorded results are in data/{name}_<model>.json")
             return 2
-        run_host_costs(args.model, out=args.out or f"data/host_costs_{args.model}.json")
-        return 0
-    if args.cmd == "regimes":
-        from dsv32ref.experiments.regimes import run as run_regimes
-
-        if not torch.cuda.is_available():
-            print("regimes needs a CUDA GPU; the recorded map is in data/regimes_glm-5.2.json")
-            return 2
-        run_regimes(args.model, out=args.out or f"data/regimes_{args.model}.json")
+        experiment.run(args.model, out=args.out or f"data/{name}_{args.model}.json")
         return 0
     if args.cmd == "reproduce":
         from dsv32ref.experiments.reproduce import print_table, run as reproduce, table

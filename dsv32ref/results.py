@@ -68,3 +68,10 @@ def write_partial(path: str | os.PathLike, result: dict) -> str:
     p = partial_path(path)
     write_atomic(p, _dump_json({**result, "partial": True}))
     return p
+
+
+def progress(i: int, n: int, label: str) -> None:
+    """A one-line progress bar on stdout, redrawn about 20 times over n steps."""
+    if i == n or i % max(n // 20, 1) == 0:
+        bar = "#" * (30 * i // n)
+        print(f"\r  {label:<28} [{bar:<30}] {i}/{n}", end="\n" if i == n else "", flush=True)

@@ -30,3 +30,34 @@ def test_reproduce_on_a_cpu_prints_the_recorded_table_beside_the_pr(capsys):
     assert abs(r["ratio"] - r["ours"] / r["pr"]) < 1e-12
     assert rows["direct launches removed by narrowing"]["pr"] == 333
     assert rows["none TTFT mean (ms)"]["pr"] is None
+
+
+def test_reproduce_runs_each_experiment_of_its_preset(monkeypatch, tmp_path, capsys):
+    """The wiring of `dsv32ref reproduce` (the GPU runs themselves are recorded in data/): which experiments
+    each preset runs, with which arguments and outputs, then the table from what they wrote."""
+    import shutil
+
+    from dsv32ref.experiments import capture_memory, regimes, reproduce, ttft
+
+    calls = []
+    for name in ("seeds.json", "ttft_glm-5.2.json", "capture_memory_glm-5.2_h16.json"):
+        shutil.copy(f"data/{name}", tmp_path / name)
+    monkeypatch.setattr(ttft, "run", lambda model, **kw: calls.append(("ttft", model, kw)))
+    monkeypatch.setattr(capture_memory, "run_plan", lambda model, **kw: calls.append(("capture", model, kw)))
+    monkeypatch.setattr(capture_memory, "run", lambda model, runs, **kw: calls.append(("capture", model,
+                                                                                      {**kw, "runs": runs})))
+    monkeypatch.setattr(regimes, "run", lambda model, **kw: calls.append(("regimes", model, kw)))
+    rows = reproduce.run("quick", data_dir=str(tmp_path))
+    assert [c[:2] for c in calls] == [("ttft", "glm-5.2"), ("capture", "glm-5.2")]
+    assert calls[0][2]["n_requests"] == 64 and calls[1][2]["heads_per_rank"] == 16
+    assert calls[1][2]["runs"] == reproduce.QUICK_CAPTURE and rows and "PR (TP4)" in capsys.readouterr().out
+    assert calls[1][2]["out"].endswith("capture_memory_glm-5.2_h16_quick.json")
+    calls.clear()
+    reproduce.run("full", data_dir=str(tmp_path))
+    assert [c[:2] for c in calls] == [("ttft", "glm-5.2"), ("ttft", "deepseek-v3.2"), ("capture", "glm-5.2"),
+                                      ("regimes", "glm-5.2")]
+    assert calls[0][2]["n_requests"] == 256 and calls[0][2]["instrument_ab"] and calls[0][2]["skip_topk"]
+    import pytest
+
+    with pytest.raises(ValueError, match="preset must be one of"):
+        reproduce.run("medium")

@@ -21,15 +21,10 @@ import time
 import torch
 
 from dsv32ref.checks import is_int
-from dsv32ref.results import write_partial, write_result
+from dsv32ref.results import progress, write_partial, write_result
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
-
-def _progress(i: int, n: int, label: str) -> None:
-    if i == n or i % max(n // 20, 1) == 0:
-        bar = "#" * (30 * i // n)
-        print(f"\r  {label:<28} [{bar:<30}] {i}/{n}", end="\n" if i == n else "", flush=True)
 
 
 def _median_spread(ms: list[float]) -> dict:
@@ -121,7 +116,7 @@ def run(preset: str = "glm-5.2", variants=("wide", "narrow", "narrow_out", "none
                 if i:  # the first request of each length is a warm-up
                     times[v].append(t * 1e3)
             done += 1
-            _progress(done, total, "prefill TTFT, all variants")
+            progress(done, total, "prefill TTFT, all variants")
         row = {}
         for v in variants:
             how = engines[v].runner.lookup(L, False)[0]
@@ -176,7 +171,7 @@ def run(preset: str = "glm-5.2", variants=("wide", "narrow", "narrow_out", "none
                     row[v]["PIECEWISE"] = None  # no eager break: its FULL graphs are its only graphs
             result["decode"].setdefault(str(C), {})[str(B)] = row
             done += 1
-            _progress(done, total, "decode TPOT, all variants")
+            progress(done, total, "decode TPOT, all variants")
             if out:
                 write_partial(out, result)
     for eng in engines.values():

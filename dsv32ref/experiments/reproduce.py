@@ -6,7 +6,8 @@ and its out-of-memory failure in FULL capture, and the launches one request lost
 on one GPU for every eager boundary (including "none", which the PR did not have), the capture-memory runs at
 one TP4 rank's heads, and prints one table: the PR's figure, ours, and ours / PR.
 
-    quick   64 TTFT requests, no instrument A/B, capture memory without the threshold runs (minutes)
+    quick   64 TTFT requests, no instrument A/B, two capture-memory start-ups (narrow_copy with the graph-memory
+            estimate and without it) into capture_memory_glm-5.2_h16_quick.json: a few minutes
     full    256 TTFT requests with the instrument A/B and the top-k-skip arms, both models, capture memory with
             the threshold runs, and the regime map
 """
@@ -35,14 +36,22 @@ def run(preset: str = "quick", data_dir: str = "data") -> list[dict]:
         ttft.run(model, n_requests=p["requests"], out=os.path.join(data_dir, f"ttft_{model}.json"),
                  instrument_ab=p["instrument_ab"], skip_topk=p["skip_topk"])
     print("\n[capture memory] glm-5.2 at one TP4 rank's heads (16)", flush=True)
-    capture_memory.run_plan("glm-5.2", heads_per_rank=16, threshold_runs=p["thresholds"],
-                            out=os.path.join(data_dir, "capture_memory_glm-5.2_h16.json"))
+    if p["thresholds"]:
+        capture = "capture_memory_glm-5.2_h16.json"
+        capture_memory.run_plan("glm-5.2", heads_per_rank=16, threshold_runs=True, out=os.path.join(data_dir, capture))
+    else:
+        capture = "capture_memory_glm-5.2_h16_quick.json"
+        capture_memory.run("glm-5.2", QUICK_CAPTURE, heads_per_rank=16, out=os.path.join(data_dir, capture))
     if p["regimes"]:
         print("\n[regime map] glm-5.2", flush=True)
         regimes.run("glm-5.2", out=os.path.join(data_dir, "regimes_glm-5.2.json"))
-    rows = table(data_dir)
+    rows = table(data_dir, capture)
     print_table(rows)
     return rows
+
+
+QUICK_CAPTURE = [{"boundary": "narrow_copy", "history": False},
+                 {"boundary": "narrow_copy", "estimate_graph_memory": False, "history": False}]
 
 
 def _load(data_dir: str, name: str) -> dict | None:
@@ -53,11 +62,11 @@ def _load(data_dir: str, name: str) -> dict | None:
         return json.load(f)
 
 
-def table(data_dir: str = "data") -> list[dict]:
+def table(data_dir: str = "data", capture: str = "capture_memory_glm-5.2_h16.json") -> list[dict]:
     """Rows (what, PR, ours, ours / PR, note) from data/seeds.json and our recorded GLM-5.2 runs."""
     seeds = _load(data_dir, "seeds.json")
     run_ = _load(data_dir, "ttft_glm-5.2.json")
-    cap = _load(data_dir, "capture_memory_glm-5.2_h16.json")
+    cap = _load(data_dir, capture)
     if seeds is None or run_ is None:
         return []
     v = run_["variants"]

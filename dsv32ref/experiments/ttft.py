@@ -22,7 +22,7 @@ import torch
 
 from dsv32ref.checks import is_int
 from dsv32ref.config import ModelConfig
-from dsv32ref.results import write_partial, write_result
+from dsv32ref.results import progress, write_partial, write_result
 
 REDUCTION = ("MoE reduced to 4 routed experts (top-2) + 1 shared expert, moe_intermediate_size unchanged, computed "
              "densely (every routed expert on every token, weighted by the router) so a step has no host sync; "
@@ -33,11 +33,6 @@ REDUCTION = ("MoE reduced to 4 routed experts (top-2) + 1 shared expert, moe_int
 def reduced_config(preset: str) -> ModelConfig:
     return ModelConfig.preset(preset).replace(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
 
-
-def _progress(i: int, n: int, label: str) -> None:
-    if i == n or i % max(n // 20, 1) == 0:
-        bar = "#" * (30 * i // n)
-        print(f"\r  {label:<24} [{bar:<30}] {i}/{n}", end="\n" if i == n else "", flush=True)
 
 
 def _stats(ms: list[float]) -> dict:
@@ -196,7 +191,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
             ttft[key].append(t * 1e3)
             first_tokens[key].append(tok[0])
         if lead:
-            _progress(i + 1, n_requests, "TTFT, all variants")
+            progress(i + 1, n_requests, "TTFT, all variants")
     plain = [a[0] for a in arms if not a[2]]
     anat = anatomy({v: engines[v][0] for v in plain}, prompts[:anatomy_requests]) if cuda and anatomy_requests else {}
     for v in plain:
