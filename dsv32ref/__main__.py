@@ -128,7 +128,8 @@ def print_recorded_results(data_dir: str = "data") -> None:
             continue
         print(f"  {os.path.basename(f):<32} {p.get('device', '?')}, {p.get('date', '?')[:10]}, "
               f"commit {p['git_commit'][:10]}")
-        for v, r in (d.get("variants") or {}).items():
+        variants = d.get("variants")
+        for v, r in (variants if isinstance(variants, dict) else {}).items():
             if "mean_ms" in r:
                 led = r["ledger"]
                 clean = "kernel_ms_by_name" in led and not any(k.startswith("dsv32ref::") for k in led["kernel_ms_by_name"])

@@ -273,7 +273,7 @@ def run(preset: str = "glm-5.2", variants=None, prompt_len: int = 8, requests: i
     model = build_model(config, variants[0], "cuda", torch.bfloat16, seed)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=g).tolist()
-    result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "variants": variants}
+    result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "boundaries": variants}
     engines = {}
     for v in variants:
         ec = EngineConfig(boundary=v, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=512, max_num_seqs=16,
