@@ -98,7 +98,7 @@ print("FULL segments:", full.graph.pattern)
 
 # %% [markdown]
 # ## 3. One DSA layer per eager boundary
-# `dsv32ref.engine.EngineDSAAttention` offers five boundaries, all computing the same function:
+# `dsv32ref.engine.EngineDSAAttention` offers six boundaries, all computing the same function:
 #
 # | boundary | eager region | UV BMM |
 # |---|---|---|
@@ -107,6 +107,7 @@ print("FULL segments:", full.graph.pattern)
 # | `narrow_copy` | indexer + attention + a copy into a static buffer per layer and size | captured |
 # | `narrow_copy_shared` | the same copy into one buffer shared by every layer | captured |
 # | `narrow_out` | indexer + attention writing into the graph-owned buffer | captured |
+# | `none` | nothing: the graph-safe sparse path (device-side lengths, a static score workspace) | captured |
 #
 # Two layers with the GLM-5.2 structure at tiny widths (layer 0 runs its indexer, layer 1 shares its
 # top-k), an 8-token prefill, PIECEWISE capture, replay against eager.
