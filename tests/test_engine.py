@@ -153,17 +153,19 @@ def test_failed_capture_releases_graphs_and_falls_back_to_eager(monkeypatch, see
 
 @CPU
 def test_ttft_experiment_control_flow_on_cpu(tmp_path):
-    """The TTFT experiment end to end on emulated graphs: every variant captured, interleaved requests,
-    ledger per variant, same tokens everywhere. (Timings on a CPU mean nothing; the GPU run records them.)"""
+    """The TTFT experiment end to end on emulated graphs: an eager-region variant, "none" and a top-k-skip arm
+    captured, interleaved requests, ledger per arm, same tokens everywhere. (Timings on a CPU mean nothing; the GPU run records them.)"""
     import json
 
     from dsv32ref.experiments.ttft import run
 
     cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
                                                     n_routed_experts=4, num_experts_per_tok=2)
-    res = run("glm-5.2", n_requests=2, warmup=1, device="cpu", config=cfg, out=str(tmp_path / "t.json"),
+    res = run("glm-5.2", variants=["narrow", "none"], skip_topk=("narrow",), n_requests=2, warmup=1, device="cpu",
+              config=cfg, out=str(tmp_path / "t.json"),
               capture_sizes=[8])  # the 8-token prompt's size: PIECEWISE and FULL captures, fewer of them
-    assert set(res["variants"]) == set(BOUNDARIES) and res["same_tokens_across_variants"]
+    assert set(res["variants"]) == {"narrow", "none", "narrow+skip"} and res["same_tokens_across_variants"]
+    assert res["variants"]["narrow+skip"]["skip_short_topk"] and not res["variants"]["narrow"]["skip_short_topk"]
     for v, r in res["variants"].items():
         assert r["prefill_runs_as"] == ("FULL" if v == "none" else "PIECEWISE") and len(r["ttft_ms"]) == 2
         assert r["ledger"]["eager_region_calls"] == (0 if v == "none" else 2)  # one per layer, replayed once
