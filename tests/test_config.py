@@ -154,10 +154,10 @@ def test_from_hf_rejects(tmp_path, change, msg):
 
 
 def test_from_hf_missing_and_broken(tmp_path):
-    with pytest.raises(ValueError, match="no such file"):
+    with pytest.raises(ValueError, match="config.json: no such file"):
         ModelConfig.from_hf(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ValueError, match="is not valid JSON"):
         ModelConfig.from_hf(tmp_path)
     raw = dict(RELEASED_DSV32)
     del raw["kv_lora_rank"]

@@ -1,3 +1,6 @@
+import pytest
+import torch
+
 from dsv32ref.__main__ import main
 
 
@@ -9,16 +12,13 @@ def test_main_job_runs_and_passes_its_checks(capsys):
     assert "FAIL" not in out and "all checks passed" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the command runs the reproduction itself")
 def test_reproduce_on_a_cpu_prints_the_recorded_table_beside_the_pr(capsys):
     """Without a GPU, `dsv32ref reproduce` says so and prints the PR's figures beside the recorded run's."""
     import json
 
-    import torch
-
     from dsv32ref.experiments.reproduce import table
 
-    if torch.cuda.is_available():
-        return  # on a GPU the command runs the reproduction itself (the device runs record it)
     assert main(["reproduce"]) == 2
     out = capsys.readouterr().out
     assert "reproduce needs a CUDA GPU" in out and "PR (TP4)" in out
@@ -57,7 +57,5 @@ def test_reproduce_runs_each_experiment_of_its_preset(monkeypatch, tmp_path, cap
     assert [c[:2] for c in calls] == [("ttft", "glm-5.2"), ("ttft", "deepseek-v3.2"), ("capture", "glm-5.2"),
                                       ("regimes", "glm-5.2")]
     assert calls[0][2]["n_requests"] == 256 and calls[0][2]["instrument_ab"] and calls[0][2]["skip_topk"]
-    import pytest
-
     with pytest.raises(ValueError, match="preset must be one of"):
         reproduce.run("medium")

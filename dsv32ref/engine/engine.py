@@ -303,8 +303,7 @@ class LLMEngine:
         eager break (boundary "none": then no PIECEWISE graphs are captured, they would be the same graphs)."""
         ec = self.ec
         return GraphRunner(self._forward_for_capture, ec.mode, ec.capture_sizes, backend,
-                           max_full_size=None if ec.graph_safe_prefill else ec.max_num_seqs,
-                           full_serves_all=ec.graph_safe_prefill, prepare=self._prepare_capture,
+                           max_full_size=ec.max_num_seqs, full_serves_all=ec.graph_safe_prefill, prepare=self._prepare_capture,
                            on_capture=on_capture)
 
     # ---- contexts ---------------------------------------------------------------------------------------
@@ -438,6 +437,7 @@ class LLMEngine:
         tables = [self.allocator.ensure(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
         meta = AttentionMetadata.build([c for _, _, c in step.requests], [len(t) for _, t, _ in step.requests],
                                        tables, ec.block_size, num_blocks=self.kv_cache.num_blocks)
+        prep = PreparedStep(meta)
         B, n_max, seqs = meta.num_reqs, self.input_ids.shape[0], ec.max_num_seqs
         h64, h32 = self._meta.host()  # numpy views of the pinned buffers (waits for the previous copy)
         ids, pos, slots = h64[:n_max], h64[n_max:2 * n_max], h64[2 * n_max:3 * n_max]
@@ -445,14 +445,13 @@ class LLMEngine:
         pos[:n], slots[:n] = meta.positions.numpy(), meta.slot_mapping.numpy()
         ids[n:], pos[n:], slots[n:] = 0, 0, -1  # padding rows: no cache write, attend to the padding request
         last = h64[3 * n_max:]
-        last[:B], last[B:] = meta.query_start_loc_cpu[1:], 0
-        last[:B] -= 1
+        last[:B], last[B:] = prep.last, 0
         h32[:n], h32[n:n_max] = meta.req_indices.numpy(), seqs
         lens, table = h32[n_max:n_max + seqs + 1], h32[n_max + seqs + 1:].reshape(seqs + 1, -1)
         lens[:B], lens[B:] = meta.seq_lens.numpy(), 0
         table[:] = 0
         table[:B, : meta.block_table.shape[1]] = meta.block_table.numpy()
-        return PreparedStep(meta)
+        return prep
 
     def forward_context(self, prep: PreparedStep, size: int | None = None) -> ForwardContext:
         """The forward context of a prepared step, padded to `size` rows (default: the step's own)."""

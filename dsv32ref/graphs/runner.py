@@ -44,11 +44,12 @@ def phase_sizes(mode: CUDAGraphMode, capture_sizes: list[int], max_full_size: in
                 full_serves_all: bool = False) -> list[tuple[str, list[int]]]:
     """[(phase, sizes largest first)] in capture order: PIECEWISE (every size), then FULL (sizes up to
     max_full_size: uniform decode has at most one token per sequence). With `full_serves_all` (a model
-    with no eager break) FULL graphs serve every step and PIECEWISE ones are not captured when FULL is."""
+    with no eager break) FULL graphs serve every step, so FULL takes every size and PIECEWISE, which would
+    capture the same graphs, is skipped."""
     sizes = sorted(set(capture_sizes), reverse=True)
     out = [("PIECEWISE", sizes)] if mode.has_piecewise and not (full_serves_all and mode.has_full) else []
     if mode.has_full:
-        out.append(("FULL", [s for s in sizes if max_full_size is None or s <= max_full_size]))
+        out.append(("FULL", [s for s in sizes if full_serves_all or max_full_size is None or s <= max_full_size]))
     return out
 
 
