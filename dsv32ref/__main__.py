@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", default=None)
     t.add_argument("--skip-topk", nargs="*", default=["narrow", "narrow_out"], metavar="BOUNDARY",
                    help="boundaries that also run with EngineConfig.skip_short_topk on (default: narrow narrow_out)")
+    t.add_argument("--split", nargs="*", default=["none"], metavar="BOUNDARY",
+                   help="boundaries that also run with EngineConfig.split_graphs on (default: none; a FULL graph is "
+                        "what splitting helps)")
     t.add_argument("--instrument-ab", action="store_true",
                    help="also time wide, narrow and narrow_out with every profiler range open (what the instrument "
                         "costs when on), interleaved with the rest")
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run(args.model, n_requests=args.requests, warmup=args.warmup, out=out,
                 instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else (),
-                skip_topk=tuple(args.skip_topk))
+                skip_topk=tuple(args.skip_topk), split=tuple(args.split))
         return 0
     if args.cmd in ("hostcosts", "regimes"):  # one GPU experiment per model -> data/<name>_<model>.json
         from dsv32ref.experiments import host_costs, regimes

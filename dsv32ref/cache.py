@@ -21,7 +21,7 @@ import torch
 from dsv32ref.checks import check_tensor, is_int
 from dsv32ref.config import ModelConfig
 
-__all__ = ["AttentionMetadata", "BlockAllocator", "PagedKVCache", "gather_tokens"]
+__all__ = ["AttentionMetadata", "BlockAllocator", "PagedKVCache", "StepPlan", "gather_tokens"]
 
 
 @dataclass
@@ -76,7 +76,56 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         num_blocks: int | None = None,
     ) -> "AttentionMetadata":
-        """Metadata for B requests, request b adding query_lens[b] tokens after context_lens[b] cached ones.
+        """Metadata for B requests, request b adding query_lens[b] tokens after context_lens[b] cached ones
+        (StepPlan.build checks and computes it; this puts it in tensors)."""
+        return cls.from_plan(StepPlan.build(context_lens, query_lens, block_tables, block_size, num_blocks), device)
+
+    @classmethod
+    def from_plan(cls, plan: "StepPlan", device: torch.device | str = "cpu") -> "AttentionMetadata":
+        width = max(len(bt) for bt in plan.block_tables)
+        table = torch.tensor([bt + [-1] * (width - len(bt)) for bt in plan.block_tables], dtype=torch.int32)
+        return cls(
+            positions=torch.tensor(plan.positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(plan.query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int32, device=device),
+            block_table=table.to(device),
+            req_indices=torch.tensor(plan.req_indices, dtype=torch.int32, device=device),
+            block_size=plan.block_size,
+            query_start_loc_cpu=plan.query_start_loc,
+            seq_lens_cpu=plan.seq_lens,
+        )
+
+
+@dataclass
+class StepPlan:
+    """AttentionMetadata's content as host lists, checked: what an engine writes straight into its pinned
+    staging buffers (no tensor is made on the host). Same names, without the _cpu suffix: all of it is host."""
+
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    req_indices: list[int]
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    def query_lens(self) -> list[int]:
+        q = self.query_start_loc
+        return [q[i + 1] - q[i] for i in range(self.num_reqs)]
+
+    @classmethod
+    def build(cls, context_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
+              num_blocks: int | None = None) -> "StepPlan":
+        """B requests, request b adding query_lens[b] tokens after context_lens[b] cached ones.
 
         Block ids are ints in [0, num_blocks) (when num_blocks is given), and no block belongs to two
         requests of one step (their tokens would overwrite each other)."""
@@ -96,8 +145,7 @@ class AttentionMetadata:
             if ctx < 0 or n < 1:
                 raise ValueError(f"request {b}: context_len {ctx} must be >= 0 and query_len {n} >= 1")
             for blk in blocks:
-                if not is_int(blk) or blk < 0 or (num_blocks is not None
-                                                                                    and blk >= num_blocks):
+                if not is_int(blk) or blk < 0 or (num_blocks is not None and blk >= num_blocks):
                     bound = f"[0, {num_blocks})" if num_blocks is not None else ">= 0"
                     raise ValueError(f"block_tables[{b}]: block ids must be ints {bound}, got {blk!r}")
                 if owner.setdefault(blk, b) != b:
@@ -112,22 +160,8 @@ class AttentionMetadata:
                 reqs.append(b)
                 slots.append(blocks[p // block_size] * block_size + p % block_size)
             qsl.append(qsl[-1] + n)
-        width = max(len(bt) for bt in block_tables)
-        table = torch.full((len(block_tables), width), -1, dtype=torch.int32)
-        for b, bt in enumerate(block_tables):
-            table[b, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
-        return cls(
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_table=table.to(device),
-            req_indices=torch.tensor(reqs, dtype=torch.int32, device=device),
-            block_size=block_size,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
+        return cls(positions, slots, qsl, seq_lens, [list(bt) for bt in block_tables], reqs, block_size)
 
 
 class BlockAllocator:

@@ -10,6 +10,8 @@
 #   history    the same with the allocator's history, narrow_copy                  -> OUTDIR/capture_memory_glm-5.2_h16_history.json
 #   regimes    TTFT against prompt length, decode TPOT, every variant              -> OUTDIR/regimes_glm-5.2.json
 #   hostcosts  the TTFT model's host costs, per-region times included (MODELS)     -> OUTDIR/host_costs_<model>.json
+#   main       the main job, `python -m dsv32ref --quick`, timed; what it writes to data/ goes to OUTDIR/main/
+#              and data/ is put back as it was                                     -> OUTDIR/main.log
 #   tests      every gpu-marked test                                               -> OUTDIR/pytest_gpu.txt
 #   suite      the full suite, notebooks under nbval                               -> OUTDIR/pytest_suite.txt
 # Each step's log goes to OUTDIR/<step>.log; the last lines print.
@@ -42,6 +44,15 @@ for step in "$@"; do
         timeout 240 python3 -m dsv32ref hostcosts --model "$model" --out "$OUT/host_costs_$model.json" 2>&1 \
           | tee "$OUT/host_costs_$model.log" | tail -7
       done ;;
+    main)
+      keep=$(mktemp -d); cp -r data "$keep/"
+      start=$(date +%s)
+      timeout 420 python3 -m dsv32ref --quick 2>&1 | tr '\r' '\n' | grep -v "\] [0-9]*/" > "$OUT/main.log"; rc=${PIPESTATUS[0]}
+      echo "main job rc $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/main.log"
+      mkdir -p "$OUT/main"
+      for f in data/*.json; do cmp -s "$f" "$keep/$f" || cp "$f" "$OUT/main/"; done
+      rm -rf data; cp -r "$keep/data" data
+      tail -30 "$OUT/main.log" ;;
     tests)
       timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests 2>&1 \
         | tee "$OUT/pytest_gpu.txt" | tail -8 ;;

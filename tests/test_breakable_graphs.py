@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv32ref.graphs import (BreakableCapture, CaptureError, CUDAGraphMode, GraphRunner, default_capture_sizes,
-                             eager_break, eager_breaks_enabled, weak_alias)
+                             eager_break, eager_breaks_enabled, graph_split, weak_alias)
 
 
 class FakeGraph:
@@ -101,6 +101,48 @@ def test_full_mode_captures_eager_regions():
         with BreakableCapture(FakeBackend(log)) as cap:
             model(torch.ones(2), out)
     assert cap.graph.pattern == "G"
+
+
+def _split_model(x, out):
+    x = x + 1
+    graph_split()
+    attend(x, out)
+    graph_split()  # right after an eager region: a segment of its own, then the split
+    x = out + 1
+    graph_split()
+    return x + 1
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_graph_split_starts_a_segment_without_an_eager_region(full):
+    """A split ends the open segment (replayed once, as before an eager region, so the segments after it see
+    real inputs) and begins the next; FULL mode keeps the splits and captures the eager region."""
+    log.clear()
+    out = torch.zeros(2)
+    with eager_breaks_enabled(not full):
+        with BreakableCapture(FakeBackend(log)) as cap:
+            _split_model(torch.ones(2), out)
+    assert cap.graph.pattern == ("G G G G" if full else "G G E G G G")
+    assert cap.graph.num_graphs == 4 + (not full)
+    log.clear()
+    cap.graph.replay()
+    assert log == (["G1", "G2", "G3", "G4"] if full else ["G1", "G2", "E", "G3", "G4", "G5"])
+
+
+def test_graph_split_outside_a_capture_or_inside_an_eager_region_does_nothing():
+    log.clear()
+    out = torch.zeros(2)
+    assert torch.equal(_split_model(torch.ones(2), out), torch.full((2,), 6.0))
+    assert log == ["E"]
+
+    @eager_break
+    def region(x):
+        graph_split()  # inside an eager region no segment is open
+        return x
+
+    with BreakableCapture(FakeBackend(log)) as cap:
+        region(out)
+    assert cap.graph.pattern == "G E G"
 
 
 def test_nested_capture_is_an_error():

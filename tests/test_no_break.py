@@ -142,9 +142,46 @@ def test_short_prefill_skip_is_never_baked_into_a_graph(seed):
         assert_close(f"{n}-token prompt", la, plain.last_logits, rtol=64, atol=64)
 
 
-def test_skip_short_topk_is_validated():
+def test_engine_switches_are_validated():
     with pytest.raises(ValueError, match="EngineConfig.skip_short_topk: expected a bool, got 1"):
         EngineConfig(skip_short_topk=1)
+    with pytest.raises(ValueError, match="EngineConfig.split_graphs: expected a bool, got 'yes'"):
+        EngineConfig(split_graphs="yes")
+
+
+def test_split_layers_grow_by_the_ratio():
+    from dsv32ref.engine.engine import split_layers
+
+    assert split_layers(78) == [1, 4, 16, 64] and split_layers(61) == [1, 4, 16]
+    assert split_layers(2) == [1] and split_layers(1) == [] and split_layers(16, ratio=2) == [1, 2, 4, 8]
+
+
+@CPU
+@pytest.mark.parametrize("boundary", ["none", "narrow"])
+def test_split_graphs_add_segments_and_change_nothing_else(boundary, seed):
+    """EngineConfig.split_graphs: the graph of every captured size starts a new segment before layer 1 (the
+    two-layer model's only split); the replayed steps give bitwise the same logits and tokens as one graph."""
+    ref = _small_ref(seed=seed)
+    V = ref.config.vocab_size
+    prompts = [torch.randint(0, V, (11,)).tolist(), torch.randint(0, V, (5,)).tolist()]
+    got = {}
+    for split in (False, True):
+        eng = _engine(ref, boundary, split_graphs=split)
+        eng.capture()
+        for table in (eng.runner.full, eng.runner.piecewise):
+            for size, c in table.items():
+                plain = {"none": "G", "narrow": "G E G E G"}[boundary] if table is eng.runner.piecewise else "G"
+                want = plain.replace("G", "G G", 1) if boundary == "none" or table is eng.runner.full else None
+                if split and want:
+                    assert c.graph.pattern == want, (size, c.graph.pattern)
+                elif split:  # PIECEWISE narrow: the split lands between layer 0's last segment and layer 1's first
+                    assert c.graph.num_graphs == 4 and c.graph.pattern.count("E") == 2, c.graph.pattern
+                else:
+                    assert c.graph.pattern == plain, (size, c.graph.pattern)
+        got[split] = _run(eng, prompts)
+    assert got[True][1] == got[False][1] and got[True][2] == got[False][2]
+    for i, (a, b) in enumerate(zip(got[True][0], got[False][0])):
+        assert torch.equal(a, b), f"step {i}"
 
 
 @CPU
@@ -152,10 +189,15 @@ def test_ledger_predicts_one_graph_launch_for_none():
     """The whole forward is one graph segment; nothing in the forward is launched directly."""
     from dsv32ref.experiments.ledger import predict_all
 
-    res = predict_all("glm-5.2", variants=["none", "narrow"])["variants"]
+    res = predict_all("glm-5.2", variants=["none", "narrow", "none+split"])["variants"]
     assert res["none"]["graph_launches"] == 1 and res["none"]["direct"].get("attention", 0) == 0
     assert sum(res["none"]["direct"].values()) == res["none"]["direct"].get("other", 0)
     assert res["narrow"]["graph_launches"] > 1
+    assert res["narrow"]["eager_regions"] == res["narrow"]["graph_launches"] - 1
+    # split: GLM-5.2 has 78 layers, new segments before layers 1, 4, 16 and 64; the same kernels, no region
+    assert res["none+split"]["graph_launches"] == 5 and res["none+split"]["eager_regions"] == 0
+    assert res["none+split"]["in_graph"] == res["none"]["in_graph"]
+    assert res["none+split"]["direct"] == res["none"]["direct"]
 
 
 @pytest.mark.gpu
@@ -232,3 +274,19 @@ def test_ttft_model_is_a_pipeline_of_layers():
     ledger["layers"][0]["direct"] = {"triton::_sparse_mla_kernel": 1, "aten::bmm": 2}  # 230 us < 1 ms
     q = predict(ledger, costs, floor_ms=2.0)
     assert q["host_source"] == "launches" and abs(q["forward_ms"] - 2.0) < 1e-9
+
+
+def test_ttft_model_prices_split_segments_as_launches_not_regions():
+    """A split forward (three segments, no eager region): the first launch covers the first layer's kernels
+    only; the other two launches are host work spread over the layers; no eager-region cost is charged."""
+    from dsv32ref.experiments.ttft_model import predict
+
+    costs = {"in_graph_gap_us": 0.0, "graph_node_us": 1.0, "eager_region_us": 50.0, "graph_launch_us": 10.0,
+             "stage_us": 0.0, "sync_us": 0.0, "aten_launch_us": 5.0, "gemm_launch_us": 15.0, "memcpy_us": 7.0,
+             "wrapper_us": {}}
+    layers = [{"direct": {}, "graph": 100}, {"direct": {}, "graph": 300}]
+    one = predict({"layers": layers, "graph_launches": 1, "eager_regions": 0, "ops": {}}, costs, floor_ms=2.0)
+    split = predict({"layers": layers, "graph_launches": 3, "eager_regions": 0, "ops": {}}, costs, floor_ms=2.0)
+    assert abs(one["fixed"]["first_launch_ms"] - 0.41) < 1e-12  # 10 us + 400 nodes
+    assert abs(split["fixed"]["first_launch_ms"] - 0.11) < 1e-12  # 10 us + the first layer's 100 nodes
+    assert split["eager_regions"] == 0 and split["forward_ms"] == one["forward_ms"] == 2.0  # GPU-bound layers

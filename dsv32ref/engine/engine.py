@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv32ref.cache import AttentionMetadata, BlockAllocator, PagedKVCache
+from dsv32ref.cache import BlockAllocator, PagedKVCache, StepPlan
 from dsv32ref.checks import check_int, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.context import ForwardContext, set_forward_context
@@ -42,6 +42,8 @@ class EngineConfig:
     # launches on a CPU)
     skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's
     # scoring and selection (their result is known: every key); eager regions and graph-less steps only
+    split_graphs: bool = False  # captures start a new graph before layers 1, 4, 16, 64, ... (split_layers), so
+    # the GPU runs the first layers while the host still launches the rest of the forward
 
     def __post_init__(self):
         from dsv32ref.engine.model import BOUNDARIES
@@ -57,8 +59,9 @@ class EngineConfig:
         for name in ("num_blocks", "num_sms"):
             if getattr(self, name) is not None:
                 check_int(f"EngineConfig.{name}", getattr(self, name))
-        if not isinstance(self.skip_short_topk, bool):
-            raise ValueError(f"EngineConfig.skip_short_topk: expected a bool, got {self.skip_short_topk!r}")
+        for name in ("skip_short_topk", "split_graphs", "estimate_graph_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {u!r}")
@@ -98,6 +101,21 @@ class EngineConfig:
         size (which may be a PIECEWISE-only size past max_num_seqs)."""
         i = bisect.bisect_left(self.capture_sizes, self.max_num_seqs)
         return self.capture_sizes[i] if i < len(self.capture_sizes) else self.max_num_seqs
+
+
+def split_layers(num_layers: int, ratio: int = 4) -> list[int]:
+    """Layers a split capture starts a new graph before: 1, ratio, ratio^2, ... below num_layers.
+
+    Why: launching a graph costs host time per node, and a step's forward is one graph of thousands of nodes
+    that the GPU cannot start before it is launched. Split, the host launches a one-layer graph first and
+    the GPU runs it while the host launches the next segment, each about ratio - 1 times the layers before
+    it, so every launch but the first can hide behind GPU work already launched, for ~log_ratio(layers)
+    more graph launches. The TTFT experiment's `<boundary>+split` arms measure what it saves."""
+    out, k = [], 1
+    while k < num_layers:
+        out.append(k)
+        k *= ratio
+    return out
 
 
 def build_model(config: ModelConfig, boundary: str, device, dtype, seed: int) -> EngineModel:
@@ -144,23 +162,23 @@ class StepInput:
 
 @dataclass
 class PreparedStep:
-    """One step's metadata once the engine has placed it: `meta` as AttentionMetadata.build makes it (host
-    tensors), copied into the engine's static buffers."""
+    """One step once the engine has placed it: its metadata as host lists (StepPlan: what AttentionMetadata
+    holds), written into the engine's pinned staging buffers."""
 
-    meta: AttentionMetadata
+    plan: StepPlan
 
     @property
     def num_tokens(self) -> int:
-        return self.meta.num_tokens
+        return self.plan.num_tokens
 
     @property
     def last(self) -> list[int]:
         """The row of each request's last token (what sampling reads)."""
-        return [q - 1 for q in self.meta.query_start_loc_cpu[1:]]
+        return [q - 1 for q in self.plan.query_start_loc[1:]]
 
     @property
     def uniform_decode(self) -> bool:
-        return all(n == 1 for n in self.meta.query_lens())
+        return all(n == 1 for n in self.plan.query_lens())
 
 
 class LLMEngine:
@@ -198,6 +216,8 @@ class LLMEngine:
         # step for boundary "none"
         self.scores = torch.zeros(ec.scores_rows, ec.max_model_len, dtype=torch.float32, device=self.device)
         self.memory: dict[str, float] = {"scores_workspace": self.scores.numel() * 4}
+        self._views: dict[int, tuple] = {}  # per size: the static buffers' first rows (ForwardContext)
+        self._graph_splits = frozenset(split_layers(config.num_hidden_layers) if ec.split_graphs else ())
         if kv_cache is None:
             self._size_kv_cache()
         else:
@@ -309,12 +329,16 @@ class LLMEngine:
     # ---- contexts ---------------------------------------------------------------------------------------
     def _context(self, size: int, qsl: list[int], seq_lens: list[int], uniform: bool,
                  skip_topk: bool = False) -> ForwardContext:
+        views = self._views.get(size)  # the static buffers' first `size` rows, made once per size
+        if views is None:
+            views = self._views[size] = (self.positions[:size], self.slot_mapping[:size], self.req_indices[:size],
+                                         self.topk[:size], self.scores[: min(size, self.scores.shape[0])])
+        positions, slot_mapping, req_indices, topk, scores = views
         return ForwardContext(
-            kv_cache=self.kv_cache, cos=self.cos, sin=self.sin, positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size], req_indices=self.req_indices[:size], seq_lens=self.seq_lens,
-            block_table=self.block_table, topk=self.topk[:size], scores=self.scores[: min(size, self.scores.shape[0])],
+            kv_cache=self.kv_cache, cos=self.cos, sin=self.sin, positions=positions, slot_mapping=slot_mapping,
+            req_indices=req_indices, seq_lens=self.seq_lens, block_table=self.block_table, topk=topk, scores=scores,
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, uniform_decode=uniform, num_sms=self.ec.num_sms,
-            skip_topk=skip_topk)
+            skip_topk=skip_topk, graph_splits=self._graph_splits)
 
     def _dummy_context(self, size: int, uniform: bool) -> ForwardContext:
         """Capture-time metadata: padding everywhere (no cache writes); for prefill, `size` tokens in requests
@@ -406,7 +430,7 @@ class LLMEngine:
 
     def prepare(self, step: StepInput) -> PreparedStep:
         """Place one step: check it against the engine's limits, grow each sequence's blocks, build its metadata
-        with AttentionMetadata.build, write it into the pinned host buffers (stage) and copy them into the
+        with StepPlan.build, write it into the pinned host buffers (stage) and copy them into the
         static device buffers (upload: two host-to-device copies). Rows past the step are padding: they write
         nothing and attend to the empty padding request."""
         prep = self.stage(step)
@@ -435,28 +459,31 @@ class LLMEngine:
                 raise ValueError(f"StepInput.requests[{b}].token_ids: ids must lie in [0, {V}) (vocab_size), "
                                  f"got {bad[:4]}")
         tables = [self.allocator.ensure(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
-        meta = AttentionMetadata.build([c for _, _, c in step.requests], [len(t) for _, t, _ in step.requests],
-                                       tables, ec.block_size, num_blocks=self.kv_cache.num_blocks)
-        prep = PreparedStep(meta)
-        B, n_max, seqs = meta.num_reqs, self.input_ids.shape[0], ec.max_num_seqs
+        plan = StepPlan.build([c for _, _, c in step.requests], [len(t) for _, t, _ in step.requests], tables,
+                              ec.block_size, num_blocks=self.kv_cache.num_blocks)
+        prep = PreparedStep(plan)
+        B, n_max, seqs = plan.num_reqs, self.input_ids.shape[0], ec.max_num_seqs
         h64, h32 = self._meta.host()  # numpy views of the pinned buffers (waits for the previous copy)
+        # int64 [3 n_max + seqs]: input ids, positions, slots, then each request's last row
         ids, pos, slots = h64[:n_max], h64[n_max:2 * n_max], h64[2 * n_max:3 * n_max]
         ids[:n] = [t for _, toks, _ in step.requests for t in toks]
-        pos[:n], slots[:n] = meta.positions.numpy(), meta.slot_mapping.numpy()
+        pos[:n], slots[:n] = plan.positions, plan.slot_mapping
         ids[n:], pos[n:], slots[n:] = 0, 0, -1  # padding rows: no cache write, attend to the padding request
         last = h64[3 * n_max:]
         last[:B], last[B:] = prep.last, 0
-        h32[:n], h32[n:n_max] = meta.req_indices.numpy(), seqs
+        # int32 [n_max + (seqs + 1) (1 + max_blocks)]: request of each row, seq_lens, block table
+        h32[:n], h32[n:n_max] = plan.req_indices, seqs
         lens, table = h32[n_max:n_max + seqs + 1], h32[n_max + seqs + 1:].reshape(seqs + 1, -1)
-        lens[:B], lens[B:] = meta.seq_lens.numpy(), 0
+        lens[:B], lens[B:] = plan.seq_lens, 0
         table[:] = 0
-        table[:B, : meta.block_table.shape[1]] = meta.block_table.numpy()
+        for b, bt in enumerate(plan.block_tables):
+            table[b, : len(bt)] = bt
         return prep
 
     def forward_context(self, prep: PreparedStep, size: int | None = None) -> ForwardContext:
         """The forward context of a prepared step, padded to `size` rows (default: the step's own)."""
-        skip = self.ec.skip_short_topk and max(prep.meta.seq_lens_cpu) <= self.config.index_topk
-        return self._context(size or prep.num_tokens, prep.meta.query_start_loc_cpu, prep.meta.seq_lens_cpu,
+        skip = self.ec.skip_short_topk and max(prep.plan.seq_lens) <= self.config.index_topk
+        return self._context(size or prep.num_tokens, prep.plan.query_start_loc, prep.plan.seq_lens,
                              prep.uniform_decode, skip)
 
     @torch.no_grad()
@@ -482,7 +509,7 @@ class LLMEngine:
     def sample(self, prep: PreparedStep, hidden: torch.Tensor) -> list[int]:
         """Greedy sampling after the graph: logits of each request's last row (kept in last_logits), argmax,
         read back to the host (the step's one sync)."""
-        logits = self.model.compute_logits(hidden[self.logits_indices[: prep.meta.num_reqs]])
+        logits = self.model.compute_logits(hidden[self.logits_indices[: prep.plan.num_reqs]])
         self.last_logits = logits
         return logits.argmax(-1).tolist()
 

@@ -39,7 +39,7 @@ from dsv32ref.config import ModelConfig
 from dsv32ref.engine.context import get_forward_context
 from dsv32ref.instrument import region
 from dsv32ref.reference.moe import Router
-from dsv32ref.graphs.breakable import eager_break
+from dsv32ref.graphs.breakable import eager_break, graph_split
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 
 BOUNDARIES = ("wide", "narrow", "narrow_copy", "narrow_copy_shared", "narrow_out", "none")
@@ -333,7 +333,10 @@ class EngineModel(nn.Module):
         """input_ids [N] -> hidden states [N, hidden] before the final norm (what a graph captures)."""
         with region("embed"):
             h = F.embedding(input_ids, self.embed_tokens)
-        for layer in self.layers:
+        splits = get_forward_context().graph_splits
+        for i, layer in enumerate(self.layers):
+            if i in splits:
+                graph_split()  # a capture starts a new graph segment here (EngineConfig.split_graphs)
             h = layer(h)
         return h
 

@@ -88,6 +88,7 @@ class PredictedLedger:
         self.memcpy: Counter = Counter()  # region -> direct cudaMemcpyAsync calls
         self.events: list[tuple[str, str, bool]] = []  # (region, op, direct?) in launch order
         self.graph_launches = 0
+        self.eager_regions = 0  # eager calls between the graph segments (segments - 1, unless splits add some)
         self.fused = False  # set while a ONE_KERNEL_ON_CUDA function runs
         self.layer: int | None = None  # the decoder layer running now (None: outside the layers)
         self.by_layer: Counter = Counter()  # (layer, op, direct?) -> count
@@ -183,6 +184,7 @@ def predict(engine, step, piecewise: bool = True) -> PredictedLedger:
                 with BreakableCapture(_CountingBackend(), name="ledger prediction") as cap:
                     hidden = engine.model(engine.input_ids[: prep.num_tokens])
                 ledger.graph_launches = cap.graph.num_graphs
+                ledger.eager_regions = sum(kind == "eager" for kind, _ in cap.graph.entries)
             else:
                 hidden = engine.model(engine.input_ids[: prep.num_tokens])
         engine.sample(prep, hidden)
@@ -320,7 +322,7 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
     "ttft_model", priced with the host costs the TTFT run measured in its own process when they include its
     eager regions' times, else with those in `host_costs` (data/host_costs_<preset>.json, another process)."""
     from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput
-    from dsv32ref.experiments.ttft import reduced_config
+    from dsv32ref.experiments.ttft import arm
     from dsv32ref.graphs import CUDAGraphMode
     from dsv32ref.provenance import provenance
 
@@ -328,11 +330,12 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
     result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "assumed_sms": ASSUMED_SMS,
               "note": "counts of launching aten ops and Triton launches; one aten op is predicted as one kernel",
               "variants": {}}
-    for v in variants or BOUNDARIES:
+    for v in variants or BOUNDARIES + ("none+split",):
         t0 = time.time()
-        eng = LLMEngine(config, EngineConfig(boundary=v, mode=CUDAGraphMode.NONE, max_model_len=64, max_num_seqs=2,
-                                             max_num_batched_tokens=16, block_size=16, capture_sizes=[8, 16],
-                                             num_sms=ASSUMED_SMS),
+        _, boundary, switches = arm(v)
+        eng = LLMEngine(config, EngineConfig(boundary=boundary, mode=CUDAGraphMode.NONE, max_model_len=64,
+                                             max_num_seqs=2, max_num_batched_tokens=16, block_size=16,
+                                             capture_sizes=[8, 16], num_sms=ASSUMED_SMS, **switches),
                         device="cpu", dtype=torch.bfloat16)  # bf16 as on the GPU: dtype casts are launches too
         L = predict(eng, StepInput([(0, list(range(1, prompt_len + 1)), 0)]))
         ops = {}
@@ -340,7 +343,8 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
             ops.setdefault(region, {}).setdefault("direct" if direct else "graph", {})[op] = n
         result["variants"][v] = {"direct": dict(L.direct), "direct_total": sum(L.direct.values()),
                                  "memcpy": dict(L.memcpy),
-                                 "in_graph": dict(L.in_graph), "graph_launches": L.graph_launches, "ops": ops,
+                                 "in_graph": dict(L.in_graph), "graph_launches": L.graph_launches,
+                                 "eager_regions": L.eager_regions, "ops": ops,
                                  "layers": L.layers(config.num_hidden_layers)}
         print(f"  {v:<12} direct {sum(L.direct.values())}, graph launches {L.graph_launches} "
               f"({time.time() - t0:.0f} s)", flush=True)

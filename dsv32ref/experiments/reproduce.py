@@ -8,8 +8,8 @@ one TP4 rank's heads, and prints one table: the PR's figure, ours, and ours / PR
 
     quick   64 TTFT requests, no instrument A/B, two capture-memory start-ups (narrow_copy with the graph-memory
             estimate and without it) into capture_memory_glm-5.2_h16_quick.json: a few minutes
-    full    256 TTFT requests with the instrument A/B and the top-k-skip arms, both models, capture memory with
-            the threshold runs, and the regime map
+    full    256 TTFT requests with the instrument A/B, the top-k-skip and the split-graph arms, both models,
+            capture memory with the threshold runs, and the regime map
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import json
 import os
 
 PRESETS = {
-    "quick": {"requests": 64, "instrument_ab": (), "skip_topk": (), "models": ("glm-5.2",), "thresholds": False,
+    "quick": {"requests": 64, "instrument_ab": (), "skip_topk": (), "split": (), "models": ("glm-5.2",), "thresholds": False,
               "regimes": False},
     "full": {"requests": 256, "instrument_ab": ("wide", "narrow", "narrow_out"), "skip_topk": ("narrow", "narrow_out"),
-             "models": ("glm-5.2", "deepseek-v3.2"), "thresholds": True, "regimes": True},
+             "split": ("none",), "models": ("glm-5.2", "deepseek-v3.2"), "thresholds": True, "regimes": True},
 }
 
 
@@ -34,7 +34,7 @@ def run(preset: str = "quick", data_dir: str = "data") -> list[dict]:
     for model in p["models"]:
         print(f"\n[TTFT] {model}: the PR's protocol, every boundary", flush=True)
         ttft.run(model, n_requests=p["requests"], out=os.path.join(data_dir, f"ttft_{model}.json"),
-                 instrument_ab=p["instrument_ab"], skip_topk=p["skip_topk"])
+                 instrument_ab=p["instrument_ab"], skip_topk=p["skip_topk"], split=p["split"])
     print("\n[capture memory] glm-5.2 at one TP4 rank's heads (16)", flush=True)
     if p["thresholds"]:
         capture = "capture_memory_glm-5.2_h16.json"

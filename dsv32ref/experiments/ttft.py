@@ -68,6 +68,17 @@ def region_cost_ns(calls: int = 200_000, repeats: int = 7) -> dict:
     return res
 
 
+ARMS = {"skip": {"skip_short_topk": True}, "split": {"split_graphs": True}}  # `<boundary>+<arm>`: EngineConfig switches
+
+
+def arm(name: str) -> tuple[str, str, dict]:
+    """"narrow" -> ("narrow", "narrow", {}); "none+split" -> ("none+split", "none", {"split_graphs": True})."""
+    boundary, _, kind = name.partition("+")
+    if kind and kind not in ARMS:
+        raise ValueError(f"arm {name!r}: expected <boundary> or <boundary>+<arm> with arm one of {sorted(ARMS)}")
+    return name, boundary, dict(ARMS[kind]) if kind else {}
+
+
 def anatomy(engines: dict, prompts: list[list[int]]) -> dict:
     """Where one prefill step's time goes, per engine (interleaved request by request, instrument off), medians
     in ms: host time of stage + upload (the GPU has nothing to do yet), of execute (the graph launch; for
@@ -109,7 +120,8 @@ def anatomy(engines: dict, prompts: list[list[int]]) -> dict:
 def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: int = 8, prompt_len: int = 8,
         mode: str = "full_and_piecewise", seed: int = 0, out: str | None = None, device: str = "cuda",
         config: ModelConfig | None = None, tp_rank: int = 0, tp_size: int = 1, instrument_ab=(),
-        capture_sizes=(1, 2, 4, 8, 16), skip_topk=(), anatomy_requests: int = 32, host_costs: bool = True) -> dict:
+        capture_sizes=(1, 2, 4, 8, 16), skip_topk=(), split=(), anatomy_requests: int = 32,
+        host_costs: bool = True) -> dict:
     """The experiment; `device="cpu"` (with a tiny `config`) runs the same control flow on emulated graphs
     as a smoke test, without timings that mean anything.
 
@@ -120,7 +132,9 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
 
     `skip_topk`: variants that also run `<variant>+skip`, an engine with EngineConfig.skip_short_topk on (the
     prompt has fewer keys than index_topk, so the indexer's scoring and selection are skipped where Python
-    decides: in eager regions), interleaved with the rest.
+    decides: in eager regions), interleaved with the rest. `split`: variants that also run `<variant>+split`,
+    with EngineConfig.split_graphs on (captures start a new graph before layers 1, 4, 16, 64: the GPU starts on
+    the first layer while the host launches the rest).
 
     Then, per variant, the step's anatomy over `anatomy_requests` more requests (see `anatomy`), and on a GPU
     the host costs of the TTFT model (dsv32ref.experiments.host_costs), measured with the "none" engine when
@@ -139,7 +153,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
         if not is_int(v) or v < low:
             raise ValueError(f"ttft.run: {name} must be an int >= {low}, got {v!r}")
     variants = list(variants or BOUNDARIES)
-    unknown = [v for v in list(variants) + list(instrument_ab) + list(skip_topk) if v not in BOUNDARIES]
+    unknown = [v for v in list(variants) + list(instrument_ab) + list(skip_topk) + list(split) if v not in BOUNDARIES]
     if unknown:
         raise ValueError(f"ttft.run: unknown variant(s) {unknown}; expected some of {BOUNDARIES}")
     config = config or reduced_config(preset)
@@ -165,14 +179,20 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
         "mode": mode, "tensor_parallel": tp_size, "expert_parallel": tp_size}, "variants": {}}
     result["protocol"]["order"] = "interleaved: request i runs on every variant in turn (rotating the order)"
     engines = {}  # every variant captured up front, so that run-to-run drift hits them all alike
-    for v, skip in [(v, False) for v in variants] + [(v, True) for v in skip_topk]:
+    # an engine per variant, and per extra arm: (its name, its boundary, EngineConfig switches)
+    configs = [(v, v, {}) for v in variants] + [arm(f"{v}+{kind}") for kind, vs in (("skip", skip_topk),
+                                                                                     ("split", split)) for v in vs]
+    for name, v, switches in configs:
         ec = EngineConfig(boundary=v, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
-                          max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed,
-                          skip_short_topk=skip)
+                          max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed, **switches)
         eng = LLMEngine(config, ec, device=device, dtype=model.lm_head.dtype, model=model)
-        engines[f"{v}+skip" if skip else v] = (eng, eng.capture())
+        engines[name] = (eng, eng.capture())
+    if cuda:  # as vLLM's engine core does once started: collections skip the start-up heap (models, graphs)
+        gc.collect()
+        gc.freeze()
+        result["protocol"]["gc"] = "start-up heap frozen (gc.freeze) after capture"
     # an arm: (its name, its engine, the instrument on)
-    arms = ([(v, v, False) for v in variants] + [(f"{v}+skip", f"{v}+skip", False) for v in skip_topk]
+    arms = ([(name, name, False) for name, _, _ in configs]
             + [(f"{v}+ranges", v, True) for v in instrument_ab if v in engines])
     for i in range(warmup):
         for _, e, on in arms:
@@ -202,7 +222,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
                                  "capture_s": cap_s, "prefill_runs_as": how, "ledger": ledger,
                                  "ttft_over_floor": statistics.fmean(ttft[v]) / ledger["gpu_busy_ms"]
                                  if ledger["gpu_busy_ms"] else None, "anatomy": anat.get(v),
-                                 "skip_short_topk": eng.ec.skip_short_topk}
+                                 "skip_short_topk": eng.ec.skip_short_topk, "split_graphs": eng.ec.split_graphs}
         r = result["variants"][v]
         if not lead:
             continue
@@ -227,6 +247,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     for eng, _ in engines.values():
         eng.release_graphs()
     del engines
+    gc.unfreeze()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

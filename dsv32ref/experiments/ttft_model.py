@@ -13,7 +13,7 @@ it was given, so each layer takes the longer of the two, and a graph's kernels s
                (gemm_launch_us, aten_launch_us, memcpy_us, the Triton launcher's wrapper_us charged to its
                first kernel) + eager_region_us + graph_node_us per kernel of the segment
     first graph launch = graph_launch_us + graph_node_us x the kernels of the first segment (for boundary
-               "none": the whole forward)
+               "none": the whole forward; split (EngineConfig.split_graphs): the first layer's)
 
 The two host_l differ by the Python the model runs between launches inside a region (slicing, views,
 allocations, the forward context): "from launches" leaves it out. The launches after the forward (logits,
@@ -59,11 +59,13 @@ def predict(predicted: dict, costs: dict, floor_ms: float, regions: dict | None 
     gpu_total = floor_ms + graph_kernels * costs["in_graph_gap_us"] / 1e3
     gpu_l = gpu_total / L
     segments = predicted["graph_launches"]
-    per_layer_regions = max(segments - 1, 0) / L
+    regions_n = predicted.get("eager_regions", max(segments - 1, 0))  # splits add segments, not regions
+    per_layer_regions = regions_n / L
     host_from_launches = []
     for layer in layers:
         us = sum(n * launch_cost_us(op, costs) for op, n in layer["direct"].items())
         us += per_layer_regions * costs["eager_region_us"] + layer["graph"] * costs["graph_node_us"]
+        us += (segments - 1 - regions_n) / L * costs["graph_launch_us"]  # split segments' own launches
         host_from_launches.append(us / 1e3)
     measured = regions is not None and "eager_us" in regions and len(regions["eager_us"]) == L
     if measured:
@@ -80,7 +82,7 @@ def predict(predicted: dict, costs: dict, floor_ms: float, regions: dict | None 
             "host_forward_from_launches_ms": sum(host_from_launches), "gpu_forward_ms": gpu_total,
             "floor_ms": floor_ms, "in_graph_gaps_ms": gpu_total - floor_ms, "graph_kernels": int(graph_kernels),
             "host_bound_layers": host_bound, "layers": L, "host_source": "measured regions" if measured else "launches",
-            "bound": "host" if host_bound > L / 2 else "gpu", "eager_regions": max(segments - 1, 0),
+            "bound": "host" if host_bound > L / 2 else "gpu", "eager_regions": regions_n,
             "ttft_ms": sum(fixed.values()) + forward}
 
 
@@ -91,7 +93,7 @@ def compare(predicted_ledger: dict, ttft_result: dict, costs: dict | None = None
     costs = costs or ttft_result["host_costs"]
     out = {}
     for v, meas in ttft_result["variants"].items():
-        if "+" in v or v not in predicted_ledger["variants"]:
+        if v not in predicted_ledger["variants"]:
             continue
         p = predict(predicted_ledger["variants"][v], costs, meas["ledger"]["gpu_busy_ms"],
                     (costs.get("regions") or {}).get(v))

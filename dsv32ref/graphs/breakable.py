@@ -6,6 +6,7 @@ How the serving engine does it (and this module, in its own words):
   (so the eager region sees real inputs), runs the function eagerly, records (graph, call) and begins a
   new graph. Leaving the context ends the last graph.
 - Replay calls every entry in order: graph.replay(), then the eager call, then the next graph...
+- `graph_split()` ends a segment and begins the next with no eager call between (two launches, one function).
 - Outside a capture an `@eager_break` function is a plain call; called while no segment is open (from
   inside another eager region) it runs inline; in FULL mode (`eager_breaks_enabled(False)`) it is
   captured like any other op.
@@ -31,7 +32,7 @@ import torch
 
 from dsv32ref.instrument import eager_range
 
-__all__ = ["eager_break", "BreakableCapture", "BreakableGraph", "CaptureError", "eager_breaks_enabled",
+__all__ = ["eager_break", "graph_split", "BreakableCapture", "BreakableGraph", "CaptureError", "eager_breaks_enabled",
            "weak_alias", "CudaGraphBackend", "capture_stream", "current_capture"]
 
 
@@ -280,6 +281,11 @@ class BreakableCapture:
         if not getattr(self.backend, "runs_ops_during_capture", False):
             g.replay()
 
+    def split(self) -> None:
+        """End the open segment and begin the next, with nothing eager between them (see `graph_split`)."""
+        self._close_segment()
+        self._open = self.backend.begin()
+
     def run_eager(self, fn: Callable, name: str, args: tuple, kwargs: dict):
         self._close_segment()
         out = fn(*args, **kwargs)
@@ -302,6 +308,16 @@ def _check_no_new_tensors(name: str, out: Any, args: tuple, kwargs: dict) -> Non
                 f"eager region {name!r} returned a tensor of shape {list(o.shape)} that it allocated itself: "
                 f"under a breakable graph it would live at a new address on every replay. Write into a "
                 f"buffer the caller passes in instead.")
+
+
+def graph_split() -> None:
+    """During a capture, end the graph segment here and begin a new one (pattern "G G"): replayed back to back
+    the two compute what one graph would, but each is launched on its own, so the GPU can start the first
+    while the host is still launching the second. Breaks do not change it: FULL captures split too. Outside
+    a capture, or inside an eager region, it does nothing."""
+    cap = current_capture()
+    if cap is not None and cap.segment_open:
+        cap.split()
 
 
 def eager_break(fn: Callable | None = None, *, name: str | None = None):
