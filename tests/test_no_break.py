@@ -277,8 +277,9 @@ def test_ttft_model_is_a_pipeline_of_layers():
 
 
 def test_ttft_model_prices_split_segments_as_launches_not_regions():
-    """A split forward (three segments, no eager region): the first launch covers the first layer's kernels
-    only; the other two launches are host work spread over the layers; no eager-region cost is charged."""
+    """A split forward (three segments, no eager region): the other two launches are host work spread over the
+    layers, no eager-region cost is charged; split or not, the first launch is charged the first layer's
+    kernels only (the GPU starts while the host submits the rest)."""
     from dsv32ref.experiments.ttft_model import predict
 
     costs = {"in_graph_gap_us": 0.0, "graph_node_us": 1.0, "eager_region_us": 50.0, "graph_launch_us": 10.0,
@@ -287,6 +288,6 @@ def test_ttft_model_prices_split_segments_as_launches_not_regions():
     layers = [{"direct": {}, "graph": 100}, {"direct": {}, "graph": 300}]
     one = predict({"layers": layers, "graph_launches": 1, "eager_regions": 0, "ops": {}}, costs, floor_ms=2.0)
     split = predict({"layers": layers, "graph_launches": 3, "eager_regions": 0, "ops": {}}, costs, floor_ms=2.0)
-    assert abs(one["fixed"]["first_launch_ms"] - 0.41) < 1e-12  # 10 us + 400 nodes
-    assert abs(split["fixed"]["first_launch_ms"] - 0.11) < 1e-12  # 10 us + the first layer's 100 nodes
+    for p in (one, split):
+        assert abs(p["fixed"]["first_launch_ms"] - 0.11) < 1e-12  # 10 us + the first layer's 100 nodes
     assert split["eager_regions"] == 0 and split["forward_ms"] == one["forward_ms"] == 2.0  # GPU-bound layers

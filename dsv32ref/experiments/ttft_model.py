@@ -3,7 +3,9 @@
 
 A prefill step is the host's work before the first launch, the forward, then the read-back. The forward is a
 pipeline of layers: the host launches layer l (its graph segment and its eager region) while the GPU runs what
-it was given, so each layer takes the longer of the two, and a graph's kernels start once its launch returns:
+it was given, so each layer takes the longer of the two; the GPU starts a graph's first kernels while the host
+is still launching its later nodes (measured: splitting boundary "none"'s one graph into five leaves its TTFT
+unchanged), so a launch is charged to the layer whose nodes it submits:
 
     TTFT     = stage + first graph launch + sum over layers of max(host_l, gpu_l) + sync
     gpu_l    = (floor + kernels launched inside graphs x in_graph_gap_us) / layers
@@ -12,8 +14,7 @@ it was given, so each layer takes the longer of the two, and a graph's kernels s
                from launches: the ledger's direct launches of the layer x their per-launch costs
                (gemm_launch_us, aten_launch_us, memcpy_us, the Triton launcher's wrapper_us charged to its
                first kernel) + eager_region_us + graph_node_us per kernel of the segment
-    first graph launch = graph_launch_us + graph_node_us x the kernels of the first segment (for boundary
-               "none": the whole forward; split (EngineConfig.split_graphs): the first layer's)
+    first graph launch = graph_launch_us + graph_node_us x the first layer's kernels
 
 The two host_l differ by the Python the model runs between launches inside a region (slicing, views,
 allocations, the forward context): "from launches" leaves it out. The launches after the forward (logits,
@@ -73,8 +74,9 @@ def predict(predicted: dict, costs: dict, floor_ms: float, regions: dict | None 
         first = regions["graph_us"][0] / 1e3
     else:
         host = host_from_launches
-        first_nodes = layers[0]["graph"] if segments > 1 else graph_kernels
-        first = (costs["graph_launch_us"] + first_nodes * costs["graph_node_us"]) / 1e3 if segments else 0.0
+        # the GPU starts on a graph's first kernels while the host still submits the rest: only the first
+        # layer's nodes are charged, split or not (measured: none+split, five segments, has none's TTFT)
+        first = (costs["graph_launch_us"] + layers[0]["graph"] * costs["graph_node_us"]) / 1e3 if segments else 0.0
     forward = sum(max(h, gpu_l) for h in host)
     fixed = {"stage_ms": costs["stage_us"] / 1e3, "first_launch_ms": first, "sync_ms": costs["sync_us"] / 1e3}
     host_bound = sum(h > gpu_l for h in host)
