@@ -24,7 +24,7 @@ NO_KERNEL_OPS = {
     "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "split", "split_with_sizes", "slice",
     "select", "unsqueeze", "squeeze", "as_strided", "empty", "empty_like", "new_empty", "empty_strided", "alias",
     "detach", "chunk", "unbind", "narrow", "lift_fresh", "_reshape_alias", "unflatten", "flatten",
-    "is_same_size", "sym_size", "sym_stride", "sym_numel", "_local_scalar_dense",
+    "is_same_size", "promote_types", "result_type", "sym_size", "sym_stride", "sym_numel", "_local_scalar_dense",
     "_record_function_enter", "_record_function_enter_new", "_record_function_exit",
 }
 

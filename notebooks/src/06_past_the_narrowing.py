@@ -22,6 +22,7 @@ import json
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
+from dsv32ref import ModelConfig
 from dsv32ref.engine import BOUNDARIES
 
 
@@ -89,6 +90,25 @@ ax.legend(loc="lower right", fontsize=8)
 ax.set_xlim(0, max(vs[v]["mean_ms"] for v in names) * 1.12)
 plt.tight_layout()
 plt.show()
+
+# %% [markdown]
+# **Does the launch of a 3272-node graph hold the GPU back?** The host needs most of a millisecond to launch
+# the forward's one graph. `none+split` (`EngineConfig.split_graphs`) captures the same forward as graphs
+# that start before layers 1, 4, 16 and 64, so that the GPU could run the first layer while the host launches
+# the rest; it ran interleaved with the others.
+
+# %%
+sp = vs.get("none+split")
+if sp is not None:
+    b = sp["anatomy"]
+    display(Markdown(
+        f"Split into {sp['ledger']['graph_launches']} graphs, `none` takes {sp['mean_ms']:.2f} ms (mean; median "
+        f"{sp['median_ms']:.2f}) against {none['mean_ms']:.2f} (median {none['median_ms']:.2f}) in one graph: "
+        f"{sp['mean_ms'] - none['mean_ms']:+.2f} ms. GPU time from the upload to the sampled tokens is "
+        f"{b['gpu_ms']:.2f} ms against {a['gpu_ms']:.2f}. So the launch is not on the critical path: the GPU "
+        f"starts on the graph's first kernels while the host is still submitting the rest ({a['execute_ms']:.2f} "
+        f"ms of host time for the one graph, {b['execute_ms']:.2f} ms for the five). What remains is the GPU's "
+        f"own time between kernels, which only fewer kernels remove."))
 
 # %% [markdown]
 # **The top-k skip.** With `EngineConfig.skip_short_topk`, a step whose requests all have at most
@@ -260,14 +280,21 @@ display(Markdown(
 
 # %%
 pr = seeds["ttft"]
+pn = predicted["variants"]["none"]
+moe_k, pred_k = pn["in_graph"]["moe"], sum(pn["in_graph"].values())
+cfg = ModelConfig.preset(run["preset"])
+moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 display(Markdown(
     f"- The PR measured wide / narrow = {pr['wide']['mean_ms'] / pr['narrow']['mean_ms']:.2f} at TP4; here, in "
     f"this run, it is {vs['wide']['mean_ms'] / vs['narrow']['mean_ms']:.2f} on one GPU. Removing the eager break "
     f"altogether (`none`) takes TTFT to {none['ttft_over_floor']:.3f} x the floor, from "
     f"{narrow['ttft_over_floor']:.3f} x for `narrow`: the remaining gap is the GPU's between-kernel time inside "
-    f"the graph ({gaps_ms:.2f} ms for {none['ledger']['kernels']} kernels) and the host's work before the "
-    f"launch ({a['stage_ms']:.2f} ms). Fewer kernels (a fused MoE, as a serving engine has, instead of our "
-    f"reduced dense one) is what would move it further.\n"
+    f"the graph ({gaps_ms:.2f} ms for {none['ledger']['kernels']} kernels, "
+    f"{gaps_ms / none['ledger']['gpu_busy_ms']:.1%} of the floor) and the host's work before the launch "
+    f"({a['stage_ms']:.2f} ms); the launch itself is hidden (splitting the graph changes nothing). Fewer "
+    f"kernels is what would move it further: the MoE launches {moe_k} of the {pred_k} kernels we predict per "
+    f"request ({moe_k // moe_layers} per MoE layer, our reduced dense MoE with its unfused router), where a "
+    f"serving engine's fused MoE launches a handful.\n"
     f"- Narrowing matters where the launches are a large share of the step: short prompts, and PIECEWISE "
     f"decode. By {top} tokens the GEMMs dominate, and past the largest capture size no variant has graphs.\n"
     f"- What is different here: one GPU holds all 64 heads (four times one TP4 rank's attention work), the "
