@@ -238,7 +238,9 @@ plt.show()
 # %%
 miss = {v: m for v, m in tm["variants"].items() if abs(m["miss_pct"]) > 10}
 ok = [v for v in tm["variants"] if v not in miss]
-text = (f"Host costs from {tm['host_costs_from']}. Within 10 % of the measured mean: {', '.join(ok) or 'none'}. ")
+ok_median = [v for v, m in tm["variants"].items() if abs(m["miss_median_pct"]) <= 10]
+text = (f"Host costs from {tm['host_costs_from']}. Within 10 % of the measured mean: {', '.join(ok) or 'none'}; "
+        f"of the median: {', '.join(ok_median) or 'none'} (the model prices one typical request). ")
 for v, m in miss.items():
     slow = m["measured_ttft_ms"] - m["measured_median_ms"]
     text += (f"`{v}` misses the mean by {m['miss_pct']:+.1f} % and the median by {m['miss_median_pct']:+.1f} %: "
