@@ -48,7 +48,7 @@ def ledger_table(model):
     r, p = runs[model], predicted[model]
     print(f"{'':<17}" + "".join(f"{c:>10}" for c in CLASSES + ["memcpy", "other", "graphs"]))
     for v, res in r["variants"].items():
-        if "+" in v:  # the top-k-skip arms: same launches as their variant, but for the indexer's
+        if "+" in v:  # the arms (top-k skip, split graphs): variants of a boundary, its launches but for theirs
             continue
         meas, pred = res["ledger"], p["variants"][v]
         row_m = [meas["direct"].get(c, 0) for c in CLASSES] + [sum(v_ for k, v_ in meas["memcpy"].items() if k != "other"),

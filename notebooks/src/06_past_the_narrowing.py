@@ -248,9 +248,10 @@ for v, m in miss.items():
              f"{vs[v]['p99_ms']:.1f} ms), which a model of one typical request does not contain. ")
 fl = {v: m["host_forward_ms"] - m["host_forward_from_launches_ms"] for v, m in tm["variants"].items()
       if m["host_source"] == "measured regions"}
-text += ("Pricing each layer from its launches alone instead of the regions' measured times leaves out "
-         + ", ".join(f"{x:.1f} ms ({v})" for v, x in fl.items())
-         + " of host time: the Python between launches inside the eager regions.")
+text += ("The eager regions' host times, measured in replay, differ from the sum of their launches' costs "
+         "(each timed in a loop of one op) by " + ", ".join(f"{x:+.1f} ms ({v})" for v, x in fl.items())
+         + " per request: a launch inside a region does not cost what it costs in a loop of its own (the "
+         "Python between launches, caches), which is why the model uses the regions' measured times.")
 display(Markdown(text))
 
 # %% [markdown]
