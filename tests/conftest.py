@@ -7,6 +7,8 @@ import torch
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through the interpreter (set before triton is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one test process per core: no intra-op threads competing
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
