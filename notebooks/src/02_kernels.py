@@ -1,7 +1,9 @@
 # %% [markdown]
 # # The Triton kernels of the sparse path, checked and measured
 #
-# DeepSeek-V3.2's attention needs four kinds of GPU work besides the GEMMs: per-token normalisation,
+# vLLM's pull request "[Perf] Narrow DeepSeek V3.2 eager CUDA graph region" keeps the indexer and the sparse
+# attention eager and moves the rest of the attention's small kernels into CUDA graphs. These are those
+# kernels. DeepSeek-V3.2's attention needs four kinds of GPU work besides the GEMMs: per-token normalisation,
 # rotation and cache writes; query assembly; the indexer's scores and top-k; and sparse attention over
 # the top-k. `dsv32ref.kernels` has one Triton kernel (or a pair) for each:
 #
@@ -27,6 +29,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # run the Triton kernels on CPU tensors
 
 import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
 
 from dsv32ref import AttentionMetadata, ModelConfig
 from dsv32ref.cache import gather_tokens
@@ -34,6 +37,7 @@ from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_topk_paged, spars
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
                                 sparse_mla, topk_indices)
 from dsv32ref.reference.rope import RotaryEmbedding
+from dsv32ref.report import OKABE_ITO, GREY, show, table
 from dsv32ref.testing import compare
 
 torch.manual_seed(0)
@@ -184,27 +188,26 @@ LABELS = {"ms": "ms", "torch_ms": "torch ms", "ms_topk": "top-k ms", "fraction_o
           "achieved_GBps": "GB/s", "context": "context", "T": "T", "bound": "bound", "shape": "shape"}
 
 
-def table(kernel, cols):
+def kernel_table(kernel, cols):
+    def fmt(c, v):
+        if v is None:
+            return None
+        return f"{v:.1%}" if c.startswith("fraction") else f"{v:.4g}" if isinstance(v, float) else v
+
     rows = [r for r in data["results"] if r["kernel"] == kernel]
-    print(f"{'model':<15}" + "".join(f"{LABELS[c]:>13}" for c in cols))
-    for r in rows:
-        vals = []
-        for c in cols:
-            v = r.get(c)
-            vals.append("-" if v is None else f"{v:.1%}" if c.startswith("fraction") else f"{v:.4g}" if isinstance(v, float) else str(v))
-        print(f"{r['model']:<15}" + "".join(f"{v:>13}" for v in vals))
+    table(["model"] + [LABELS[c] for c in cols], [[r["model"]] + [fmt(c, r.get(c)) for c in cols] for r in rows])
 
 
-table("sparse_mla", ["shape", "T", "ms", "torch_ms", "bound", "fraction_of_bound", "fraction_of_compute",
-                     "fraction_of_memory", "achieved_TFLOPs"])
+kernel_table("sparse_mla", ["shape", "T", "ms", "torch_ms", "bound", "fraction_of_bound", "fraction_of_compute",
+                            "fraction_of_memory", "achieved_TFLOPs"])
 
 # %%
-table("indexer_topk", ["T", "context", "ms", "ms_topk", "torch_ms", "bound", "fraction_of_bound"])
+kernel_table("indexer_topk", ["T", "context", "ms", "ms_topk", "torch_ms", "bound", "fraction_of_bound"])
 
 # %%
-table("fused_norm_rope", ["T", "ms", "torch_ms", "fraction_of_bound", "achieved_GBps"])
-table("fused_q", ["T", "ms", "torch_ms", "fraction_of_bound", "achieved_GBps"])
-table("fused_q_fp8", ["T", "ms", "torch_ms", "fraction_of_bound", "achieved_GBps"])
+for k in ("fused_norm_rope", "fused_q", "fused_q_fp8"):
+    display(Markdown(f"`{k}`"))
+    kernel_table(k, ["T", "ms", "torch_ms", "fraction_of_bound", "achieved_GBps"])
 
 # %% [markdown]
 # ## Roofline
@@ -213,23 +216,29 @@ table("fused_q_fp8", ["T", "ms", "torch_ms", "fraction_of_bound", "achieved_GBps
 # occupancy-bound, not bandwidth- or compute-bound.
 
 # %%
-fig, ax = plt.subplots(figsize=(7.5, 5))
+fig, ax = plt.subplots(figsize=(8.5, 5.5))
 ai = [10 ** (x / 10) for x in range(-20, 41)]
 peak, bw = ceil["bf16_gemm_TFLOPs"], ceil["copy_GBps"] / 1e3  # TFLOP/s, TB/s
-ax.plot(ai, [min(peak, bw * a) for a in ai], color="black", lw=1, label="measured roof")
+ax.plot(ai, [min(peak, bw * a) for a in ai], color="black", lw=1, label="measured roof (copy, bf16 GEMM)")
+ridge = peak / bw
+ax.axvline(ridge, color=GREY, ls=":", lw=1)
+ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak), textcoords="offset points", xytext=(5, -14), fontsize=8)
 markers = {"sparse_mla": "o", "indexer_topk": "s", "fused_norm_rope": "^", "fused_q": "v"}
-for (kernel, model), color in zip([(k, m) for k in markers for m in ("deepseek-v3.2", "glm-5.2")],
-                                  plt.cm.tab10.colors):
+palette = [c for c in OKABE_ITO if c != "#F0E442"] + [GREY]  # no yellow on white
+for (kernel, model), color in zip([(k, m) for k in markers for m in ("deepseek-v3.2", "glm-5.2")], palette):
     rows = [r for r in data["results"] if r["kernel"] == kernel and r["model"] == model]
-    ax.scatter([r["flops"] / r["bytes"] for r in rows], [r["achieved_TFLOPs"] for r in rows], marker=markers[kernel],
-               color=color, label=f"{kernel} ({model})", s=30)
+    xs, ys = [r["flops"] / r["bytes"] for r in rows], [r["achieved_TFLOPs"] for r in rows]
+    ax.scatter(xs, ys, marker=markers[kernel], color=color, label=f"{kernel} ({model})", s=30)
+    if model == "deepseek-v3.2":  # label each kernel once, at its best point
+        top = max(range(len(rows)), key=lambda i: ys[i])
+        ax.annotate(kernel, (xs[top], ys[top]), textcoords="offset points", xytext=(-10, 8), fontsize=8)
 ax.set_xscale("log")
 ax.set_yscale("log")
-ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+ax.set_xlabel("arithmetic intensity (FLOP / byte of the fewest bytes)")
 ax.set_ylabel("achieved TFLOP/s")
 ax.set_title("H200: kernels against the measured roofline")
 ax.legend(fontsize=7, loc="lower right")
-plt.show()
+show(fig)
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -245,10 +254,10 @@ for ax, model in zip(axes, ("deepseek-v3.2", "glm-5.2")):
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("query tokens")
-    ax.set_ylabel("ms")
-    ax.set_title(f"sparse_mla, {model} (top-k 2048)")
+    ax.set_ylabel("time (ms)")
+    ax.set_title(f"sparse_mla, {model} (top-k {ModelConfig.preset(model).index_topk})")
     ax.legend(fontsize=7)
-plt.show()
+show(fig)
 
 # %% [markdown]
 # ## Which bound applies to `sparse_mla`
@@ -284,12 +293,21 @@ def sweep_ms(model, **want):
 
 
 base = dict(BLOCK_N=64, num_warps=8, num_stages=2, Q_RELOAD=True)
+rows = []
 for m in ("deepseek-v3.2", "glm-5.2"):
     t_loop = sweep_ms(m, SLOTS=False, PREFETCH=False, SPLIT_QK=False, **base)
     t_ahead = sweep_ms(m, SLOTS=False, PREFETCH=True, SPLIT_QK=False, **base)
     t_slots = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=False, **base)
-    print(f"{m:<14} in the loop {t_loop:.3f} ms | one step ahead {t_ahead:.3f} ms | SLOTS {t_slots:.3f} ms"
-          f"  (SLOTS over one step ahead: {t_ahead / t_slots:.2f}x)")
+    rows.append([m, t_loop, t_ahead, t_slots, f"{t_ahead / t_slots:.2f}x"])
+table(["model", "in the loop (ms)", "one step ahead (ms)", "SLOTS (ms)", "SLOTS over one step ahead"], rows,
+      floatfmt=".3f")
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+for ax, r in zip(axes, rows):
+    ax.bar(["in the loop", "one step ahead", "SLOTS"], r[1:4], color=[GREY, GREY, OKABE_ITO[0]])
+    ax.set_ylabel("time (ms), 512 query tokens")
+    ax.set_xlabel("where a key's address is resolved")
+    ax.set_title(f"sparse_mla tile sweep, {r[0]}")
+show(fig)
 # %% [markdown]
 # **QKᵀ done twice.** A program holds 64 heads and two warpgroups (4 warps each, 64 rows per warpgroup
 # MMA). Triton lays out a dot whose result flows into another dot (S → P → PV) with every warp along the
@@ -300,40 +318,47 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 # row reductions and hands P to PV through shared memory. All with `SLOTS`:
 
 # %%
+rows = []
 for m in ("deepseek-v3.2", "glm-5.2"):
     chained = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=False, **base)
     chained_ahead = sweep_ms(m, SLOTS=True, PREFETCH=True, SPLIT_QK=False, **base)
     split = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=True, **base)
     split_ahead = sweep_ms(m, SLOTS=True, PREFETCH=True, SPLIT_QK=True, **base)
-    print(f"{m:<14} chained {chained:.3f} ms | chained, rows one step ahead {chained_ahead:.3f} ms | split {split:.3f} ms"
-          f" | split, rows one step ahead {split_ahead:.3f} ms  (the default over chained: {chained / split_ahead:.2f}x)")
+    rows.append([m, chained, chained_ahead, split, split_ahead, f"{chained / split_ahead:.2f}x"])
+table(["model", "chained (ms)", "chained, rows ahead", "split (ms)", "split, rows ahead", "default over chained"],
+      rows, floatfmt=".3f")
 top = min((r for r in sweep if r.get("ok")), key=lambda r: r["ms"])
-print("best tile:", top["config"])
+print("best tile:", ", ".join(f"{k}={v}" for k, v in list(top["config"].items())[:6]))
+print("          ", ", ".join(f"{k}={v}" for k, v in list(top["config"].items())[6:]))
 
 # %% [markdown]
 # An earlier run (`--compare`, `data/sparse_mla_split_qk.json`, its own provenance) timed the split with
 # and without the next step's rows loaded one step ahead (`PREFETCH`) at more shapes; the pair was the
 # fastest everywhere and is the default. With `SLOTS` the loads `PREFETCH` moves a step ahead are
 # independent row numbers, so unlike the chains above they help. (A cache whose blocks are not back to
-# back falls back to addresses in the loop, and then `PREFETCH` stays off unless asked for.) Before it
-# became the default, two of three full test runs on the H200 hit an illegal memory access in the
-# engine's capture test. The cause was the engine's capture-time metadata: a 512-token dummy request with
-# `max_model_len` 64 made the kernels read cos/sin rows and block-table columns past their ends. That is
-# fixed; the benchmark above ran with the default it describes (its results carry the config).
+# back falls back to addresses in the loop, and then `PREFETCH` stays off unless asked for.)
+#
+# <details><summary>History: the illegal memory access before PREFETCH became the default</summary>
+#
+# Two of three full test runs on the H200 hit an illegal memory access in the engine's capture test. The
+# cause was the engine's capture-time metadata: a dummy request longer than `max_model_len` made the kernels
+# read cos/sin rows and block-table columns past their ends. That is fixed; the benchmark above ran with the
+# default it describes (its results carry the config).
+# </details>
 
 # %%
 cmp_rows = json.load(open("../data/sparse_mla_split_qk.json"))["results"]
+cmp_table = []
 for m in ("deepseek-v3.2", "glm-5.2"):
     for shape, T in (("one request", 64), ("one request", 512), ("decode batch", 64)):
         cell = {json.dumps(r["config"], sort_keys=True): r["ms"] * 1e3 for r in cmp_rows
                 if r["model"] == m and r["shape"] == shape and r["T"] == T}
-        base_us = cell["{}"]
-        print(f"{m:<14} {shape:<13} T={T:<4} chained {base_us:6.1f} us | split "
-              f"{cell[json.dumps({'SPLIT_QK': True})]:6.1f} us | split + PREFETCH "
-              f"{cell[json.dumps({'PREFETCH': True, 'SPLIT_QK': True}, sort_keys=True)]:6.1f} us")
+        cmp_table.append([m, shape, T, cell["{}"], cell[json.dumps({"SPLIT_QK": True})],
+                          cell[json.dumps({"PREFETCH": True, "SPLIT_QK": True}, sort_keys=True)]])
+table(["model", "shape", "T", "chained (us)", "split (us)", "split + PREFETCH (us)"], cmp_table, floatfmt=".1f")
 res = [x for x in data["resources"] if x["kernel"] == "_sparse_mla_kernel" and x["n_regs"]]
-print("sparse_mla builds in the sweep: registers/thread", sorted({x["n_regs"] for x in res}),
-      " shared memory KiB", sorted({x["shared_bytes"] // 1024 for x in res}))
+print("sparse_mla builds in the sweep: registers/thread", sorted({x["n_regs"] for x in res}))
+print("                                shared memory KiB", sorted({x["shared_bytes"] // 1024 for x in res}))
 
 # %% [markdown]
 # The compiled code shows why. `scripts/sass_sparse_mla.py` builds the kernel for sm_90a without a GPU
@@ -343,11 +368,10 @@ print("sparse_mla builds in the sweep: registers/thread", sorted({x["n_regs"] fo
 # %%
 sass = json.load(open("../data/sparse_mla_sass.json"))
 print(f"triton {sass['provenance']['triton']}, target {sass['provenance']['target']}")
-for name, v in sass["variants"].items():
-    st = v["per_step"]
-    print(f"{name}\n    registers {v['registers']}, spilled {v['spill_store_bytes']:>2} B | per step: global loads to "
-          f"registers {st['LDG']:>2}, cp.async {st['LDGSTS']}, warpgroup MMAs {st['HGMMA']}, barriers {st['BAR']}, "
-          f"{v['loop_instructions']} instructions")
+table(["variant", "registers", "spilled (B)", "LDG / step", "cp.async / step", "wgmma / step", "barriers / step",
+       "loop instructions"],
+      [[name, v["registers"], v["spill_store_bytes"], v["per_step"]["LDG"], v["per_step"]["LDGSTS"],
+        v["per_step"]["HGMMA"], v["per_step"]["BAR"], v["loop_instructions"]] for name, v in sass["variants"].items()])
 
 # %% [markdown]
 # With addresses resolved in the loop, each thread holds 16 of the tile's 64 rows and loads an index and
@@ -384,16 +408,26 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 
 # %%
 probe = json.load(open("../data/sparse_mla_splits.json"))
-for m in ("deepseek-v3.2", "glm-5.2"):
-    for shape in ("one request", "decode batch"):
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):
+    for j, shape in enumerate(("one request", "decode batch")):
         rows = [r for r in probe["results"] if r["kernel"] == "sparse_mla" and r["model"] == m and r["shape"] == shape]
-        print(f"{m:<14} {shape:<13} " + "  ".join(f"{r['config']['NUM_SPLITS']} split(s) {r['ms'] * 1e3:6.1f} us" for r in rows))
+        ns = [r["config"]["NUM_SPLITS"] for r in rows]
+        ax.bar([i + 0.4 * j for i in range(len(ns))], [r["ms"] * 1e3 for r in rows], 0.4, color=OKABE_ITO[j],
+               label=shape)
+    ax.set_xticks([i + 0.2 for i in range(len(ns))], [str(n) for n in ns])
     merges = [r for r in probe["results"] if r["kernel"] == "sparse_mla_merge" and r["model"] == m]
-    print(f"{m:<14} merge launch alone: " + "  ".join(f"{r['splits']} splits {r['ms'] * 1e3:5.1f} us" for r in merges))
+    ax.set_xlabel("top-k splits (NUM_SPLITS)")
+    ax.set_ylabel("time (us), 64 query tokens")
+    ax.set_title(f"split-K probe, {m}\nmerge launch alone: " + ", ".join(f"{r['ms'] * 1e3:.1f} us" for r in merges))
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
+    ax.legend(fontsize=8, loc="upper left")
+show(fig)
 glm = {r["T"]: r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == "glm-5.2"
        and r["shape"] == "one request"}
-print(f"GLM-5.2 one request: 64 tokens in 2 x 16 steps {glm[64]['ms'] * 1e3:.1f} us; 128 tokens in 32 steps "
-      f"{glm[128]['ms'] * 1e3:.1f} us (the same 128 programs); half of that is {glm[128]['ms'] * 1e3 / 2:.1f} us")
+print(f"GLM-5.2 one request: 64 tokens in 2 x 16 steps {glm[64]['ms'] * 1e3:.1f} us;")
+print(f"  128 tokens in 32 steps {glm[128]['ms'] * 1e3:.1f} us (the same 128 programs); half of that is "
+      f"{glm[128]['ms'] * 1e3 / 2:.1f} us")
 
 # %% [markdown]
 # The split path pays for the merge launch, the fp32 partial outputs it writes and reads, and one more
@@ -424,6 +458,7 @@ for m in ("deepseek-v3.2", "glm-5.2"):
               f"{max(r['fraction_of_bound'] for r in rows):.1%} of the {'/'.join(sorted({r['bound'] for r in rows}))} bound")
 
 # %% [markdown]
+# ## Conclusion
 # - `fused_norm_rope` and `fused_q` approach the copy bandwidth once there are thousands of tokens; at
 #   decode sizes they take a few microseconds, which under CUDA graphs is what a launch costs. The fp8
 #   variant of `fused_q` does the Hadamard butterflies in registers and writes half the bytes for the
