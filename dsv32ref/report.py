@@ -13,12 +13,23 @@ METADATA_KEY = "dsv32ref_figure"
 
 
 def describe(fig) -> dict:
-    """Titles, axis labels and legend placement of every axes that carries a plot."""
+    """Titles, axis labels and legend placement of every axes that carries a plot. An axes under a figure
+    title (suptitle) counts as titled; one that shares its x (y) axis with a labelled one counts as labelled."""
     bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
     axes = [ax for ax in fig.axes if (ax.has_data() or ax.get_title()) and ax not in bars]
-    return {"suptitle": fig._suptitle.get_text() if fig._suptitle is not None else "",
-            "axes": [{"title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
-                      "legend": ax.get_legend() is not None} for ax in axes],
+    suptitle = fig._suptitle.get_text() if fig._suptitle is not None else ""
+
+    def shared_label(ax, axis):  # its own label, or that of an axes it shares the axis with (stacked panels)
+        group = ax.get_shared_x_axes() if axis == "x" else ax.get_shared_y_axes()
+        for other in [ax] + [o for o in group.get_siblings(ax) if o is not ax]:
+            label = other.get_xlabel() if axis == "x" else other.get_ylabel()
+            if label.strip():
+                return label
+        return ""
+
+    return {"suptitle": suptitle,
+            "axes": [{"title": ax.get_title() or suptitle, "xlabel": shared_label(ax, "x"),
+                      "ylabel": shared_label(ax, "y"), "legend": ax.get_legend() is not None} for ax in axes],
             "colorbars": [ax.get_ylabel() or ax.get_xlabel() for ax in bars],
             "figure_legends": len(fig.legends)}
 
@@ -30,8 +41,6 @@ def check(fig) -> dict:
         raise ValueError("figure: no axes with data")
     for i, a in enumerate(d["axes"]):
         missing = [k for k in ("title", "xlabel", "ylabel") if not a[k].strip()]
-        if a["title"] == "" and d["suptitle"] and len(d["axes"]) == 1:
-            missing.remove("title")  # one panel under a figure title
         if missing:
             raise ValueError(f"figure: axes {i} ({a['title'] or 'untitled'}) has no {', '.join(missing)}")
     if not all(label.strip() for label in d["colorbars"]):

@@ -6,7 +6,9 @@
 # sparse indexer and attention branch on the host (how many requests, where each one's tokens start,
 # buffers sized by each sequence's length), so a serving engine captures the model in *pieces*: an
 # `@eager_break` function ends the current graph during capture, runs eagerly, and a new graph starts
-# after it. Replay = graph, eager call, graph, eager call, ...
+# after it. Replay = graph, eager call, graph, eager call, ... Where that break goes is what vLLM's pull request
+# "[Perf] Narrow DeepSeek V3.2 eager CUDA graph region" changed: it narrowed the eager region of each layer to
+# the sparse indexer and the sparse attention. This notebook shows the mechanism and each boundary's pieces.
 #
 # This notebook runs on the CPU with `dsv32ref.graphs.emulated.RecordingBackend`, a stand-in that records
 # the launches of each segment with the tensors they were called on and relaunches them on replay: the
@@ -18,11 +20,16 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on CPU tensors, on every machine
 
+import json
+import textwrap
+
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import Markdown, display
 
 from dsv32ref.graphs import BreakableCapture, CaptureError, eager_break, eager_breaks_enabled
 from dsv32ref.graphs.emulated import RecordingBackend
+from dsv32ref.report import GREY, OKABE_ITO, show, table
 
 torch.manual_seed(0)
 _ = torch.set_grad_enabled(False)
@@ -79,13 +86,13 @@ try:
     with BreakableCapture(RecordingBackend(), name="bad"):
         bad_region(torch.ones(3))
 except CaptureError as e:
-    print("CaptureError:", str(e)[:150], "...")
+    print(textwrap.fill(f"CaptureError: {e}", 108, subsequent_indent="  "))
 try:
     with BreakableCapture(RecordingBackend(), name="outer"):
         with BreakableCapture(RecordingBackend(), name="inner"):
             pass
 except CaptureError as e:
-    print("CaptureError:", e)
+    print(textwrap.fill(f"CaptureError: {e}", 108, subsequent_indent="  "))
 
 # %% [markdown]
 # In FULL mode the breaks are switched off: the eager regions are captured like any op, one graph.
@@ -138,9 +145,7 @@ for boundary in BOUNDARIES:
             rows.append((boundary, graph.pattern, in_graphs, how))
     same = torch.allclose(logits[CUDAGraphMode.NONE], logits[CUDAGraphMode.PIECEWISE], atol=1e-5)
     rows[-1] += (same,)
-print(f"{'boundary':<12} {'segments':<12} {'launches in graphs':>19}  step ran as  replay == eager")
-for b, pattern, n, how, same in rows:
-    print(f"{b:<12} {pattern:<12} {n:>19}  {how:<11}  {same}")
+table(["boundary", "segments", "launches in graphs", "step ran as", "replay == eager"], [list(r) for r in rows])
 
 # %% [markdown]
 # The segment pattern is the same for every boundary (one eager region per layer, so layers + 1
@@ -151,7 +156,7 @@ for b, pattern, n, how, same in rows:
 # %%
 from dsv32ref.experiments.ledger import ASSUMED_SMS, predict
 
-COLORS = {True: "#e07b39", False: "#3b75af"}  # direct (eager) / in a graph
+COLORS = {True: OKABE_ITO[5], False: OKABE_ITO[0]}  # direct (eager) / in a graph
 fig, axes = plt.subplots(len(BOUNDARIES), 1, figsize=(11, 5.2), sharex=True)
 for ax, boundary in zip(axes, BOUNDARIES):
     eng = LLMEngine(cfg.replace(num_hidden_layers=1, indexer_types=None, first_k_dense_replace=1),
@@ -172,16 +177,57 @@ for ax, boundary in zip(axes, BOUNDARIES):
     ax.set_yticks([])
     ax.set_ylabel(boundary, rotation=0, ha="right", va="center")
     ax.set_ylim(-0.6, 1.6)
-    print(f"{boundary:<12} launches in the layer: {len(events)}, eager (direct): {n_direct} {eager_regions}")
-axes[-1].set_xlabel("launches of one layer, in order (blue: inside a graph, orange: eager)")
+    print(f"{boundary:<19} launches in the layer: {len(events):>2}, eager (direct): {n_direct:>2}")
+    if eager_regions:
+        print(f"{'':<19} eager: {', '.join(eager_regions)}")
+axes[-1].set_xlabel("launches of one layer, in order (blue: inside a graph, vermilion: eager)")
 fig.suptitle("What each eager boundary leaves outside the graphs (one layer, 8-token prefill)")
-plt.tight_layout()
-plt.show()
+show(fig)
 
 # %% [markdown]
-# `wide` leaves the norm/RoPE kernel, the q_b GEMM, the W_UK BMM, the indexer's wq_b GEMM and the fused-Q
-# kernel eager in every layer: with GLM-5.2's 78 layers (21 with an indexer) that is
-# 78 + 78 + 78 + 99 = 333 more direct launches per forward than `narrow`, the seeds' number.
-# `narrow_copy` and `narrow_out` take the UV BMM into the graphs as well; the copy variant pays one
-# device-to-device copy per layer for it. `notebooks/04_launches_and_ttft.ipynb` measures all of this on
-# an H200.
+# ## 4. The whole forward, GLM-5.2 at full depth
+# The launch ledger predicted on a CPU for the real layer count (`dsv32ref ledger --predict`,
+# `data/ledger_predicted_glm-5.2.json`): per layer, the kernels inside its graph segment (blue) and the
+# launches of its eager region (vermilion), widths to scale, one strip per boundary.
+
+# %%
+with open("../data/ledger_predicted_glm-5.2.json") as fh:
+    pred = json.load(fh)
+with open("../data/seeds.json") as fh:
+    seeds = json.load(fh)
+shown = [b for b in BOUNDARIES if b in pred["variants"]]
+fig, axes = plt.subplots(len(shown), 1, figsize=(12, 0.55 * len(shown) + 1.4), sharex=True)
+for ax, b in zip(axes, shown):
+    x = 0
+    for layer in pred["variants"][b]["layers"]:
+        g, e = layer["graph"], sum(layer["direct"].values())
+        ax.barh(0, g, left=x, color=OKABE_ITO[0], height=0.8)
+        ax.barh(0, e, left=x + g, color=OKABE_ITO[5], height=0.8)
+        x += g + e
+    v = pred["variants"][b]
+    ax.set_yticks([])
+    ax.set_ylabel(f"{b}\n{v['graph_launches']} G, {sum(v['direct'].values())} E", rotation=0, ha="right",
+                  va="center", fontsize=8)
+axes[-1].set_xlabel("launches of one forward in order (blue: inside graph segments, vermilion: eager)")
+fig.suptitle(f"GLM-5.2, {len(pred['variants']['narrow']['layers'])} layers, 8-token prefill: the G E G E ... "
+             f"strip of one forward per boundary (predicted ledger)")
+show(fig)
+
+# %% [markdown]
+# ## Conclusion
+
+# %%
+w, n = pred["variants"]["wide"], pred["variants"]["narrow"]
+moved = sum(w["direct"].values()) - sum(n["direct"].values())
+tr = seeds["launch_trace"]
+display(Markdown(
+    f"- A breakable graph is an ordinary capture cut at each `@eager_break`: replay runs the segments and the "
+    f"eager calls in order, and the rules (no tensor allocated inside an eager region, no nested captures) "
+    f"are checked at capture time.\n"
+    f"- `wide` leaves the norm/RoPE kernel, the q_b GEMM, the W_UK BMM, the indexer's wq_b GEMM and the fused-Q "
+    f"kernel eager in every layer: on GLM-5.2's {len(w['layers'])} layers that is {moved} more direct launches "
+    f"per forward than `narrow`. The PR's trace counted {tr['fewer_direct_launches']} fewer, with "
+    f"{tr['graph_launches_kept']} graph launches kept; our ledger predicts {n['graph_launches']}.\n"
+    f"- `narrow_copy` and `narrow_out` take the UV BMM into the graphs as well (the copy variant pays one "
+    f"device-to-device copy per layer for it), and `none` has no eager region at all: one graph. Notebook 04 "
+    f"measures these launches and what they cost on an H200; notebook 06 what `none` gains."))
