@@ -1,11 +1,11 @@
 # %% [markdown]
 # # Launches and TTFT of each eager boundary, on one H200
 #
-# The seeds report, for GLM-5.2 under breakable CUDA graphs (TP4/EP4, dummy weights, 256 sequential
-# 8-token requests with one output token after 8 warm-ups): narrowing the eager region removed 333 direct
-# launches per request (78 norm/RoPE, 78 W_UK BMMs, 99 query/indexer GEMMs, 78 fused-Q) while keeping 79
-# graph launches, and mean TTFT went from 57.42 to 28.72 ms; copying the attention output into a static
-# buffer (UV BMM captured) was 7.43 % faster still under PIECEWISE (26.51 vs 28.64 ms).
+# vLLM's pull request "[Perf] Narrow DeepSeek V3.2 eager CUDA graph region" measured GLM-5.2 under breakable
+# CUDA graphs (TP4/EP4, dummy weights, 256 sequential 8-token requests with one output token, after
+# warm-ups): how many direct launches narrowing removed, how many graph launches it kept, and the mean TTFT
+# before and after; and, in a PIECEWISE-only run, what copying the attention output into a static buffer
+# gained. Its figures are in `data/seeds.json` and printed below.
 #
 # Here the same protocol runs on one H200 with our engine (`python -m dsv32ref ttft`), GLM-5.2's and
 # DeepSeek-V3.2's attention at full size with a reduced MoE (see below), and the ledger is also predicted
@@ -16,6 +16,9 @@
 import json
 
 import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+from dsv32ref.report import GREY, OKABE_ITO, show, table
 
 
 def load(name):
@@ -29,10 +32,18 @@ SEEDS = {"wide": seeds["ttft"]["wide"]["mean_ms"], "narrow": seeds["ttft"]["narr
 runs = {m: load(f"ttft_{m}.json") for m in ("glm-5.2", "deepseek-v3.2")}
 predicted = {m: load(f"ledger_predicted_{m}.json") for m in ("glm-5.2", "deepseek-v3.2")}
 for m, r in runs.items():
-    p = r["provenance"]
+    p, pr = r["provenance"], r["protocol"]
     print(f"{m}: {p['device']}, driver {p['driver']}, torch {p['torch']}, {p['date'][:10]}, commit {p['git_commit'][:10]}")
-    print(f"   protocol {r['protocol']}")
-print("model reduction:", runs["glm-5.2"]["reduction"])
+    print(f"   {pr['requests']} requests after {pr['warmup']} warm-ups, {pr['prompt_len']}-token prompts, "
+          f"{pr['output_tokens']} output token, mode {pr['mode']}, TP {pr['tensor_parallel']}")
+tr, pw = seeds["launch_trace"], seeds["piecewise_only"]
+display(Markdown(
+    f"**The PR** ({seeds['setup']['parallel']}, {seeds['setup']['model']}): mean TTFT "
+    f"{SEEDS['wide']:.2f} ms before, {SEEDS['narrow']:.2f} ms after; {tr['fewer_direct_launches']} fewer direct "
+    f"launches per request ({', '.join(f'{v} {k}' for k, v in tr['moved_into_graphs'].items())}), "
+    f"{tr['graph_launches_kept']} graph launches kept; in the PIECEWISE-only run the copy variant took "
+    f"{pw['narrow_copy_mean_ms']:.2f} ms against {pw['narrow_mean_ms']:.2f} ({pw['copy_faster_percent']:.2f} % "
+    f"faster). **Our model reduction**: {runs['glm-5.2']['reduction']}"))
 
 # %% [markdown]
 # ## The launch ledger of one request (GLM-5.2)
@@ -46,41 +57,41 @@ CLASSES = ["norm_rope", "q_gemm", "wuk_bmm", "fused_q", "indexer", "attention", 
 
 def ledger_table(model):
     r, p = runs[model], predicted[model]
-    print(f"{'':<17}" + "".join(f"{c:>10}" for c in CLASSES + ["memcpy", "other", "graphs"]))
+    rows = []
     for v, res in r["variants"].items():
         if "+" in v:  # the arms (top-k skip, split graphs): variants of a boundary, its launches but for theirs
             continue
         meas, pred = res["ledger"], p["variants"][v]
-        row_m = [meas["direct"].get(c, 0) for c in CLASSES] + [sum(v_ for k, v_ in meas["memcpy"].items() if k != "other"),
-                                                                meas["direct"].get("other", 0), meas["graph_launches"]]
-        row_p = [pred["direct"].get(c, 0) for c in CLASSES] + [sum(pred["memcpy"].values()), "-", pred["graph_launches"]]
-        print(f"{v + ' meas':<17}" + "".join(f"{x:>10}" for x in row_m))
-        print(f"{'  predicted':<17}" + "".join(f"{x:>10}" for x in row_p))
         agree = all(meas["direct"].get(c, 0) == pred["direct"].get(c, 0) for c in CLASSES) and \
             meas["graph_launches"] == pred["graph_launches"]
-        print(f"{'  agree':<17}{agree}")
+        rows.append([f"{v} (measured)"] + [meas["direct"].get(c, 0) for c in CLASSES]
+                    + [sum(n for k, n in meas["memcpy"].items() if k != "other"), meas["direct"].get("other", 0),
+                       meas["graph_launches"], ""])
+        rows.append(["predicted"] + [pred["direct"].get(c, 0) for c in CLASSES]
+                    + [sum(pred["memcpy"].values()), "-", pred["graph_launches"], "yes" if agree else "NO"])
+    table(["variant"] + CLASSES + ["memcpy", "other", "graphs", "agree"], rows)
 
 
 ledger_table("glm-5.2")
 
 # %% [markdown]
-# What narrowing moved into graphs, wide minus narrow, beside the seeds' trace:
+# What narrowing moved into graphs, wide minus narrow, beside the PR's trace:
 
 # %%
-SEED_MOVED = {"norm_rope": 78, "wuk_bmm": 78, "q_gemm": 99, "fused_q": 78}
 w, n = (runs["glm-5.2"]["variants"][v]["ledger"]["direct"] for v in ("wide", "narrow"))
-moved = {c: w.get(c, 0) - n.get(c, 0) for c in SEED_MOVED}
-for c, seed in SEED_MOVED.items():
-    print(f"{c:<10} ours {moved[c]:>4}   seeds {seed:>4}   match: {moved[c] == seed}")
-print(f"{'total':<10} ours {sum(moved.values()):>4}   seeds  333   match: {sum(moved.values()) == 333}")
-print("graph launches per forward:", runs["glm-5.2"]["variants"]["narrow"]["ledger"]["graph_launches"], "(seeds: 79)")
+moved = {c: w.get(c, 0) - n.get(c, 0) for c in tr["moved_into_graphs"]}
+rows = [[c, moved[c], pr_n, moved[c] == pr_n] for c, pr_n in tr["moved_into_graphs"].items()]
+rows.append(["total", sum(moved.values()), tr["fewer_direct_launches"], sum(moved.values()) == tr["fewer_direct_launches"]])
+g = runs["glm-5.2"]["variants"]["narrow"]["ledger"]["graph_launches"]
+rows.append(["graph launches per forward", g, tr["graph_launches_kept"], g == tr["graph_launches_kept"]])
+table(["class", "ours", "the PR", "equal"], rows)
 
 # %%
 ledger_table("deepseek-v3.2")
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-palette = plt.cm.tab10.colors
+fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+palette = OKABE_ITO
 for ax, model in zip(axes, runs):
     variants = list(runs[model]["variants"])
     bottom = [0] * len(variants)
@@ -89,11 +100,11 @@ for ax, model in zip(axes, runs):
         ax.bar(variants, vals, bottom=bottom, color=color, label=c)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_title(f"{model}: direct launches per request")
-    ax.tick_params(axis="x", rotation=20)
+    ax.set_xlabel("variant")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
 axes[0].set_ylabel("direct kernel launches")
 axes[1].legend(fontsize=8)
-plt.tight_layout()
-plt.show()
+show(fig)
 
 # %% [markdown]
 # ## TTFT
@@ -105,22 +116,19 @@ plt.show()
 # %%
 def ttft_table(model):
     vs = runs[model]["variants"]
-    print(f"{model} (latest run, {runs[model]['provenance']['git_commit'][:7]})")
-    print(f"{'variant':<20}{'mean':>9}{'median':>9}{'p99':>9}{'req/s':>8}{'floor':>8}{'mean/floor':>11}")
-    for v, r in vs.items():
-        floor = r["ledger"]["gpu_busy_ms"]
-        print(f"{v:<20}{r['mean_ms']:>9.2f}{r['median_ms']:>9.2f}{r['p99_ms']:>9.2f}"
-              f"{r['req_per_s']:>8.1f}{floor:>8.2f}{r['mean_ms'] / floor:>11.2f}")
-    print(f"wide/narrow {vs['wide']['mean_ms'] / vs['narrow']['mean_ms']:.2f} (medians "
-          f"{vs['wide']['median_ms'] / vs['narrow']['median_ms']:.2f}); narrow_copy vs narrow: "
-          f"{1 - vs['narrow_copy']['mean_ms'] / vs['narrow']['mean_ms']:.1%} faster; narrow_out within "
-          f"{vs['narrow_out']['mean_ms'] / vs['narrow_out']['ledger']['gpu_busy_ms']:.2f}x of its floor")
-    print("same first tokens in every variant:", runs[model]["same_tokens_across_variants"])
+    display(Markdown(f"**{model}** (run at {runs[model]['provenance']['git_commit'][:7]})"))
+    table(["variant", "mean (ms)", "median (ms)", "p99 (ms)", "req/s", "floor (ms)", "mean / floor"],
+          [[v, r["mean_ms"], r["median_ms"], r["p99_ms"], f"{r['req_per_s']:.1f}", r["ledger"]["gpu_busy_ms"],
+            r["mean_ms"] / r["ledger"]["gpu_busy_ms"]] for v, r in vs.items()])
+    display(Markdown(
+        f"wide / narrow {vs['wide']['mean_ms'] / vs['narrow']['mean_ms']:.2f} (medians "
+        f"{vs['wide']['median_ms'] / vs['narrow']['median_ms']:.2f}); narrow_copy is "
+        f"{1 - vs['narrow_copy']['mean_ms'] / vs['narrow']['mean_ms']:.1%} faster than narrow; narrow_out is "
+        f"{vs['narrow_out']['mean_ms'] / vs['narrow_out']['ledger']['gpu_busy_ms']:.2f} x its floor; same first "
+        f"tokens in every variant: {runs[model]['same_tokens_across_variants']}."))
 
 
 ttft_table("glm-5.2")
-print("seeds (GLM-5.2, TP4/EP4): " + ", ".join(f"{k} {v:.2f} ms" for k, v in SEEDS.items())
-      + f"; wide/narrow {SEEDS['wide'] / SEEDS['narrow']:.2f}")
 
 # %%
 ttft_table("deepseek-v3.2")
@@ -133,12 +141,37 @@ for ax, model in zip(axes, runs):
     for i, r in enumerate(vs.values(), start=1):
         ax.plot([i - 0.3, i + 0.3], [r["ledger"]["gpu_busy_ms"]] * 2, color="black", lw=2)
     ax.plot([], [], color="black", lw=2, label="GPU-busy floor")
-    ax.set_xticks(range(1, len(vs) + 1), list(vs), rotation=20)
-    ax.set_title(f"{model}: TTFT of 256 requests (box: quartiles, whiskers: p1-p99)")
-axes[0].set_ylabel("ms")
-axes[0].legend(fontsize=8)
-plt.tight_layout()
-plt.show()
+    ax.set_xticks(range(1, len(vs) + 1), list(vs), rotation=30, fontsize=8)
+    ax.set_xlabel("variant")
+    ax.set_title(f"{model}: TTFT of {runs[model]['protocol']['requests']} requests\n"
+                 f"(box: quartiles, whiskers: p1-p99)")
+axes[0].set_ylabel("TTFT (ms)")
+axes[0].legend(fontsize=8, loc="upper right")
+show(fig)
+
+# %% [markdown]
+# TTFT as the GPU-busy floor plus what the step adds on top (host work and launch gaps), beside the PR's
+# mean TTFT (TP4/EP4, its own GPUs; no floor published). Our GPU reads every attention weight of the model,
+# four times one TP4 rank's share, so compare the ratios, not the milliseconds.
+
+# %%
+fig, ax = plt.subplots(figsize=(10, 4.2))
+vs = runs["glm-5.2"]["variants"]
+names = [v for v in vs if "+" not in v]
+floor = [vs[v]["ledger"]["gpu_busy_ms"] for v in names]
+ax.bar([i - 0.2 for i in range(len(names))], floor, 0.4, color=GREY, label="ours: GPU-busy floor")
+ax.bar([i - 0.2 for i in range(len(names))], [vs[v]["mean_ms"] - f for v, f in zip(names, floor)], 0.4,
+       bottom=floor, color=OKABE_ITO[5], label="ours: host and launch gaps above the floor")
+pr_bars = {"wide": SEEDS["wide"], "narrow": SEEDS["narrow"],
+           "narrow_copy": SEEDS["narrow_copy (PIECEWISE-only run)"]}
+ax.bar([names.index(v) + 0.2 for v in pr_bars], list(pr_bars.values()), 0.4, color=OKABE_ITO[0],
+       label="the PR: mean TTFT (narrow_copy: its PIECEWISE-only run)")
+ax.set_xticks(range(len(names)), names, fontsize=8)
+ax.set_xlabel("variant")
+ax.set_ylabel("mean TTFT (ms)")
+ax.set_title("GLM-5.2, 8-token prompts: TTFT = floor + what the step adds, ours (1 H200) and the PR's (TP4)")
+ax.legend(fontsize=8, loc="upper right")
+show(fig)
 
 # %% [markdown]
 # ## What the instrument costs
@@ -152,14 +185,14 @@ plt.show()
 # %%
 for model in runs:
     ab = runs[model]["instrument"]
-    print(f"{model}: one region costs {ab['region_cost_ns']['off']:.0f} ns off, {ab['region_cost_ns']['on']:.0f} ns on")
-    print(f"{'variant':<12}{'median with ranges':>20}{'without':>10}{'difference':>12}{'regions':>9}{'left, off':>11}")
-    for v, a in ab["variants"].items():
-        print(f"{v:<12}{a['with_ranges']['median_ms']:>17.2f} ms{a['without']['median_ms']:>10.2f}"
-              f"{a['ranges_median_ms']:>+12.2f}{a['regions_entered_per_request']:>9}{a['remaining_ms_per_request']:>8.3f} ms")
     vs = runs[model]["variants"]
-    print(f"wide/narrow (means): {vs['wide']['mean_ms'] / vs['narrow']['mean_ms']:.2f} without ranges, "
-          f"{ab['wide_over_narrow_with_ranges']:.2f} with them")
+    display(Markdown(f"**{model}**: one region costs {ab['region_cost_ns']['off']:.0f} ns off, "
+                     f"{ab['region_cost_ns']['on']:.0f} ns on; wide / narrow (means) "
+                     f"{vs['wide']['mean_ms'] / vs['narrow']['mean_ms']:.2f} without ranges, "
+                     f"{ab['wide_over_narrow_with_ranges']:.2f} with them"))
+    table(["variant", "median with ranges (ms)", "without (ms)", "difference (ms)", "regions", "left, off (ms)"],
+          [[v, a["with_ranges"]["median_ms"], a["without"]["median_ms"], f"{a['ranges_median_ms']:+.2f}",
+            a["regions_entered_per_request"], f"{a['remaining_ms_per_request']:.3f}"] for v, a in ab["variants"].items()])
 
 # %% [markdown]
 # ## Where the time goes
@@ -170,32 +203,36 @@ for model in runs:
 
 # %%
 for model in runs:
-    print(model)
-    print(f"{'variant':<20}{'floor':>8}{'GPU idle':>10}{'eager host':>12}{'TTFT mean':>11}")
-    for v, r in runs[model]["variants"].items():
-        led = r["ledger"]
-        print(f"{v:<20}{led['gpu_busy_ms']:>8.2f}{led['gpu_idle_ms']:>10.2f}{led['eager_region_host_ms']:>12.2f}"
-              f"{r['mean_ms']:>11.2f}")
+    display(Markdown(f"**{model}** (the profiled request: its host regions run with the profiler on)"))
+    table(["variant", "floor (ms)", "GPU idle (ms)", "eager host (ms)", "TTFT mean (ms)"],
+          [[v, r["ledger"]["gpu_busy_ms"], r["ledger"]["gpu_idle_ms"], r["ledger"]["eager_region_host_ms"],
+            r["mean_ms"]] for v, r in runs[model]["variants"].items()])
     reg = runs[model]["variants"]["narrow"]["ledger"]["gpu_ms_by_region_eager"]
     total = sum(reg.values())
-    top = ", ".join(f"{k} {v / total:.0%}" for k, v in list(reg.items())[:6])
-    print(f"kernel time by region ({total:.1f} ms): {top}")
+    print(f"kernel time by region ({total:.1f} ms): " + ", ".join(f"{k} {v / total:.0%}" for k, v in list(reg.items())[:6]))
 
 # %% [markdown]
-# ## Reading it
-# - The ledger reproduces the seeds' arithmetic exactly on GLM-5.2: narrowing moves 78 norm/RoPE,
-#   78 W_UK BMM, 99 query/indexer GEMM and 78 fused-Q launches into graphs (333), with 79 graph launches
-#   per forward; the CPU prediction equals the profiler's count class by class. The copy variants' copy
-#   is a device-to-device `cudaMemcpyAsync`, not a kernel, so it shows up under memcpy.
-# - Every variant has the same GPU-busy floor (same kernels); TTFT above the floor is host time. The wide
-#   variant spends it launching its direct kernels (the ledger above) one by one from Python between graph
-#   segments: its eager regions' host time is several times the others', and the GPU idles for most of the
-#   request. That is what narrowing removes, and why wide/narrow depends on the host. An always-on
-#   instrument is host time too: it inflated wide/narrow (the A/B above), which is why the regions are
-#   open only while the ledger profiles. `narrow_out` comes closest to the floor.
-# - Capturing the UV BMM (`narrow_copy`, `narrow_copy_shared`, `narrow_out`) beats leaving it eager, as in
-#   the seeds; the copy variants are slower than `narrow_out` by their memcpy per layer. Whether the copy
-#   variant can start at all is the subject of notebook 05.
-# - The floor includes reading every weight of the model per forward on one GPU (all attention at full
-#   width): far more than one TP4 rank reads, so our absolute times are not the seeds'. The reduced MoE
-#   (4 experts, computed densely) is about half of the kernel time.
+# ## Conclusion
+
+# %%
+g = runs["glm-5.2"]["variants"]
+reg = g["narrow"]["ledger"]["gpu_ms_by_region_eager"]
+display(Markdown(
+    f"- The ledger reproduces the PR's arithmetic exactly on GLM-5.2: narrowing moves "
+    f"{sum(moved.values())} launches into graphs ({tr['fewer_direct_launches']} in the PR), with "
+    f"{g['narrow']['ledger']['graph_launches']} graph launches per forward ({tr['graph_launches_kept']}); the CPU "
+    f"prediction equals the profiler's count class by class. The copy variants' copy is a device-to-device "
+    f"`cudaMemcpyAsync`, not a kernel, so it shows up under memcpy.\n"
+    f"- wide / narrow is {g['wide']['mean_ms'] / g['narrow']['mean_ms']:.2f} here against "
+    f"{SEEDS['wide'] / SEEDS['narrow']:.2f} in the PR. Every variant has about the same GPU-busy floor (same "
+    f"kernels); TTFT above it is host time: `wide` launches its direct kernels one by one from Python between "
+    f"graph segments, and the GPU idles. An always-on instrument is host time too, which is why the ranges are "
+    f"open only while the ledger profiles.\n"
+    f"- Capturing the UV BMM beats leaving it eager, as in the PR: narrow_copy is "
+    f"{1 - g['narrow_copy']['mean_ms'] / g['narrow']['mean_ms']:.1%} faster than narrow here "
+    f"({seeds['piecewise_only']['copy_faster_percent']:.2f} % in the PR's PIECEWISE-only run), and `narrow_out`, "
+    f"which needs no copy, is closest to the floor of the five PR-era variants. Whether the copy variant can "
+    f"start at all is notebook 05's subject.\n"
+    f"- What is different here: one GPU reads every weight of the model per forward (all attention at full "
+    f"width), far more than one TP4 rank, so our milliseconds are not the PR's; the reduced MoE (dense experts) "
+    f"is {reg.get('moe', 0) / sum(reg.values()):.0%} of the kernel time."))
