@@ -24,6 +24,7 @@ from IPython.display import Markdown, display
 
 from dsv32ref import ModelConfig
 from dsv32ref.engine import BOUNDARIES
+from dsv32ref.report import OKABE_ITO, show
 
 
 def load(name):
@@ -36,7 +37,7 @@ run = load("ttft_glm-5.2.json")
 regimes = load("regimes_glm-5.2.json")
 predicted = load("ledger_predicted_glm-5.2.json")
 vs = run["variants"]
-COLORS = dict(zip(BOUNDARIES, ["#0072B2", "#E69F00", "#009E73", "#56B4E9", "#CC79A7", "#000000"]))  # Okabe-Ito
+COLORS = dict(zip(BOUNDARIES, OKABE_ITO[:5] + [OKABE_ITO[7]]))
 for name, d in (("TTFT run", run), ("regime map", regimes), ("prediction", predicted)):
     p = d["provenance"]
     print(f"{name:<11} {p['device']}, torch {p['torch']}, commit {p['git_commit'][:10]}, {p['date'][:10]}")
@@ -85,11 +86,11 @@ for i, v in enumerate(names):
     ax.text(vs[v]["mean_ms"] + 0.3, i, f"{vs[v]['ttft_over_floor']:.2f}x", va="center", fontsize=8)
 ax.axvline(seeds["ttft"]["narrow"]["mean_ms"], color="black", ls=":", lw=1, label="PR: narrow, TP4 (mean)")
 ax.set_xlabel("mean TTFT (ms)")
+ax.set_ylabel("variant")
 ax.set_title("GLM-5.2, 8-token prompts: TTFT = floor + what the step adds (one H200)")
 ax.legend(loc="lower right", fontsize=8)
 ax.set_xlim(0, max(vs[v]["mean_ms"] for v in names) * 1.12)
-plt.tight_layout()
-plt.show()
+show(fig)
 
 # %% [markdown]
 # **Does the launch of a 3272-node graph hold the GPU back?** The host needs most of a millisecond to launch
@@ -147,8 +148,7 @@ axes[0].set_title("TTFT against prompt length (dotted: the largest capture size)
 axes[1].set_ylabel("TTFT / GPU-busy floor")
 axes[1].set_title("what the step adds, relative to the floor")
 axes[0].legend(fontsize=8, loc="upper left")
-plt.tight_layout()
-plt.show()
+show(fig)
 
 # %%
 top = max(regimes["protocol"]["capture_sizes"])
@@ -181,8 +181,7 @@ for ax, (C, rows_) in zip(axes, D.items()):
     ax.set_ylabel("median time per output token (ms)")
     ax.set_title(f"decode at {C} tokens of context")
 axes[0].legend(fontsize=7, ncol=2)
-plt.tight_layout()
-plt.show()
+show(fig)
 
 # %%
 C_hi = max(D, key=int)
@@ -208,11 +207,13 @@ display(Markdown(
 # %%
 tm = predicted["ttft_model"]
 c = tm["host_costs"]
-print("host costs (us): " + ", ".join(f"{k} {c[k]:.2f}" for k in ("aten_launch_us", "gemm_launch_us", "memcpy_us",
-                                                                   "graph_launch_us", "graph_node_us",
-                                                                   "eager_region_us", "in_graph_gap_us",
-                                                                   "stage_us", "sync_us")))
-print("Triton launchers (us): " + ", ".join(f"{k} {x:.0f}" for k, x in c["wrapper_us"].items()))
+keys = ("aten_launch_us", "gemm_launch_us", "memcpy_us", "graph_launch_us", "graph_node_us", "eager_region_us",
+        "in_graph_gap_us", "stage_us", "sync_us")
+print("host costs (us): " + ", ".join(f"{k[:-3]} {c[k]:.2f}" for k in keys[:5]))
+print("                 " + ", ".join(f"{k[:-3]} {c[k]:.2f}" for k in keys[5:]))
+wr = list(c["wrapper_us"].items())
+print("Triton launchers (us): " + ", ".join(f"{k} {x:.0f}" for k, x in wr[:3]))
+print("                       " + ", ".join(f"{k} {x:.0f}" for k, x in wr[3:]))
 rows = "\n".join(f"| {v} | {m['host_source']} | {m['host_forward_ms']:.2f} | {m['gpu_forward_ms']:.2f} "
                  f"| {m['host_bound_layers']} / {m['layers']} | {m['ttft_ms']:.2f} | {m['measured_ttft_ms']:.2f} "
                  f"| {m['miss_pct']:+.1f} | {m['measured_median_ms']:.2f} | {m['miss_median_pct']:+.1f} |"
@@ -230,10 +231,10 @@ ax.bar([i + 0.2 for i in x], [tm["variants"][v]["measured_ttft_ms"] for v in nam
        label="measured (mean)")
 ax.set_xticks(list(x), names, rotation=15)
 ax.set_ylabel("TTFT (ms)")
+ax.set_xlabel("variant")
 ax.set_title("TTFT model against the measurement, 8-token prompts")
 ax.legend(fontsize=8, loc="upper right")
-plt.tight_layout()
-plt.show()
+show(fig)
 
 # %%
 miss = {v: m for v, m in tm["variants"].items() if abs(m["miss_pct"]) > 10}
@@ -241,11 +242,26 @@ ok = [v for v in tm["variants"] if v not in miss]
 ok_median = [v for v, m in tm["variants"].items() if abs(m["miss_median_pct"]) <= 10]
 text = (f"Host costs from {tm['host_costs_from']}. Within 10 % of the measured mean: {', '.join(ok) or 'none'}; "
         f"of the median: {', '.join(ok_median) or 'none'} (the model prices one typical request). ")
+
+
+def slow_requests(v):
+    """Indices of the requests more than 10 % above the variant's median TTFT."""
+    x = vs[v]["ttft_ms"]
+    med = sorted(x)[len(x) // 2]
+    return {i for i, t in enumerate(x) if t > 1.1 * med}
+
+
 for v, m in miss.items():
     slow = m["measured_ttft_ms"] - m["measured_median_ms"]
+    other = "narrow" if v != "narrow" else "wide"
+    mine, theirs = slow_requests(v), slow_requests(other)
     text += (f"`{v}` misses the mean by {m['miss_pct']:+.1f} % and the median by {m['miss_median_pct']:+.1f} %: "
              f"its mean is {slow:.2f} ms above its median, the host's slow requests (p99 "
-             f"{vs[v]['p99_ms']:.1f} ms), which a model of one typical request does not contain. ")
+             f"{vs[v]['p99_ms']:.1f} ms), which a model of one typical request does not contain. They come in "
+             f"bursts that hit every host-heavy arm at once: of `{v}`'s {len(mine)} requests more than 10 % above "
+             f"its median, {len(mine & theirs) / max(len(mine), 1):.0%} are slow for `{other}` too at the same "
+             f"request index (the arms run within a fraction of a second of each other), and `none`, whose host "
+             f"waits on the GPU, has {len(slow_requests('none'))}: the machine's host, not the variant. ")
 fl = {v: m["host_forward_ms"] - m["host_forward_from_launches_ms"] for v, m in tm["variants"].items()
       if m["host_source"] == "measured regions"}
 text += ("The eager regions' host times, measured in replay, differ from the sum of their launches' costs "
