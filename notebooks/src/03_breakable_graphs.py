@@ -86,13 +86,13 @@ try:
     with BreakableCapture(RecordingBackend(), name="bad"):
         bad_region(torch.ones(3))
 except CaptureError as e:
-    print(textwrap.fill(f"CaptureError: {e}", 108, subsequent_indent="  "))
+    print(textwrap.fill(f"CaptureError: {e}", 98, subsequent_indent="  "))
 try:
     with BreakableCapture(RecordingBackend(), name="outer"):
         with BreakableCapture(RecordingBackend(), name="inner"):
             pass
 except CaptureError as e:
-    print(textwrap.fill(f"CaptureError: {e}", 108, subsequent_indent="  "))
+    print(textwrap.fill(f"CaptureError: {e}", 98, subsequent_indent="  "))
 
 # %% [markdown]
 # In FULL mode the breaks are switched off: the eager regions are captured like any op, one graph.

@@ -100,7 +100,7 @@ failed = [r for r in runs if r["failed"] and not r.get("threshold_check")]
 msg = failed[0]["failed"]
 first = msg.split("\n")[0]
 for part in [first] + msg[msg.index("memory ledger"):].split("\n"):
-    print(textwrap.fill(part, 108, subsequent_indent="    "))
+    print(textwrap.fill(part, 98, subsequent_indent="    "))
 
 # %% [markdown]
 # ## What the device memory holds during capture
