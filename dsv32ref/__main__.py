@@ -8,6 +8,8 @@
                                 TP4 rank's heads; one table, PR / ours (GPU) -> data/
     dsv32ref regimes            TTFT against prompt length, decode TPOT per batch and context (GPU)
                                                                             -> data/regimes_<preset>.json
+    dsv32ref timeline           one profiled request per boundary on a time axis (GPU)
+                                                                            -> data/timeline_<preset>.json
     dsv32ref kernels            the kernel benchmark (GPU)                     -> data/kernels.json
     dsv32ref ledger --predict   launch ledger of each eager boundary, on a CPU -> data/ledger_predicted.json
     dsv32ref ttft               TTFT + measured ledger of each boundary (GPU)  -> data/ttft_<preset>.json
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     rg = sub.add_parser("regimes", help="TTFT against prompt length and decode TPOT, every variant (GPU)")
     rg.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
     rg.add_argument("--out", default=None)
+    tl = sub.add_parser("timeline", help="one profiled request per boundary on a time axis (GPU)")
+    tl.add_argument("--model", default="glm-5.2", choices=["glm-5.2", "deepseek-v3.2", "glm-5"])
+    tl.add_argument("--out", default=None)
     k = sub.add_parser("kernels", help="kernel benchmark on the GPU")
     k.add_argument("--out", default="data/kernels.json")
     k.add_argument("--quick", action="store_true")
@@ -239,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
                 instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else (),
                 skip_topk=tuple(args.skip_topk), split=tuple(args.split))
         return 0
-    if args.cmd in ("hostcosts", "regimes"):  # one GPU experiment per model -> data/<name>_<model>.json
-        from dsv32ref.experiments import host_costs, regimes
+    if args.cmd in ("hostcosts", "regimes", "timeline"):  # one GPU experiment per model -> data/<name>_<model>.json
+        from dsv32ref.experiments import host_costs, regimes, timeline
 
-        name, experiment = {"hostcosts": ("host_costs", host_costs), "regimes": ("regimes", regimes)}[args.cmd]
+        name, experiment = {"hostcosts": ("host_costs", host_costs), "regimes": ("regimes", regimes),
+                            "timeline": ("timeline", timeline)}[args.cmd]
         if not torch.cuda.is_available():
             print(f"{args.cmd} needs a CUDA GPU; the recorded results are in data/{name}_<model>.json")
             return 2

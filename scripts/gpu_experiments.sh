@@ -9,6 +9,7 @@
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary        -> OUTDIR/capture_memory_glm-5.2_h16.json
 #   history    the same with the allocator's history, narrow_copy                  -> OUTDIR/capture_memory_glm-5.2_h16_history.json
 #   regimes    TTFT against prompt length, decode TPOT, every variant              -> OUTDIR/regimes_glm-5.2.json
+#   timeline   one profiled request per boundary on a time axis (MODELS)         -> OUTDIR/timeline_<model>.json
 #   hostcosts  the TTFT model's host costs, per-region times included (MODELS)     -> OUTDIR/host_costs_<model>.json
 #   main       the main job, `python -m dsv32ref --quick`, timed; what it writes to data/ goes to OUTDIR/main/
 #              and data/ is put back as it was                                     -> OUTDIR/main.log
@@ -39,6 +40,11 @@ for step in "$@"; do
     regimes)
       timeout 420 python3 -m dsv32ref regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" 2>&1 \
         | tr '\r' '\n' | grep -v "all variants.*\] [0-9]*/" | tee "$OUT/regimes.log" | tail -6 ;;
+    timeline)
+      for model in ${MODELS:-glm-5.2}; do
+        timeout 240 python3 -m dsv32ref timeline --model "$model" --out "$OUT/timeline_$model.json" 2>&1 \
+          | tee "$OUT/timeline_$model.log" | tail -6
+      done ;;
     hostcosts)
       for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
         timeout 240 python3 -m dsv32ref hostcosts --model "$model" --out "$OUT/host_costs_$model.json" 2>&1 \

@@ -282,3 +282,34 @@ def test_ttft_model_prices_split_segments_as_launches_not_regions():
     for p in (one, split):
         assert abs(p["fixed"]["first_launch_ms"] - 0.11) < 1e-12  # 10 us + the first layer's 100 nodes
     assert split["eager_regions"] == 0 and split["forward_ms"] == one["forward_ms"] == 2.0  # GPU-bound layers
+
+
+def test_timeline_merges_busy_stretches_and_keeps_the_gaps_it_hides():
+    from dsv32ref.experiments.timeline import merge
+
+    merged, hidden = merge([(10.0, 12.0), (0.0, 5.0), (5.5, 6.0), (20.0, 21.0), (11.0, 13.0)], gap=2.0)
+    assert merged == [[0.0, 6.0], [10.0, 13.0], [20.0, 21.0]] and hidden == 0.5
+    assert merge([], 1.0) == ([], 0.0)
+
+
+@pytest.mark.gpu
+def test_timeline_records_one_request_per_boundary():
+    """A tiny engine: the narrow request alternates graph launches and eager regions, in order, inside the
+    request; none has one launch and no region; the GPU is busy inside the request's span."""
+    from test_engine import _gpu_config
+
+    from dsv32ref import init_dummy_weights
+    from dsv32ref.experiments.timeline import record
+
+    cfg = _gpu_config("tiny-glm-5.2")
+    ref = init_dummy_weights(tiny_model("tiny-glm-5.2", dtype=torch.float32).__class__(cfg), 0).to("cuda", torch.bfloat16)
+    for boundary in ("narrow", "none"):
+        eng = _engine(ref.eval(), boundary, capture_sizes=(8,), device="cuda")
+        eng.capture()
+        r = record(eng, list(range(3, 11)))
+        n = len(r["host_graph_launch"])
+        assert (n, len(r["host_eager"])) == ((cfg.num_hidden_layers + 1, cfg.num_hidden_layers) if boundary == "narrow"
+                                             else (1, 0))
+        assert all(0 <= s <= e <= r["request_us"] for s, e in r["host_graph_launch"] + r["host_eager"])
+        assert r["gpu_busy"] and r["kernel_us"] > 0
+        eng.release_graphs()

@@ -1,0 +1,100 @@
+"""One replayed request per boundary on a time axis: what the host does (graph launches, eager regions) and
+when the GPU is busy, from the CUDA profiler. The picture behind the TTFT table: why `wide` is slow.
+
+    dsv32ref timeline --model glm-5.2   (GPU)   -> data/timeline_glm-5.2.json
+
+Per boundary, times in microseconds from the start of the request (LLMEngine.generate, one 8-token prefill):
+    host_graph_launch  [start, end] of each cudaGraphLaunch call
+    host_eager         [start, end] of each eager region (the instrument's eager:: ranges)
+    gpu_busy           [start, end] of the GPU's busy stretches: kernel intervals merged where less than
+                       `merge_gap_us` apart (the figure cannot show gaps that short; their sum is kept)
+    request_us         the request's host duration, from its first to its last instruction
+The profiled request runs with the profiler and the eager ranges on, so its host side is slower than the
+TTFT run's (whose medians are printed beside it); the order of events and the GPU's idle stretches are what
+it shows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv32ref.experiments.ledger import _is_annotation
+
+
+def merge(intervals: list[tuple[float, float]], gap: float) -> tuple[list[list[float]], float]:
+    """Sorted intervals merged where the next starts less than `gap` after the current ends; returns (merged,
+    total idle time inside the gaps that were merged away)."""
+    out: list[list[float]] = []
+    hidden = 0.0
+    for s, e in sorted(intervals):
+        if out and s - out[-1][1] < gap:
+            hidden += max(s - out[-1][1], 0.0)
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out, hidden
+
+
+def record(engine, prompt: list[int], merge_gap_us: float = 2.0) -> dict:
+    """Profile one request of `engine` (a CUDA LLMEngine, graphs captured) and return its timeline."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dsv32ref.instrument import measuring
+
+    with measuring():
+        for _ in range(2):
+            engine.generate(prompt, 1)  # warm
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("timeline::request"):
+                engine.generate(prompt, 1)
+            torch.cuda.synchronize()
+    events = prof.events()
+    req = next(e for e in events if e.name == "timeline::request" and e.device_type == torch.autograd.DeviceType.CPU)
+    t0 = req.time_range.start
+    kernels, launches, eager = [], [], []
+    for e in events:
+        s, t = e.time_range.start - t0, e.time_range.end - t0
+        if e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e):
+            kernels.append((s, t))
+        elif e.name == "cudaGraphLaunch":
+            launches.append([s, t])
+        elif e.name.startswith("eager::") and e.device_type == torch.autograd.DeviceType.CPU:
+            eager.append([s, t])
+    busy, hidden = merge(kernels, merge_gap_us)
+    return {"request_us": req.time_range.end - t0, "host_graph_launch": sorted(launches), "host_eager": sorted(eager),
+            "gpu_busy": busy, "kernels": len(kernels), "kernel_us": sum(t - s for s, t in kernels),
+            "merged_gaps_us": hidden, "merge_gap_us": merge_gap_us}
+
+
+def run(preset: str = "glm-5.2", variants=("wide", "narrow", "narrow_out", "none"), prompt_len: int = 8, seed: int = 0,
+        out: str | None = None) -> dict:
+    """record() for each boundary, engines built as the TTFT experiment builds them; written to `out`."""
+    from dsv32ref.engine import EngineConfig, LLMEngine, build_model
+    from dsv32ref.experiments.ttft import REDUCTION, reduced_config
+    from dsv32ref.graphs import CUDAGraphMode
+    from dsv32ref.provenance import provenance
+    from dsv32ref.results import write_result
+
+    config = reduced_config(preset)
+    model = build_model(config, variants[0], "cuda", torch.bfloat16, seed)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=g).tolist()
+    result = {"provenance": provenance(), "preset": preset, "reduction": REDUCTION, "prompt_len": prompt_len,
+              "note": "times in us from the start of the request; fields: dsv32ref.experiments.timeline",
+              "variants": {}}
+    for v in variants:
+        ec = EngineConfig(boundary=v, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=512, max_num_seqs=16,
+                          max_num_batched_tokens=16, capture_sizes=[1, 2, 4, 8, 16], seed=seed)
+        eng = LLMEngine(config, ec, device="cuda", dtype=torch.bfloat16, model=model)
+        eng.capture()
+        r = result["variants"][v] = record(eng, prompt)
+        r["runs_as"] = eng.runner.lookup(prompt_len, False)[0]
+        eng.release_graphs()
+        busy = sum(e - s for s, e in r["gpu_busy"])
+        print(f"  {v:<12} request {r['request_us'] / 1e3:.2f} ms, {len(r['host_graph_launch'])} graph launches, "
+              f"{len(r['host_eager'])} eager regions, GPU busy {busy / 1e3:.2f} ms in {len(r['gpu_busy'])} stretches",
+              flush=True)
+    if out:
+        write_result(out, result)
+    return result
