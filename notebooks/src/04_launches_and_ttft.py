@@ -173,6 +173,43 @@ ax.legend(fontsize=8, loc="upper right")
 show(fig)
 
 # %% [markdown]
+# ## One request on a time axis
+# `dsv32ref timeline` profiled five requests per boundary on the H200 and kept the one of median duration
+# (`data/timeline_glm-5.2.json`): when the host launches graphs, when it runs eager regions, and when the GPU
+# is busy. The profiler and the eager ranges are on, so the host side is slower than in the TTFT run above;
+# what the picture shows is the order of things and where the GPU waits.
+
+# %%
+tl = load("timeline_glm-5.2.json")
+lanes = [("gpu_busy", "GPU busy", OKABE_ITO[2]), ("host_eager", "host: eager region", OKABE_ITO[5]),
+         ("host_graph_launch", "host: graph launch", OKABE_ITO[0])]
+fig, axes = plt.subplots(len(tl["variants"]), 1, figsize=(12, 1.15 * len(tl["variants"]) + 1.2), sharex=True)
+for ax, (v, r) in zip(axes, tl["variants"].items()):
+    for y, (key, name, color) in enumerate(lanes):
+        ax.broken_barh([(s_ / 1e3, max(e - s_, 1.0) / 1e3) for s_, e in r[key]], (y - 0.4, 0.8), color=color,
+                       label=name)
+    ax.set_yticks(range(len(lanes)), ["GPU", "eager", "graph"], fontsize=7)
+    busy = sum(e - s_ for s_, e in r["gpu_busy"]) / 1e3
+    ax.set_ylabel(f"{v}\n{r['request_us'] / 1e3:.0f} ms", rotation=0, ha="right", va="center", fontsize=8)
+    ax.text(r["request_us"] / 1e3, 0, f" GPU busy {busy:.1f} ms", va="center", fontsize=7)
+axes[0].legend(fontsize=7, loc="upper right", ncol=3)
+axes[-1].set_xlabel("time from the start of the request (ms)")
+fig.suptitle(f"GLM-5.2, one profiled {tl['prompt_len']}-token request per boundary (median of "
+             f"{len(tl['variants']['wide']['profiled_request_us'])}; profiler on)")
+show(fig)
+
+# %%
+nv = tl["variants"]["none"]
+launch_ms = (nv["host_graph_launch"][0][1] - nv["host_graph_launch"][0][0]) / 1e3
+an = runs["glm-5.2"]["variants"]["none"]["anatomy"]
+display(Markdown(
+    f"`wide` and `narrow` keep the host in eager regions for most of the request while the GPU works in "
+    f"short bursts between them; `narrow_out` leaves less in each region. One caution for `none`: under the "
+    f"profiler its one graph takes {launch_ms:.1f} ms to launch and the GPU waits for it. That is the "
+    f"profiler's cost: in the TTFT run the launch takes {an['execute_ms']:.2f} ms of host time, and splitting "
+    f"the graph changes nothing (notebook 06), so the GPU does not wait there."))
+
+# %% [markdown]
 # ## What the instrument costs
 # The ledger attributes launches to named regions (profiler ranges). A `torch.profiler.record_function`
 # range costs host time even when no profiler runs, and an engine step opens hundreds of them, almost all
