@@ -373,21 +373,29 @@ table(["variant", "registers", "spilled (B)", "LDG / step", "cp.async / step", "
       [[name, v["registers"], v["spill_store_bytes"], v["per_step"]["LDG"], v["per_step"]["LDGSTS"],
         v["per_step"]["HGMMA"], v["per_step"]["BAR"], v["loop_instructions"]] for name, v in sass["variants"].items()])
 
+# %%
+V = sass["variants"]
+loop, slots = V["in the loop, chained QK^T"], V["SLOTS, chained QK^T"]
+ahead, chained = V["one step ahead, chained QK^T"], V["SLOTS, chained QK^T"]
+split = V["SLOTS, split QK^T, rows one step ahead (default)"]
+display(Markdown(
+    f"With addresses resolved in the loop, each thread loads an index and then a block-table entry for each of "
+    f"its rows: {loop['per_step']['LDG']} global loads to registers per step against {slots['per_step']['LDG']} "
+    f"with `SLOTS`, each pair dependent, and at {loop['registers']} registers the compiler reuses the same "
+    f"registers, so the pairs run one after another. Resolving one step ahead kept those loads in the loop "
+    f"({ahead['per_step']['LDG']} per step) and added live registers ({ahead['spill_store_bytes']} B spilled): "
+    f"slower still. With `SLOTS` a step's row numbers are independent loads of rows the program wrote "
+    f"itself.\n\n"
+    f"The chained QKᵀ issues {chained['per_step']['HGMMA']} warpgroup MMAs per step (each warpgroup computes "
+    f"all of S); split, {split['per_step']['HGMMA']}: "
+    f"{1 - split['per_step']['HGMMA'] / chained['per_step']['HGMMA']:.0%} fewer MMA instructions per step, for more "
+    f"barriers ({split['per_step']['BAR']} against {chained['per_step']['BAR']}: the cross-warpgroup reductions "
+    f"and P's trip through shared memory). What is left: one program per SM ({split['registers']} registers, "
+    f"{split['shared_bytes'] // 1024} KiB of shared memory), so nothing hides a step's latencies; and the "
+    f"gather of step i+1 is issued after step i's PV and waited for at the top of step i+1 (the pipeliner's "
+    f"placement: a third key tile does not fit beside the query tile)."))
+
 # %% [markdown]
-# With addresses resolved in the loop, each thread holds 16 of the tile's 64 rows and loads an index and
-# then a block-table entry for each: twice the global loads per step of `SLOTS`, each pair dependent, and
-# at 255 registers the compiler reuses the same registers, so the pairs run one after another. Resolving
-# one step ahead kept those loads in the loop and added live registers (spills): slower still. With
-# `SLOTS` a step's row numbers are 16 independent loads of a row the program wrote itself.
-#
-# With the chained QKᵀ, 72 of a step's 76 warpgroup MMAs are QKᵀ (64x32x16 tiles, each warpgroup all 64
-# keys); PV is 4 (64x256x16, each warpgroup half the output columns). Split, QKᵀ is 36: the tensor
-# cores and shared memory do about a third less work per step, for more barriers (the cross-warpgroup
-# reductions and P's trip through shared memory). What is left: one program per SM (about 255
-# registers, 224 KiB of shared memory), so nothing hides a step's latencies; and the gather of step i+1
-# is issued after step i's PV and waited for at the top of step i+1 (the pipeliner's placement; a third
-# 72 KiB key tile does not fit beside the 72 KiB query tile).
-#
 # A sweep-only run before `SLOTS` (`data/sparse_mla_sweep.json`, its own provenance) timed the old
 # default with each token's top-k indices sorted, i.e. with far better DRAM locality: no change, as
 # expected when the limit is the dependent-load chain and not the memory system.
@@ -401,12 +409,17 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 
 # %% [markdown]
 # ## Splitting the top-k when the programs do not fill the GPU
-# At 64 query tokens DeepSeek-V3.2 has 128 programs (two head blocks per token) for 132 SMs, GLM-5.2 64.
 # A separate probe run (`--splits-probe`, `data/sparse_mla_splits.json`, its own provenance) timed 1, 2, 4
 # and 8 splits, and the merge launch alone. The default takes the largest power of two that keeps every
-# program in one wave: 1 for DeepSeek-V3.2, 2 for GLM-5.2 at 64 tokens.
+# program in one wave.
 
 # %%
+from dsv32ref.experiments.ledger import ASSUMED_SMS  # noqa: E402
+
+block_h = split["config"]["BLOCK_H"]
+progs = {m: 64 * (ModelConfig.preset(m).num_attention_heads // block_h) for m in ("deepseek-v3.2", "glm-5.2")}
+display(Markdown("At 64 query tokens, with " + f"{block_h} heads per program: " + ", ".join(
+    f"{m} has {n} programs for the H200's {ASSUMED_SMS} SMs" for m, n in progs.items()) + "."))
 probe = json.load(open("../data/sparse_mla_splits.json"))
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
 for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):

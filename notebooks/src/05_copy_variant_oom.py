@@ -278,11 +278,15 @@ for r in runs:
 # %% [markdown]
 # ## A side finding: one capture stream
 # Captures run on one side stream (`dsv32ref.graphs.capture_stream`), as the serving engine's `graph_capture`
-# does. An earlier version made a new side stream per captured size: the caching allocator reuses a freed
-# block only on the stream that allocated it, so the pool grew by a full set of activations for each of
-# PyTorch's pooled streams, cuBLAS kept a workspace per stream in the pool, and the engine's estimate, which
-# extrapolates the second capture's growth, over-counted accordingly. With one stream the pool holds one set
-# of activations:
+# does. With one stream the pool holds one set of activations:
+#
+# <details><summary>History: a stream per captured size</summary>
+#
+# An earlier version made a new side stream per captured size: the caching allocator reuses a freed block
+# only on the stream that allocated it, so the pool grew by a full set of activations for each of PyTorch's
+# pooled streams, cuBLAS kept a workspace per stream in the pool, and the engine's estimate, which
+# extrapolates the second capture's growth, over-counted accordingly.
+# </details>
 
 # %%
 r = next(x for x in mem["runs"] if x["boundary"] == "narrow" and not x["estimate_graph_memory"])
