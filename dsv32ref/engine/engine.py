@@ -42,8 +42,8 @@ class EngineConfig:
     # launches on a CPU)
     skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's
     # scoring and selection (their result is known: every key); eager regions and graph-less steps only
-    split_graphs: bool = False  # captures start a new graph before layers 1, 4, 16, 64, ... (split_layers), so
-    # the GPU runs the first layers while the host still launches the rest of the forward
+    split_graphs: bool = False  # captures start a new graph before layers 1, 4, 16, 64, ... (split_layers): an
+    # experiment; on the H200 it gains nothing (the GPU does not wait for a graph's whole launch)
 
     def __post_init__(self):
         from dsv32ref.engine.model import BOUNDARIES
@@ -106,11 +106,11 @@ class EngineConfig:
 def split_layers(num_layers: int, ratio: int = 4) -> list[int]:
     """Layers a split capture starts a new graph before: 1, ratio, ratio^2, ... below num_layers.
 
-    Why: launching a graph costs host time per node, and a step's forward is one graph of thousands of nodes
-    that the GPU cannot start before it is launched. Split, the host launches a one-layer graph first and
-    the GPU runs it while the host launches the next segment, each about ratio - 1 times the layers before
-    it, so every launch but the first can hide behind GPU work already launched, for ~log_ratio(layers)
-    more graph launches. The TTFT experiment's `<boundary>+split` arms measure what it saves."""
+    The idea: launching a graph costs host time per node and a step's forward is one graph of thousands of
+    nodes; split, the host launches a one-layer graph first and launches the next segment (each about
+    ratio - 1 times the layers before it) while the GPU runs it. Measured on an H200 (the TTFT experiment's
+    `none+split` arm): no gain, the GPU already starts a graph's first kernels before its launch returns. Kept
+    as the switch that answers the question on another GPU or driver."""
     out, k = [], 1
     while k < num_layers:
         out.append(k)

@@ -262,9 +262,8 @@ def run(preset: str = "glm-5.2", variants=None, prompt_len: int = 8, requests: i
         out: str | None = None) -> dict:
     """Every figure of the module docstring for one preset (the TTFT experiment's model and engines), one
     engine per boundary captured at the prompt's size only; written to `out` with provenance."""
-    from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, build_model
-    from dsv32ref.experiments.ttft import reduced_config
-    from dsv32ref.graphs import CUDAGraphMode
+    from dsv32ref.engine import BOUNDARIES, LLMEngine, build_model
+    from dsv32ref.experiments.ttft import protocol_config, reduced_config
     from dsv32ref.provenance import provenance
     from dsv32ref.results import write_result
 
@@ -276,9 +275,8 @@ def run(preset: str = "glm-5.2", variants=None, prompt_len: int = 8, requests: i
     result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "boundaries": variants}
     engines = {}
     for v in variants:
-        ec = EngineConfig(boundary=v, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=512, max_num_seqs=16,
-                          max_num_batched_tokens=16, capture_sizes=[prompt_len], seed=seed)
-        engines[v] = LLMEngine(config, ec, device="cuda", dtype=torch.bfloat16, model=model)
+        engines[v] = LLMEngine(config, protocol_config(v, [prompt_len], seed=seed), device="cuda",
+                               dtype=torch.bfloat16, model=model)
         engines[v].capture()
     probe = engines.get("none", engines[variants[0]])
     result.update(measure(probe, prompt))

@@ -78,9 +78,8 @@ def record(engine, prompt: list[int], merge_gap_us: float = 2.0, repeats: int = 
 def run(preset: str = "glm-5.2", variants=("wide", "narrow", "narrow_out", "none"), prompt_len: int = 8, seed: int = 0,
         out: str | None = None) -> dict:
     """record() for each boundary, engines built as the TTFT experiment builds them; written to `out`."""
-    from dsv32ref.engine import EngineConfig, LLMEngine, build_model
-    from dsv32ref.experiments.ttft import REDUCTION, reduced_config
-    from dsv32ref.graphs import CUDAGraphMode
+    from dsv32ref.engine import LLMEngine, build_model
+    from dsv32ref.experiments.ttft import REDUCTION, protocol_config, reduced_config
     from dsv32ref.provenance import provenance
     from dsv32ref.results import write_result
 
@@ -92,9 +91,7 @@ def run(preset: str = "glm-5.2", variants=("wide", "narrow", "narrow_out", "none
               "note": "times in us from the start of the request; fields: dsv32ref.experiments.timeline",
               "variants": {}}
     for v in variants:
-        ec = EngineConfig(boundary=v, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=512, max_num_seqs=16,
-                          max_num_batched_tokens=16, capture_sizes=[1, 2, 4, 8, 16], seed=seed)
-        eng = LLMEngine(config, ec, device="cuda", dtype=torch.bfloat16, model=model)
+        eng = LLMEngine(config, protocol_config(v, seed=seed), device="cuda", dtype=torch.bfloat16, model=model)
         eng.capture()
         r = result["variants"][v] = record(eng, prompt)
         r["runs_as"] = eng.runner.lookup(prompt_len, False)[0]

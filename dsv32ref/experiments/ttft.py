@@ -71,6 +71,17 @@ def region_cost_ns(calls: int = 200_000, repeats: int = 7) -> dict:
 ARMS = {"skip": {"skip_short_topk": True}, "split": {"split_graphs": True}}  # `<boundary>+<arm>`: EngineConfig switches
 
 
+def protocol_config(boundary: str, capture_sizes=(1, 2, 4, 8, 16), mode: str = "full_and_piecewise", seed: int = 0,
+                    **switches):
+    """The EngineConfig of the PR's protocol (one request of a few tokens at a time), shared by the TTFT run,
+    the host costs and the timeline; `switches`: EngineConfig fields of an arm (ARMS)."""
+    from dsv32ref.engine import EngineConfig
+    from dsv32ref.graphs import CUDAGraphMode
+
+    return EngineConfig(boundary=boundary, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
+                        max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed, **switches)
+
+
 def arm(name: str) -> tuple[str, str, dict]:
     """"narrow" -> ("narrow", "narrow", {}); "none+split" -> ("none+split", "none", {"split_graphs": True})."""
     boundary, _, kind = name.partition("+")
@@ -133,8 +144,8 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     `skip_topk`: variants that also run `<variant>+skip`, an engine with EngineConfig.skip_short_topk on (the
     prompt has fewer keys than index_topk, so the indexer's scoring and selection are skipped where Python
     decides: in eager regions), interleaved with the rest. `split`: variants that also run `<variant>+split`,
-    with EngineConfig.split_graphs on (captures start a new graph before layers 1, 4, 16, 64: the GPU starts on
-    the first layer while the host launches the rest).
+    with EngineConfig.split_graphs on (captures start a new graph before layers 1, 4, 16, 64: does the launch of
+    one large graph hold the GPU back?).
 
     Then, per variant, the step's anatomy over `anatomy_requests` more requests (see `anatomy`), and on a GPU
     the host costs of the TTFT model (dsv32ref.experiments.host_costs), measured with the "none" engine when
@@ -143,9 +154,8 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     With tp_size > 1 (inside torch.distributed, one call per rank: `dsv32ref ttft --tp N`), every rank holds its
     shard (heads and MLP columns split, experts split: TP = EP) and runs the same requests in lockstep, the
     collectives keeping them together; rank 0 reports its own timings and ledger."""
-    from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, build_model
+    from dsv32ref.engine import BOUNDARIES, LLMEngine, build_model
     from dsv32ref.experiments.ledger import measure
-    from dsv32ref.graphs import CUDAGraphMode
     from dsv32ref.instrument import measuring
     from dsv32ref.provenance import provenance
 
@@ -183,8 +193,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     configs = [(v, v, {}) for v in variants] + [arm(f"{v}+{kind}") for kind, vs in (("skip", skip_topk),
                                                                                      ("split", split)) for v in vs]
     for name, v, switches in configs:
-        ec = EngineConfig(boundary=v, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
-                          max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed, **switches)
+        ec = protocol_config(v, capture_sizes, mode, seed, **switches)
         eng = LLMEngine(config, ec, device=device, dtype=model.lm_head.dtype, model=model)
         engines[name] = (eng, eng.capture())
     if cuda:  # as vLLM's engine core does once started: collections skip the start-up heap (models, graphs)

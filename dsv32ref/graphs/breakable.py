@@ -312,9 +312,8 @@ def _check_no_new_tensors(name: str, out: Any, args: tuple, kwargs: dict) -> Non
 
 def graph_split() -> None:
     """During a capture, end the graph segment here and begin a new one (pattern "G G"): replayed back to back
-    the two compute what one graph would, but each is launched on its own, so the GPU can start the first
-    while the host is still launching the second. Breaks do not change it: FULL captures split too. Outside
-    a capture, or inside an eager region, it does nothing."""
+    the two compute what one graph would, each launched on its own. Breaks do not change it: FULL captures
+    split too. Outside a capture, or inside an eager region, it does nothing."""
     cap = current_capture()
     if cap is not None and cap.segment_open:
         cap.split()
