@@ -10,7 +10,7 @@ from dsv32ref import AttentionMetadata, ModelConfig
 from dsv32ref.cache import gather_tokens
 from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
 from dsv32ref.kernels.fused_q import fused_q
-from dsv32ref.kernels.indexer_topk import indexer_topk_paged, topk_from_scores
+from dsv32ref.kernels.indexer_topk import indexer_scores_paged, indexer_topk_paged, topk_from_scores
 from dsv32ref.kernels.sparse_mla import sparse_mla_paged
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
                                 sparse_mla, topk_indices)
@@ -199,6 +199,37 @@ def test_indexer_topk(device, dtype, tol, seed):
                 assert sorted(sel.tolist()) == sorted(want[want >= 0].tolist())
 
 
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+def test_indexer_scores_tiles_per_program(device, dtype, tol, seed):
+    """A program that walks several key tiles (decode) writes the same scores as one tile per program, stops at
+    each token's position inside a tile, and leaves the entries past it untouched."""
+    z = _sizes(device)
+    block_s = _shape_for(device, 4, 64)
+    meta, nb = _meta(device, *_shape_for(device, ([37, 5], [1, 2]), ([9000, 300], [1, 2])), z["block"])
+    T, f = meta.num_tokens, dict(device=device, dtype=dtype)
+    q, icache = torch.randn(T, z["h_i"], z["d_i"], **f), torch.randn(nb, z["block"], z["d_i"], **f)
+    w = torch.randn(T, z["h_i"], device=device) * z["h_i"] ** -0.5
+    s_max = max(meta.seq_lens_cpu) + 3
+    args = (q, w, icache, meta.block_table, meta.req_indices, meta.positions, z["d_i"] ** -0.5)
+    one = indexer_scores_paged(*args, torch.full((T, s_max), float("nan"), device=device), block_s=block_s, tiles=1)
+    for tiles in (2, 4, 16):
+        got = indexer_scores_paged(*args, torch.full((T, s_max), float("nan"), device=device), block_s=block_s,
+                                   tiles=tiles)
+        for t in range(T):
+            n = int(meta.positions[t]) + 1
+            assert torch.equal(got[t, :n], one[t, :n]), (tiles, t)
+            assert got[t, n:].isnan().all(), (tiles, t)
+    for b in range(meta.num_reqs):
+        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        keys = gather_tokens(icache, meta.block_table[b], meta.seq_lens_cpu[b])
+        ref = indexer_scores(q[t0:t1].double(), keys.double(), w[t0:t1].double(), z["d_i"] ** -0.5)
+        bound = indexer_scores(q[t0:t1].double().abs(), keys.double().abs(), w[t0:t1].double().abs(), z["d_i"] ** -0.5)
+        for i, t in enumerate(range(t0, t1)):
+            n = int(meta.positions[t]) + 1
+            err = (one[t, :n].double() - ref[i, :n]).abs()
+            assert (err <= tol * eps(dtype) * bound[i, :n].clamp(min=1e-30)).all(), t
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_topk_ties_negative_zero_and_small_rows(device):
     s = torch.tensor([[1.0, 3.0, 3.0, -0.0, 3.0, 3.0, -2.0, 0.0, 5.0, -1e30, 0.0, -0.0]], device=device)
@@ -354,14 +385,15 @@ def test_kernels_replay_in_cuda_graph(seed):
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_topk_split_path_matches_reference(device, seed):
-    """Few long rows take the chunked two-stage path: same sets as the reference, ties included."""
-    T, S, K = 5, _shape_for(device, 70, 40000), _shape_for(device, 6, 2048)
-    chunk = _shape_for(device, 8, 4096)
+    """Few long rows take the chunked path (a launch per radix pass over all chunks, then a compaction): same
+    sets as the reference, in increasing order, ties included, also with chunks shorter than the top-k."""
+    T, S, K = 6, _shape_for(device, 70, 40000), _shape_for(device, 6, 2048)
+    chunk = _shape_for(device, 4, 1024)
     scores = torch.randint(0, 4, (T, S), device=device).float()  # heavy ties across chunk borders
     scores[0] = torch.randn(S, device=device)
-    positions = torch.tensor([S - 1, K - 2, K, S // 2, chunk + 1], device=device)
+    positions = torch.tensor([S - 1, K - 2, K, S // 2, chunk + 1, K - 1], device=device)
     out = torch.full((T, K), -7, dtype=torch.int32, device=device)
-    topk_from_scores(scores, positions, out, block=_shape_for(device, 4, 1024), chunk=chunk)
+    topk_from_scores(scores, positions, out, block=_shape_for(device, 4, 1024), chunk=chunk, split_above=0)
     want = topk_indices(scores.double().cpu(), positions.cpu(), K)
     for t in range(T):
         got = out[t].tolist()

@@ -22,7 +22,7 @@ from dsv32ref.checks import rel_err
 from dsv32ref.config import ModelConfig
 from dsv32ref.kernels.fused_norm_rope import _fused_norm_rope_kernel, fused_norm_rope
 from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
-from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_chunk_kernel, _topk_kernel, _topk_merge_kernel,
+from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact_kernel, _topk_hist_kernel, _topk_kernel,
                                            indexer_scores_paged, topk_from_scores)
 from dsv32ref.kernels.sparse_mla import _combine_splits_kernel, _sparse_mla_kernel, sparse_mla_paged
 from dsv32ref.provenance import provenance
@@ -354,8 +354,8 @@ def bench_fused_q(z, T, ceil, fp8=False):
 
 def resource_report() -> list[dict]:
     rows = []
-    for fn in (_sparse_mla_kernel, _combine_splits_kernel, _indexer_scores_kernel, _topk_kernel, _topk_chunk_kernel,
-               _topk_merge_kernel, _fused_norm_rope_kernel, _fused_q_kernel):
+    for fn in (_sparse_mla_kernel, _combine_splits_kernel, _indexer_scores_kernel, _topk_kernel, _topk_hist_kernel,
+               _topk_compact_kernel, _fused_norm_rope_kernel, _fused_q_kernel):
         caches = getattr(fn, "device_caches", {})
         for entry in caches.values():
             kernels = entry[0] if isinstance(entry, tuple) else entry

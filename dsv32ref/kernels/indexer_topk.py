@@ -1,17 +1,22 @@
 """The lightning indexer on the paged key cache: scores, then a radix-select top-k. Graph-safe.
 
-Motivation. The PyTorch path materialises q.k for every indexer head, [T, H_I, S] in fp32, before the
-weighted sum and torch.topk: at H_I = 64 that is 256 bytes per (token, key), 64x the [T, S] scores it
-produces. Here one kernel reduces over heads in registers and writes only the [T, S] scores; a second
-selects the top k per row with a 4-pass 8-bit radix select (histograms over the order-preserving integer
-image of each fp32 score), then compacts the winners. Grids depend only on the number of query tokens and
-the width of the caller's score buffer; positions, request indices, sequence lengths and block tables are
-read on the device; no host sync.
+Motivation. The PyTorch path materialises q.k for every indexer head, [T, H_I, S], before the weighted sum
+and torch.topk: at H_I = 64 that is 64x the [T, S] scores it produces. Here one kernel reduces over heads in
+registers and writes only the [T, S] scores; a second selects the top k per row with a 4-pass 8-bit radix
+select (histograms over the order-preserving integer image of each fp32 score), then compacts the winners.
+Grids depend only on the number of query tokens and the width of the caller's score buffer; positions,
+request indices, sequence lengths and block tables are read on the device; no host sync.
 
 Work per query token with S visible keys (DeepSeek-V3.2: H_I = 64, D = 128):
     scores: FLOPs = 2 H_I D S (+ H_I S for the weighting); bytes >= S D 2 (keys, bf16) + S 4 (scores out)
-            -> 63 FLOP/byte: memory-bound on the key reads
+            -> 63 FLOP/byte: memory-bound on the key reads (one decode token at 128k context: 33.6 MB of keys)
     top-k:  5 passes over the S fp32 scores (4 histogram passes + 1 selection pass), writes k int32
+
+Decode is the case the indexer exists for: one token, a long context. One program per 64 keys then makes
+thousands of tiny programs that each reload the query; a program instead walks `tiles` key tiles with the
+query held (the loads pipelined). And one program per row would select from 128k scores on one SM: few long
+rows are cut into chunks, and each radix pass runs over all chunks at once (a launch per pass; every program
+sums the chunks' histograms of the passes before it to know the prefix), then a last launch compacts.
 
 Output: top-k indices int32 [T, K], the selected positions in increasing order (a set: attention does
 not care about order), -1 padded when fewer than K keys are visible. Ties at the threshold go to the
@@ -26,6 +31,7 @@ import triton.language as tl
 
 from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
+from dsv32ref.kernels.grid import num_sms as _num_sms
 
 __all__ = ["indexer_scores_paged", "topk_from_scores", "indexer_topk_paged"]
 
@@ -39,30 +45,36 @@ def _indexer_scores_kernel(
     scores_ptr, stride_st,  # [T, S_MAX] fp32
     softmax_scale, block_size,
     S_MAX, B, max_blocks, num_blocks,  # bounds: score width, requests, a block-table row, block ids (masked)
-    H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+    H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Program (t, j): the scores of keys [j TILES BLOCK_S, (j + 1) TILES BLOCK_S) of token t, a tile at a time."""
     t = tl.program_id(0)
-    s0 = tl.program_id(1) * BLOCK_S
     # causal: keys 0..position, within the score row and what the block-table row can address; a request
     # index outside [0, B) scores nothing (the launcher's debug mode raises on these instead)
     req = tl.load(req_ptr + t)
     n_visible = tl.minimum(tl.load(pos_ptr + t) + 1, tl.minimum(S_MAX, max_blocks * block_size))
     n_visible = tl.where((req >= 0) & (req < B), n_visible, 0)
-    if s0 < n_visible:
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        vis = offs_s < n_visible
+    s_lo = tl.program_id(1) * (TILES * BLOCK_S)
+    s_hi = tl.minimum(s_lo + TILES * BLOCK_S, n_visible)
+    if s_lo < s_hi:
         offs_h = tl.arange(0, H_I)
         offs_d = tl.arange(0, D)
-        blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
-        vis = vis & (blk >= 0) & (blk < num_blocks)  # a key in a block outside the cache scores nothing
-        k_ptrs = kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb + (offs_s % block_size)[:, None] * stride_ks + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
-        q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :])  # (H_I, D)
-        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * softmax_scale  # (H_I, BLOCK_S)
+        q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :])  # (H_I, D), held
         w = tl.load(w_ptr + t * stride_wt + offs_h)  # (H_I,)
-        score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)  # (BLOCK_S,)
-        tl.store(scores_ptr + t * stride_st + offs_s, score, mask=vis)
+        for s0 in tl.range(s_lo, s_hi, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            vis = offs_s < s_hi
+            blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
+            vis = vis & (blk >= 0) & (blk < num_blocks)  # a key in a block outside the cache scores nothing
+            k_ptrs = (kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb + (offs_s % block_size)[:, None] * stride_ks
+                      + offs_d[None, :])
+            k = tl.load(k_ptrs, mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
+            logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * softmax_scale  # (H_I, BLOCK_S)
+            score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)  # (BLOCK_S,)
+            tl.store(scores_ptr + t * stride_st + offs_s, score, mask=vis)
 
+
+# ---- radix select ------------------------------------------------------------------------------------
 
 @triton.jit
 def _ordered_key(x):
@@ -75,64 +87,64 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _select(vals, n, K, out_idx, out_val, src_idx, idx_base,
-            BLOCK: tl.constexpr, HAS_SRC_IDX: tl.constexpr, WRITE_VALS: tl.constexpr):
-    """Top K of vals[0:n] -> out_idx[0:K] (idx_base + offset, or src_idx[offset]), in increasing offset
-    order, -1 padded; out_val gets the selected values (-inf padded) when WRITE_VALS."""
-    if n <= K:
-        # every entry is selected; pad with -1
-        for pad_start in range(0, K, BLOCK):
-            offs_pad = pad_start + tl.arange(0, BLOCK)
-            keep = offs_pad < n
-            if HAS_SRC_IDX:
-                ids = tl.load(src_idx + offs_pad, mask=keep, other=-1)
-            else:
-                ids = tl.where(keep, idx_base + offs_pad, -1)
-            tl.store(out_idx + offs_pad, ids, mask=offs_pad < K)
-            if WRITE_VALS:
-                v = tl.load(vals + offs_pad, mask=keep, other=float("-inf"))
-                tl.store(out_val + offs_pad, v, mask=offs_pad < K)
-    else:
-        # Radix select: find the K-th largest key 8 bits at a time, most significant first.
-        prefix = tl.full([], 0, tl.uint32)
-        k_rem = K
-        bins = tl.arange(0, 256)
-        for p in tl.static_range(4):  # digit p covers bits [24 - 8p, 32 - 8p)
-            hist = tl.zeros([256], tl.int32)
-            for start in range(0, n, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                m = offs < n
-                key = _ordered_key(tl.load(vals + offs, mask=m, other=float("-inf")))
-                if p > 0:
-                    m = m & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-                digit = ((key >> (24 - 8 * p)) & 0xFF).to(tl.int32)
-                hist += tl.histogram(digit, 256, mask=m)
-            at_or_above = tl.cumsum(hist, 0, reverse=True)  # keys with this prefix and digit >= d
-            d_sel = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
-            k_rem -= tl.sum(tl.where(bins > d_sel, hist, 0), axis=0)
-            prefix = prefix | (d_sel.to(tl.uint32) << (24 - 8 * p))
-        # prefix is the K-th largest key; take every larger key and the first k_rem equal ones.
-        written = tl.zeros([], tl.int32)
-        eq_seen = tl.zeros([], tl.int32)
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < n
-            v = tl.load(vals + offs, mask=m, other=float("-inf"))
-            key = _ordered_key(v)
-            gt = m & (key > prefix)
-            eq = m & (key == prefix)
-            eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1 + eq_seen
-            take = gt | (eq & (eq_rank < k_rem))
-            slot = tl.cumsum(take.to(tl.int32), 0) - 1 + written
-            if HAS_SRC_IDX:
-                ids = tl.load(src_idx + offs, mask=take, other=-1)
-            else:
-                ids = idx_base + offs
-            tl.store(out_idx + slot, ids, mask=take)
-            if WRITE_VALS:
-                tl.store(out_val + slot, v, mask=take)
-            written += tl.sum(take.to(tl.int32), axis=0)
-            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+def _digit_hist(vals, start, end, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram (256,) of digit P (bits [24 - 8P, 32 - 8P)) of the keys of vals[start:end] whose digits
+    before P are prefix's."""
+    hist = tl.zeros([256], tl.int32)
+    for s in range(start, end, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        m = offs < end
+        key = _ordered_key(tl.load(vals + offs, mask=m, other=float("-inf")))
+        if P > 0:
+            m = m & ((key >> (32 - 8 * P)) == (prefix >> (32 - 8 * P)))
+        hist += tl.histogram(((key >> (24 - 8 * P)) & 0xFF).to(tl.int32), 256, mask=m)
+    return hist
+
+
+@triton.jit
+def _digit_step(hist, prefix, k_rem, P: tl.constexpr):
+    """Digit P of the k_rem-th largest key, from the histogram of digit P among the keys that share prefix
+    -> (prefix with digit P set, k_rem minus the keys above that digit, the digit)."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.cumsum(hist, 0, reverse=True)  # keys with this prefix and digit >= d
+    d = tl.max(tl.where(at_or_above >= k_rem, bins, -1), axis=0)
+    k_rem -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
+    return prefix | (d.to(tl.uint32) << (24 - 8 * P)), k_rem, d
+
+
+@triton.jit
+def _take(vals, start, end, threshold, n_eq, written, eq_seen, out_idx, BLOCK: tl.constexpr):
+    """Write the positions in [start, end) of every key above `threshold`, and of the equal keys while fewer
+    than n_eq were taken (eq_seen equal keys came before start), to out_idx[written:] in increasing order."""
+    written = written + tl.zeros([], tl.int32)
+    eq_seen = eq_seen + tl.zeros([], tl.int32)
+    for s in range(start, end, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        m = offs < end
+        key = _ordered_key(tl.load(vals + offs, mask=m, other=float("-inf")))
+        gt = m & (key > threshold)
+        eq = m & (key == threshold)
+        eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1 + eq_seen
+        take = gt | (eq & (eq_rank < n_eq))
+        slot = tl.cumsum(take.to(tl.int32), 0) - 1 + written
+        tl.store(out_idx + slot, offs, mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _take_all(start, end, out_idx, BLOCK: tl.constexpr):
+    """A row with at most K visible keys: every position in [start, end) is selected, in place."""
+    for s in range(start, end, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        tl.store(out_idx + offs, offs, mask=offs < end)
+
+
+@triton.jit
+def _pad(start, K, out_idx, BLOCK: tl.constexpr):
+    for s in range(start, K, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        tl.store(out_idx + offs, tl.full([BLOCK], -1, tl.int32), mask=offs < K)
 
 
 @triton.jit
@@ -140,30 +152,94 @@ def _topk_kernel(scores_ptr, stride_st, pos_ptr, out_ptr, stride_ot, K, S_MAX, B
     """One program per row: the top K of scores[t, :positions[t] + 1] (never past the row's S_MAX)."""
     t = tl.program_id(0)
     n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)  # visible keys
-    _select(scores_ptr + t * stride_st, n, K, out_ptr + t * stride_ot, out_ptr, out_ptr, 0,
-            BLOCK=BLOCK, HAS_SRC_IDX=False, WRITE_VALS=False)
+    vals, out_idx = scores_ptr + t * stride_st, out_ptr + t * stride_ot
+    if n <= K:
+        _take_all(0, n, out_idx, BLOCK)
+        _pad(tl.maximum(n, 0), K, out_idx, BLOCK)
+    else:  # find the K-th largest key 8 bits at a time, most significant first; then take
+        prefix = tl.full([], 0, tl.uint32)
+        k_rem = K
+        for p in tl.static_range(4):
+            prefix, k_rem, d = _digit_step(_digit_hist(vals, 0, n, prefix, p, BLOCK), prefix, k_rem, p)
+        _take(vals, 0, n, prefix, k_rem, 0, 0, out_idx, BLOCK)
+
+
+# ---- radix select over chunks (few long rows) -----------------------------------------------------------
+# hist int32 [4, T, n_chunks, 256]: pass p's histogram of digit p for each chunk of each row.
+
+@triton.jit
+def _sum_chunks(hist_ptr, n_chunks, CB: tl.constexpr):
+    """A row's histogram of one pass: the sum of its chunks' (n_chunks, 256) -> (256,)."""
+    bins = tl.arange(0, 256)
+    total = tl.zeros([256], tl.int32)
+    for c0 in range(0, n_chunks, CB):
+        offs_c = c0 + tl.arange(0, CB)
+        total += tl.sum(tl.load(hist_ptr + offs_c[:, None] * 256 + bins[None, :], mask=(offs_c < n_chunks)[:, None],
+                                other=0), axis=0)
+    return total
 
 
 @triton.jit
-def _topk_chunk_kernel(scores_ptr, stride_st, pos_ptr, cand_idx_ptr, cand_val_ptr, K, CHUNK, S_MAX,
-                       BLOCK: tl.constexpr):
-    """Stage 1 of the split top-k (few long rows): the top K of each CHUNK of a row, with their values."""
+def _count_before(hist_ptr, c, d, CB: tl.constexpr):
+    """Over chunks [0, c) of one pass: (keys whose digit is > d, keys whose digit is d)."""
+    bins = tl.arange(0, 256)
+    gt = tl.zeros([], tl.int32)
+    eq = tl.zeros([], tl.int32)
+    for c0 in range(0, c, CB):
+        offs_c = c0 + tl.arange(0, CB)
+        h = tl.load(hist_ptr + offs_c[:, None] * 256 + bins[None, :], mask=(offs_c < c)[:, None], other=0)
+        gt += tl.sum(tl.where(bins[None, :] > d, h, 0))
+        eq += tl.sum(tl.where(bins[None, :] == d, h, 0))
+    return gt, eq
+
+
+@triton.jit
+def _topk_hist_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, T, K, CHUNK, S_MAX, n_chunks,
+                      P: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr):
+    """Pass P, program (t, c): the histogram of digit P in chunk c of row t, among the keys whose digits
+    before P are the K-th largest key's (found from the passes before, summed over all chunks)."""
     t = tl.program_id(0)
     c = tl.program_id(1)
-    base = c * CHUNK
-    n = tl.minimum(tl.maximum(tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32) - base, 0), CHUNK)
-    cand = (t * tl.num_programs(1) + c) * K
-    _select(scores_ptr + t * stride_st + base, n, K, cand_idx_ptr + cand, cand_val_ptr + cand, cand_idx_ptr, base,
-            BLOCK=BLOCK, HAS_SRC_IDX=False, WRITE_VALS=True)
+    n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)
+    if n > K:  # (a row with at most K keys takes them all: no histograms, none read)
+        prefix = tl.full([], 0, tl.uint32)
+        k_rem = K
+        for p in tl.static_range(P):
+            prefix, k_rem, d = _digit_step(_sum_chunks(hist_ptr + (p * T + t) * n_chunks * 256, n_chunks, CB),
+                                           prefix, k_rem, p)
+        start = c * CHUNK
+        hist = _digit_hist(scores_ptr + t * stride_st, start, tl.minimum(start + CHUNK, n), prefix, P, BLOCK)
+        tl.store(hist_ptr + ((P * T + t) * n_chunks + c) * 256 + tl.arange(0, 256), hist)
 
 
 @triton.jit
-def _topk_merge_kernel(cand_idx_ptr, cand_val_ptr, n_cand, out_ptr, stride_ot, K, BLOCK: tl.constexpr):
-    """Stage 2: the top K of a row's chunk candidates. Chunks are in position order and each chunk's
-    candidates too, so ties still go to the lower position; -inf padding sorts last."""
+def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, out_ptr, stride_ot, T, K, CHUNK, S_MAX, n_chunks,
+                         BLOCK: tl.constexpr, CB: tl.constexpr):
+    """Program (t, c): write chunk c's selected positions of row t at their place in the row's output. The
+    chunks before c took every key above the threshold (counted from their histograms) and, in position
+    order, the first of the keys equal to it."""
     t = tl.program_id(0)
-    _select(cand_val_ptr + t * n_cand, n_cand, K, out_ptr + t * stride_ot, out_ptr, cand_idx_ptr + t * n_cand, 0,
-            BLOCK=BLOCK, HAS_SRC_IDX=True, WRITE_VALS=False)
+    c = tl.program_id(1)
+    n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, n)
+    out_idx = out_ptr + t * stride_ot
+    if n <= K:
+        _take_all(start, end, out_idx, BLOCK)
+        if c == 0:
+            _pad(tl.maximum(n, 0), K, out_idx, BLOCK)
+    else:
+        prefix = tl.full([], 0, tl.uint32)
+        k_rem = K
+        gt_before = tl.zeros([], tl.int32)
+        eq_before = tl.zeros([], tl.int32)
+        for p in tl.static_range(4):
+            h = hist_ptr + (p * T + t) * n_chunks * 256
+            prefix, k_rem, d = _digit_step(_sum_chunks(h, n_chunks, CB), prefix, k_rem, p)
+            gt, eq_before = _count_before(h, c, d, CB)  # a key above the threshold is above it at one digit
+            gt_before += gt
+        _take(scores_ptr + t * stride_st, start, end, prefix, k_rem, gt_before + tl.minimum(eq_before, k_rem),
+              eq_before, out_idx, BLOCK)
 
 
 def _check_common(q_idx, weights, index_cache, block_table, req_indices, positions):
@@ -189,63 +265,97 @@ def _check_common(q_idx, weights, index_cache, block_table, req_indices, positio
     return T, H_I, D
 
 
+def _check_pow2(caller: str, **values) -> None:
+    for name, v in values.items():
+        if not is_int(v) or v < 1 or v & (v - 1):
+            raise ValueError(f"{caller}: {name} must be a power of two, got {v!r}")
+
+
+def scores_tiles(T: int, s_max: int, block_s: int, sms: int) -> int:
+    """Key tiles per program: the most (a power of two, at most 16) that still leaves 4 programs per SM.
+    Depends on shapes only (fixed within a captured graph)."""
+    n_tiles = triton.cdiv(s_max, block_s)
+    tiles = 1
+    while tiles < 16 and T * triton.cdiv(n_tiles, 2 * tiles) >= 4 * sms:
+        tiles *= 2
+    return tiles
+
+
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
-                         scores, block_s: int = 64, num_warps: int = 4):
+                         scores, block_s: int = 64, num_warps: int = 4, tiles: int | None = None,
+                         num_stages: int = 3, num_sms: int | None = None):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
     entries past a token's position are left untouched). S_MAX must exceed every position.
+    tiles: key tiles of block_s keys per program (default: scores_tiles, from T, S_MAX and the SMs).
     """
     T, H_I, D = _check_common(q_idx, weights, index_cache, block_table, req_indices, positions)
     check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
     check_scale("indexer_scores_paged: softmax_scale", softmax_scale)
+    _check_pow2("indexer_scores_paged", block_s=block_s, num_warps=num_warps)
+    if tiles is not None:
+        _check_pow2("indexer_scores_paged", tiles=tiles)
+    if not is_int(num_stages) or num_stages < 1:
+        raise ValueError(f"indexer_scores_paged: num_stages must be an int >= 1, got {num_stages!r}")
+    sms = _num_sms(q_idx.device, num_sms, "indexer_scores_paged")
     if device_value_checks_on():
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if T:
-        grid = (T, triton.cdiv(scores.shape[1], block_s))
+        tiles = tiles or scores_tiles(T, scores.shape[1], block_s, sms)
+        grid = (T, triton.cdiv(scores.shape[1], block_s * tiles))
         _indexer_scores_kernel[grid](
             q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0),
             index_cache, index_cache.stride(0), index_cache.stride(1),
             block_table, block_table.stride(0), req_indices, positions, scores, scores.stride(0),
             softmax_scale, index_cache.shape[1],
             scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
-            H_I=H_I, D=D, BLOCK_S=block_s, PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
-            num_warps=num_warps,
+            H_I=H_I, D=D, BLOCK_S=block_s, TILES=tiles, PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
         )
     return scores
 
 
-def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int = 8, chunk: int = 8192,
-                     split_below_rows: int = 128):
+def topk_chunk(s_max: int) -> int:
+    """Positions per program of the chunked top-k: about 32 chunks per row, at least 1024."""
+    return max(1024, triton.next_power_of_2(triton.cdiv(s_max, 32)))
+
+
+def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int = 8, chunk: int | None = None,
+                     split_below_rows: int = 128, split_above: int = 16384):
     """out[t] = the top out.shape[1] of scores[t, :positions[t] + 1] (int32, increasing, -1 padded).
 
-    With fewer than `split_below_rows` rows and rows longer than two chunks, one program per row would
-    leave the GPU idle: each row is cut into `chunk`-long pieces selected in parallel, then merged.
-    The choice depends only on the shapes, so it is fixed within a captured graph.
+    With fewer than `split_below_rows` rows wider than `split_above`, one program per row would leave the
+    GPU idle: each row is cut into `chunk`-long pieces (default topk_chunk(S_MAX)) and each radix pass runs
+    over all of them (five launches: four histogram passes, one compaction). The choice depends only on the
+    shapes, so it is fixed within a captured graph.
     """
     T = check_tensor("scores", scores, shape=(None, None), dtype=torch.float32, dense_dims=1).shape[0]
     check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), device=scores.device,
                  dense_dims=1)
     K = check_tensor("out", out, shape=(T, None), dtype=torch.int32, device=scores.device, dense_dims=1).shape[1]
-    for name, v in (("block", block), ("chunk", chunk), ("num_warps", num_warps)):
-        if not is_int(v) or v < 1 or v & (v - 1):
-            raise ValueError(f"topk_from_scores: {name} must be a power of two, got {v!r}")
+    chunk = topk_chunk(scores.shape[1]) if chunk is None else chunk
+    _check_pow2("topk_from_scores", block=block, chunk=chunk, num_warps=num_warps)
+    for name, v in (("split_below_rows", split_below_rows), ("split_above", split_above)):
+        if not is_int(v) or v < 0:
+            raise ValueError(f"topk_from_scores: {name} must be an int >= 0, got {v!r}")
     if device_value_checks_on():
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
-    if chunk < K:
-        raise ValueError(f"topk_from_scores: chunk ({chunk}) must be >= the top-k width ({K})")
     if T == 0:
         return out
-    n_chunks = triton.cdiv(scores.shape[1], chunk)
-    if T >= split_below_rows or n_chunks <= 2:
+    if T >= split_below_rows or scores.shape[1] <= split_above:
         _topk_kernel[(T,)](scores, scores.stride(0), positions, out, out.stride(0), K, scores.shape[1], BLOCK=block,
                            num_warps=num_warps)
         return out
-    cand_idx = torch.empty(T, n_chunks, K, dtype=torch.int32, device=scores.device)
-    cand_val = torch.empty(T, n_chunks, K, dtype=torch.float32, device=scores.device)
-    _topk_chunk_kernel[(T, n_chunks)](scores, scores.stride(0), positions, cand_idx, cand_val, K, chunk,
-                                      scores.shape[1], BLOCK=block, num_warps=num_warps)
-    _topk_merge_kernel[(T,)](cand_idx, cand_val, n_chunks * K, out, out.stride(0), K, BLOCK=block, num_warps=num_warps)
+    n_chunks = triton.cdiv(scores.shape[1], chunk)
+    block = min(block, chunk)
+    cb = min(32, triton.next_power_of_2(n_chunks))
+    hist = torch.empty(4, T, n_chunks, 256, dtype=torch.int32, device=scores.device)
+    for p in range(4):
+        _topk_hist_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, T, K, chunk, scores.shape[1],
+                                         n_chunks, P=p, BLOCK=block, CB=cb, num_warps=num_warps)
+    _topk_compact_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, out, out.stride(0), T, K, chunk,
+                                        scores.shape[1], n_chunks, BLOCK=block, CB=cb, num_warps=num_warps)
     return out
 
 

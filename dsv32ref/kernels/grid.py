@@ -1,0 +1,27 @@
+"""The streaming-multiprocessor count that launchers size their grids by (split the work only while SMs idle)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dsv32ref.checks import is_int
+
+# Assumed when the tensors are not on a GPU and the caller names none (interpreter runs). The launch-ledger
+# prediction passes the H200's 132, so that it splits the work the way the GPU will.
+CPU_SMS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+
+
+def num_sms(device: torch.device, override: int | None, caller: str) -> int:
+    """`override` if given (an int >= 1), else the device's SM count (CPU_SMS for CPU tensors)."""
+    if override is not None:
+        if not is_int(override) or override < 1:
+            raise ValueError(f"{caller}: num_sms must be None or an int >= 1, got {override!r}")
+        return int(override)
+    return _cuda_sms(device.index) if device.type == "cuda" else CPU_SMS
