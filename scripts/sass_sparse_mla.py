@@ -1,10 +1,11 @@
 """Compile sparse_mla for sm_90a without a GPU and count what its main loop issues per step.
 
     python scripts/sass_sparse_mla.py --out data/sparse_mla_sass.json
-        the default build (SLOTS, SPLIT_QK: the warpgroups split QK^T's keys, PREFETCH: rows one step ahead),
-        the same without PREFETCH, the chained build (QK^T chained into PV: both warpgroups compute all of
-        S), and with the chained QK^T the two other ways to resolve key addresses (in the loop, one step
-        ahead); DeepSeek-V3.2 sizes
+        the library's kernel (rows resolved before the loop, the warpgroups split QK^T's keys, the next
+        step's rows loaded one step ahead), and the variants of dsv32ref.bench.sparse_mla_variants: without
+        the rows ahead, the chained build (QK^T chained into PV: both warpgroups compute all of S), and with
+        the chained QK^T the two other ways to resolve key addresses (in the loop, one step ahead);
+        DeepSeek-V3.2 sizes
 
 Uses the ptxas and cuobjdump that ship with triton. The loop is the backward branch whose body holds the
 most HGMMA instructions; the counts are of instructions in that body (one step of the loop):
@@ -28,29 +29,32 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, _sparse_mla_kernel
+from dsv32ref.bench.sparse_mla_variants import LIBRARY, _variant_kernel
+from dsv32ref.kernels.sparse_mla import _sparse_mla_kernel
 from dsv32ref.provenance import provenance
 
 POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_table_ptr": "*i32", "req_ptr": "*i32",
-            "seq_lens_ptr": "*i32", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "slots_ptr": "*i32"}
+            "seq_lens_ptr": "*i32", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "rows_ptr": "*i32"}
+VARIANT_ONLY = ("SLOTS", "PREFETCH", "SPLIT_QK", "Q_RELOAD")
 
 
-def compile_sm90(config: dict):
-    cfg = dict(DEFAULT_CONFIG, **config)
-    const = dict(D_LAT=512, D_ROPE=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=cfg["BLOCK_DV"],
-                 PRECISION="tf32", Q_RELOAD=cfg["Q_RELOAD"], NUM_SPLITS=1, VALID_FIRST=False, SLOTS=cfg["SLOTS"],
-                 PREFETCH=cfg["PREFETCH"], SPLIT_QK=cfg["SPLIT_QK"])
-    params = list(inspect.signature(_sparse_mla_kernel.fn).parameters)
+def compile_sm90(config: dict, variant: bool = False):
+    """The library's kernel at DeepSeek-V3.2 sizes (or, with `variant`, the sweep's kernel) for sm_90a."""
+    cfg = dict(LIBRARY, **config)
+    fn = _variant_kernel if variant else _sparse_mla_kernel
+    const = dict(D_LAT=512, D_ROPE=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PRECISION="tf32")
+    const.update({k: cfg[k] for k in VARIANT_ONLY} if variant else dict(NUM_SPLITS=1, VALID_FIRST=False))
+    params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in const else POINTERS.get(p, "fp32" if p == "sm_scale_log2" else "i32") for p in params}
     # As at a launch with 16-byte aligned pointers and strides (what the GPU build specialises on).
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p] not in ("constexpr", "fp32")}
-    src = ASTSource(_sparse_mla_kernel, sig, constexprs=const, attrs=attrs)
+    src = ASTSource(fn, sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
-def loop_counts(config: dict) -> dict:
-    kernel = compile_sm90(config)
+def loop_counts(config: dict, variant: bool = False) -> dict:
+    kernel = compile_sm90(config, variant)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -75,16 +79,19 @@ def loop_counts(config: dict) -> dict:
     kinds = collections.Counter(o.split(".")[0] for o in body)
     regs = re.search(r"Used (\d+) registers", report)
     spill = re.search(r"(\d+) bytes spill stores", report)
-    return {"config": dict(DEFAULT_CONFIG, **config), "registers": int(regs.group(1)), "spill_store_bytes": int(spill.group(1)),
+    return {"kernel": _variant_kernel.__name__ if variant else _sparse_mla_kernel.__name__,
+            "config": dict(LIBRARY, **config), "registers": int(regs.group(1)), "spill_store_bytes": int(spill.group(1)),
             "shared_bytes": kernel.metadata.shared, "loop_instructions": len(body),
             "per_step": {k: kinds[k] for k in ("LDG", "LDGSTS", "LDS", "STS", "HGMMA", "BAR", "MUFU")}}
 
 
-VARIANTS = {"SLOTS, split QK^T, rows one step ahead (default)": {},
-            "SLOTS, split QK^T (SPLIT_QK)": {"PREFETCH": False},
-            "SLOTS, chained QK^T": {"SPLIT_QK": False, "PREFETCH": False},
-            "in the loop, chained QK^T": {"SLOTS": False, "PREFETCH": False, "SPLIT_QK": False},
-            "one step ahead, chained QK^T": {"SLOTS": False, "PREFETCH": True, "SPLIT_QK": False}}
+VARIANTS = {  # name: (config over the library's, compiled from the variants module)
+    "SLOTS, split QK^T, rows one step ahead (default)": ({}, False),
+    "SLOTS, split QK^T (SPLIT_QK)": ({"PREFETCH": False}, True),
+    "SLOTS, chained QK^T": ({"SPLIT_QK": False, "PREFETCH": False}, True),
+    "in the loop, chained QK^T": ({"SLOTS": False, "PREFETCH": False, "SPLIT_QK": False}, True),
+    "one step ahead, chained QK^T": ({"SLOTS": False, "PREFETCH": True, "SPLIT_QK": False}, True),
+}
 
 
 def main(argv=None) -> int:
@@ -93,14 +100,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     prov = provenance()  # before --out is opened: rewriting a tracked file would mark the tree dirty
     rows = {}
-    for name, cfg in VARIANTS.items():
-        rows[name] = r = loop_counts(cfg)
+    for name, (cfg, variant) in VARIANTS.items():
+        rows[name] = r = loop_counts(cfg, variant)
         print(f"{name:<46} regs {r['registers']}, spills {r['spill_store_bytes']} B, shared {r['shared_bytes']} B, "
               f"{r['loop_instructions']} instructions per step: " + ", ".join(f"{k} {v}" for k, v in r["per_step"].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"provenance": dict(prov, target="sm_90a (compiled offline, no GPU needed)"),
-                       "kernel": "_sparse_mla_kernel", "sizes": "DeepSeek-V3.2 (D_LAT 512, D_ROPE 64)",
+                       "sizes": "DeepSeek-V3.2 (D_LAT 512, D_ROPE 64)",
                        "variants": rows}, f, indent=1)
     return 0
 

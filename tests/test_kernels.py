@@ -11,6 +11,7 @@ from dsv32ref.cache import gather_tokens
 from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
 from dsv32ref.kernels.fused_q import fused_q
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged, indexer_topk_paged, topk_from_scores
+from dsv32ref.bench.sparse_mla_variants import sparse_mla_variant
 from dsv32ref.kernels.sparse_mla import sparse_mla_paged
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
                                 sparse_mla, topk_indices)
@@ -246,15 +247,8 @@ def test_topk_ties_negative_zero_and_small_rows(device):
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 @pytest.mark.parametrize("heads", ["deepseek", "glm"])
 @pytest.mark.parametrize("splits,valid_first", [(None, False), (1, True), (4, True)])
-@pytest.mark.parametrize("addressing", [
-    {},  # bf16: SLOTS, SPLIT_QK, PREFETCH; fp32: FP32_CONFIG
-    dict(SLOTS=True, SPLIT_QK=True, Q_RELOAD=True, PREFETCH=False),
-    dict(SLOTS=True, SPLIT_QK=True, Q_RELOAD=True, PREFETCH=True),
-    dict(SLOTS=True, SPLIT_QK=False, PREFETCH=False),
-    dict(SLOTS=False, SPLIT_QK=False, PREFETCH=True),
-    dict(SLOTS=False, SPLIT_QK=False, PREFETCH=False),
-], ids=["default", "split-qk", "split-qk-prefetch", "chained", "prefetch", "inline"])
-def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, addressing, seed):
+@pytest.mark.parametrize("tile", ["default", "short-steps"])
+def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, tile, seed):
     z = _sizes(device)
     H = z["H"] if heads == "deepseek" else max(z["H"] // 2, 2)
     if device == "cpu" and heads == "glm":
@@ -272,7 +266,9 @@ def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, addressing, 
     topk[1] = -1  # no valid key: out 0, lse +inf
     out = torch.full((T, H, z["d_lat"]), float("nan"), **f)
     lse = torch.full((T, H), float("nan"), device=device)
-    config = dict(addressing, **({} if splits is None else {"NUM_SPLITS": splits}))
+    # short steps: more steps per program, so that loading the next step's rows ahead crosses split borders
+    config = {} if tile == "default" else dict(BLOCK_N=_shape_for(device, 4, 32), num_stages=_shape_for(device, 1, 3))
+    config.update({} if splits is None else {"NUM_SPLITS": splits})
     sparse_mla_paged(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse,
                      config=config, valid_first=valid_first)
     for b in range(meta.num_reqs):
@@ -285,10 +281,39 @@ def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, addressing, 
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("variant", [
+    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=True),
+    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
+    dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),
+    dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False),
+], ids=["split-qk", "chained-held-q", "ahead", "in-loop"])
+def test_sparse_mla_sweep_variants(device, dtype, tol, variant, seed):
+    """The sweep's other loops (dsv32ref.bench.sparse_mla_variants) compute what the library does."""
+    z = _sizes(device)
+    meta, nb = _meta(device, *_shape_for(device, ([9, 0], [2, 4]), ([3000, 0], [5, 64])), z["block"])
+    T, f = meta.num_tokens, dict(device=device, dtype=dtype)
+    q = torch.randn(T, 3 if device == "cpu" else z["H"], z["d_lat"] + z["rope"], **f)
+    cache = torch.randn(nb, z["block"], z["d_lat"] + z["rope"], **f)
+    topk = torch.stack([torch.randint(-1, int(p) + 2, (z["k"],), device=device) for p in meta.positions]).int()
+    out = torch.full((T, q.shape[1], z["d_lat"]), float("nan"), **f)
+    lse = torch.full((T, q.shape[1]), float("nan"), device=device)
+    tiles = dict(BLOCK_H=16, BLOCK_N=4, num_warps=4, num_stages=1) if device == "cpu" else {}
+    sparse_mla_variant(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse,
+                       config=dict(variant, **tiles))
+    for b in range(meta.num_reqs):
+        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])
+        idx = torch.where(topk[t0:t1] < meta.seq_lens_cpu[b], topk[t0:t1], -1)
+        ref, ref_lse = sparse_mla(q[t0:t1].double(), kv.double(), idx, 0.1, z["d_lat"])
+        assert_close(f"out of request {b}", out[t0:t1], ref, dtype=dtype, rtol=tol, atol=tol, row_dims=2)
+        assert_close(f"lse of request {b}", lse[t0:t1], ref_lse, dtype=torch.float32, rtol=64, atol=64)
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
 def test_sparse_mla_unpacked_cache_matches_packed(device, dtype, tol, seed):
-    """SLOTS flattens (block, offset) to one row index, which needs the cache's blocks back to back. A view
-    whose blocks are not (every other block of a larger pool) falls back to addresses resolved in the loop:
-    same output, bit for bit, as the packed copy of the same cache."""
+    """The kernel resolves (block, offset) to one row number in units of the cache's row stride. A view whose
+    blocks are not back to back (every other block of a larger pool) gives the same output, bit for bit, as
+    the packed copy of the same cache."""
     z = _sizes(device)
     meta, nb = _meta(device, *_shape_for(device, ([9, 4], [2, 3]), ([3000, 500], [5, 64])), z["block"])
     T, f = meta.num_tokens, dict(device=device, dtype=dtype)
@@ -326,8 +351,13 @@ def test_launchers_reject_bad_inputs():
         sparse_mla_paged(q, cache.to("meta"), bt, req, sl, topk, 0.1, out)
     with pytest.raises(ValueError, match=r"out: the last dim must be dense \(stride 1 at dim 2\), got strides \(256, 64, 2\)"):
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, torch.zeros(2, 4, 64)[..., ::2])
-    with pytest.raises(ValueError, match="SPLIT_QK needs Q_RELOAD=True"):
-        sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out, config=dict(SPLIT_QK=True, Q_RELOAD=False))
+    with pytest.raises(ValueError, match=r"latent_cache: stride\(0\) must be a multiple of stride\(1\) > 0 .*got strides "
+                       r"\(161, 40, 1\)"):
+        sparse_mla_paged(q, torch.zeros(3 * 161).as_strided((3, 4, 40), (161, 40, 1)), bt, req, sl, topk, 0.1, out)
+    with pytest.raises(ValueError, match="sparse_mla_paged: config: unknown key.*SLOTS"):
+        sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out, config=dict(SLOTS=True))
+    with pytest.raises(ValueError, match="sparse_mla_paged: NUM_SPLITS must be a power of two, got 3"):
+        sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out, config=dict(NUM_SPLITS=3))
     with pytest.raises(ValueError, match=r"weights: expected shape \[2, 4\], got \[2, 3\]"):
         indexer_topk_paged(torch.zeros(2, 4, 16), torch.zeros(2, 3), torch.zeros(3, 4, 16), bt, req,
                            torch.zeros(2, dtype=torch.long), 0.1, torch.zeros(2, 8), torch.zeros(2, 4, dtype=torch.int32))

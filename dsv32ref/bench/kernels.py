@@ -24,7 +24,8 @@ from dsv32ref.kernels.fused_norm_rope import _fused_norm_rope_kernel, fused_norm
 from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
 from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact_kernel, _topk_hist_kernel, _topk_kernel,
                                            indexer_scores_paged, topk_from_scores)
-from dsv32ref.kernels.sparse_mla import _combine_splits_kernel, _sparse_mla_kernel, sparse_mla_paged
+from dsv32ref.bench.sparse_mla_variants import LIBRARY, _variant_kernel, sparse_mla_variant
+from dsv32ref.kernels.sparse_mla import CONFIG_KEYS, _combine_splits_kernel, _sparse_mla_kernel, sparse_mla_paged
 from dsv32ref.provenance import provenance
 from dsv32ref.results import write_partial, write_result
 from dsv32ref.reference import apply_rope, fp8_quantize, hadamard_transform, layer_norm, rms_norm
@@ -69,6 +70,21 @@ def timed(fn) -> dict:
     graph = bench_graph(fn)
     return {"ms": graph if graph is not None else eager, "ms_eager": eager,
             "timing": "cuda-graph replay, median" if graph is not None else "eager, median"}
+
+
+class Rotation:
+    """Call i uses input copy i mod n: a graph of n_inner calls then reads n_inner different copies, so that a
+    working set of 10 copies past the 50 MB L2 is read from HBM, as a layer's cache is in a real forward."""
+
+    def __init__(self, n: int):
+        self.n, self.i = n, -1
+
+    def __call__(self) -> int:
+        self.i = (self.i + 1) % self.n
+        return self.i
+
+
+COPIES = 10  # = bench_graph's n_inner
 
 
 
@@ -172,8 +188,14 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     scale = z["config"].softmax_scale
     out = torch.empty(T, z["H"], z["d_lat"], device=DEV, dtype=BF16)
     lse = torch.empty(T, z["H"], device=DEV, dtype=torch.float32)
-    run = lambda: sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse, config)
-    res = {"kernel": "sparse_mla", "model": z["name"], "T": T, "context": ctx, "topk": z["k"], "config": config,
+    if config and set(config) - set(CONFIG_KEYS):  # a loop of the sweep's (not the library's kernel)
+        run = lambda: sparse_mla_variant(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
+                                         config)
+    else:
+        run = lambda: sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
+                                       config)
+    res = {"kernel": "sparse_mla", "model": z["name"], "T": T, "context": ctx, "topk": z["k"], "config": config or {},
+           "config_full": dict(LIBRARY, **(config or {})),
            "shape": "decode batch" if batch else "one request"}
     if check:
         out.fill_(float("nan"))
@@ -214,29 +236,38 @@ def bench_combine(z, T, splits):
 
 # ---- indexer top-k ---------------------------------------------------------------------------------
 
-def torch_indexer_topk(q, w, keys, positions, scale, k):
-    logits = torch.einsum("thd,sd->ths", q, keys).float() * scale  # (T, H_I, S)
-    scores = (w[:, :, None] * torch.relu(logits)).sum(1)  # (T, S)
-    S = keys.shape[0]
-    scores = scores.masked_fill(torch.arange(S, device=DEV)[None, :] > positions[:, None], float("-inf"))
-    return torch.topk(scores, min(k, S), dim=-1).indices
+def lean_indexer_topk(q, w, keys, positions, scale, k):
+    """The lean PyTorch path: keys already contiguous [S, D], bf16 einsum, relu, weighted sum, torch.topk."""
+    logits = torch.einsum("thd,sd->ths", q, keys)  # (T, H_I, S) bf16
+    scores = torch.bmm((w * scale).to(q.dtype)[:, None, :], torch.relu(logits))[:, 0]  # (T, S)
+    if q.shape[0] > 1:  # causal (one decode token at the last position sees every key)
+        scores = scores.masked_fill(torch.arange(keys.shape[0], device=DEV)[None, :] > positions[:, None], float("-inf"))
+    return torch.topk(scores, min(k, keys.shape[0]), dim=-1).indices
 
 
-def bench_indexer(z, T, ctx, ceil, torch_path=True):
+def bench_indexer(z, T, ctx, ceil, torch_path=True, tiles=None, num_stages=3, scores_only=False):
+    """T query tokens at the end of a ctx-token request. COPIES copies of the key cache rotate (Rotation): the
+    keys come from HBM. The scores pass is reported against the copy bandwidth of the same run, the top-k
+    against its own bytes (the scores read once, the indices written)."""
     r = one_request(ctx, T)
-    icache = torch.randn(r["nblocks"], BLOCK_SIZE, z["d_i"], device=DEV, dtype=BF16)
+    icaches = [torch.randn(r["nblocks"], BLOCK_SIZE, z["d_i"], device=DEV, dtype=BF16) for _ in range(COPIES)]
     q = torch.randn(T, z["h_i"], z["d_i"], device=DEV, dtype=BF16)
     w = torch.randn(T, z["h_i"], device=DEV) * z["h_i"] ** -0.5
     scale = z["d_i"] ** -0.5
     scores = torch.empty(T, ctx, device=DEV)
     out = torch.empty(T, z["k"], device=DEV, dtype=torch.int32)
-    args = (q, w, icache, r["block_table"], r["req"], r["positions"], scale, scores)
-    run = lambda: (indexer_scores_paged(*args), topk_from_scores(scores, r["positions"], out))
-    res = {"kernel": "indexer_topk", "model": z["name"], "T": T, "context": ctx, "topk": z["k"]}
+    rot = Rotation(COPIES)
+    score = lambda: indexer_scores_paged(q, w, icaches[rot()], r["block_table"], r["req"], r["positions"], scale,
+                                         scores, tiles=tiles, num_stages=num_stages)
+    select = lambda: topk_from_scores(scores, r["positions"], out)
+    res = {"kernel": "indexer_scores" if scores_only else "indexer_topk", "model": z["name"], "T": T, "context": ctx,
+           "topk": z["k"], "tiles": tiles, "num_stages": num_stages, "key_copies": COPIES}
     scores.fill_(float("nan"))
     out.fill_(-7)
-    run()
-    keys = gather_rows(icache, r["block_table"], torch.arange(ctx, device=DEV))  # (S, D) in position order
+    rot.i = -1
+    score()
+    select()
+    keys = gather_rows(icaches[0], r["block_table"], torch.arange(ctx, device=DEV))  # (S, D) in position order
     worst, ok = 0.0, True
     for t0 in range(0, T, 64):
         sl = slice(t0, t0 + 64)
@@ -244,23 +275,39 @@ def bench_indexer(z, T, ctx, ceil, torch_path=True):
         ref = ref.masked_fill(torch.arange(ctx, device=DEV)[None, :] > r["positions"][sl, None], float("-inf"))
         vis = torch.isfinite(ref)
         worst = max(worst, rel_err(scores[sl][vis], ref[vis]))
+        if scores_only:
+            continue
         kth = torch.topk(ref, z["k"], dim=-1).values[:, -1:]
         sel = out[sl].long()
         slack = 2e-2 * ref.masked_fill(~vis, 0).abs().amax(-1, keepdim=True)
         ok &= bool((sel >= 0).all() and (ref.gather(1, sel.clamp_min(0)) >= kth - slack).all())
-        ok &= bool((torch.sort(sel, -1).values.diff(dim=-1) > 0).all())  # distinct
+        ok &= bool((sel.diff(dim=-1) > 0).all())  # distinct, increasing
     res.update(rel_err_scores=worst, ok=ok and worst <= 1e-2)
-    res.update(timed(run))
-    ms_scores = timed(lambda: indexer_scores_paged(*args))["ms"]
     S_vis = float(r["positions"].float().add(1).sum())  # total (token, visible key) pairs
+    key_bytes = 2 * ctx * z["d_i"]  # every key once (the tokens of one request share them)
+    scores_bytes = key_bytes + 2 * T * z["h_i"] * z["d_i"] + 4 * T * z["h_i"] + 4 * S_vis
+    t_scores = timed(score)
+    res.update(ms_scores=t_scores["ms"], scores_bytes=scores_bytes,
+               scores_GBps=scores_bytes / t_scores["ms"] / 1e6,
+               scores_fraction_of_copy=scores_bytes / t_scores["ms"] / 1e6 / ceil["copy_GBps"])
+    if scores_only:
+        return res
+    t_topk = timed(select)
+    topk_bytes = 4 * S_vis + 4 * T * z["k"]
+    res.update(ms_topk=t_topk["ms"], topk_bytes=topk_bytes, topk_GBps=topk_bytes / t_topk["ms"] / 1e6,
+               topk_fraction_of_copy=topk_bytes / t_topk["ms"] / 1e6 / ceil["copy_GBps"])
+    res.update(timed(lambda: (score(), select())))
     flops = 2 * z["h_i"] * z["d_i"] * S_vis
-    nbytes = 2 * (ctx * z["d_i"] + T * z["h_i"] * z["d_i"]) + 4 * T * z["h_i"] + 4 * T * z["k"]
-    res.update(ms_scores=ms_scores, ms_topk=res["ms"] - ms_scores, **roofline(flops, nbytes, res["ms"], ceil))
-    if torch_path and T * ctx * z["h_i"] * 4 <= 4.3e9:
+    nbytes = scores_bytes + 4 * T * z["k"]
+    res.update(**roofline(flops, nbytes, res["ms"], ceil))
+    if torch_path and T * ctx * z["h_i"] * 2 <= 4.3e9:
         all_pos = torch.arange(ctx, device=DEV)
-        tp = timed(lambda: torch_indexer_topk(q, w, gather_rows(icache, r["block_table"], all_pos),
-                                              r["positions"], scale, z["k"]))
-        res.update(torch_ms=tp["ms"], torch_ms_eager=tp["ms_eager"])
+        lean_keys = [gather_rows(c, r["block_table"], all_pos) for c in icaches]  # contiguous, rotated alike
+        rot_t = Rotation(COPIES)
+        tp = timed(lambda: lean_indexer_topk(q, w, lean_keys[rot_t()], r["positions"], scale, z["k"]))
+        res.update(torch_ms=tp["ms"], torch_ms_eager=tp["ms_eager"], torch_path="lean: contiguous keys, bf16 einsum, "
+                   "relu, weighted sum (bmm), torch.topk")
+        del lean_keys
     return res
 
 
@@ -354,8 +401,8 @@ def bench_fused_q(z, T, ceil, fp8=False):
 
 def resource_report() -> list[dict]:
     rows = []
-    for fn in (_sparse_mla_kernel, _combine_splits_kernel, _indexer_scores_kernel, _topk_kernel, _topk_hist_kernel,
-               _topk_compact_kernel, _fused_norm_rope_kernel, _fused_q_kernel):
+    for fn in (_sparse_mla_kernel, _variant_kernel, _combine_splits_kernel, _indexer_scores_kernel, _topk_kernel,
+               _topk_hist_kernel, _topk_compact_kernel, _fused_norm_rope_kernel, _fused_q_kernel):
         caches = getattr(fn, "device_caches", {})
         for entry in caches.values():
             kernels = entry[0] if isinstance(entry, tuple) else entry
@@ -377,17 +424,15 @@ def resource_report() -> list[dict]:
     return rows
 
 
-SPARSE_CONFIGS = [  # (BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages, Q_RELOAD, SLOTS, PREFETCH, SPLIT_QK)
-    dict(BLOCK_H=h, BLOCK_N=n, BLOCK_DV=dv, num_warps=w, num_stages=st, Q_RELOAD=qr, SLOTS=sl, PREFETCH=pf, SPLIT_QK=sq)
-    for h, n, dv, w, st, qr, sl, pf, sq in [
-        (64, 64, 512, 8, 2, True, True, True, True), (64, 64, 512, 8, 2, True, True, False, True),  # split QK^T
-        (64, 64, 512, 8, 2, True, True, False, False), (64, 64, 512, 8, 2, True, True, True, False),  # chained QK^T
-        (64, 64, 512, 8, 2, False, True, False, False),
-        (64, 32, 512, 8, 3, True, True, False, True), (64, 32, 512, 8, 4, True, True, False, True),
-        (64, 16, 512, 8, 6, True, True, False, True), (64, 64, 512, 16, 2, True, True, False, True),
-        (64, 64, 512, 8, 2, True, False, False, False), (64, 64, 512, 8, 2, True, False, True, False),  # addresses in the loop
-    ]
+SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then the sweep's other loops
+    {}, dict(BLOCK_N=32, num_stages=3), dict(BLOCK_N=32, num_stages=4), dict(BLOCK_N=16, num_stages=6),
+    dict(num_warps=16), dict(num_stages=1),
+    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=True),  # split QK^T, rows not loaded ahead
+    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=True, PREFETCH=True, SPLIT_QK=False),  # chained
+    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
+    dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
 ]
+INDEXER_PROBE = [(1, 32768), (1, 131072), (16, 131072), (64, 32768), (256, 32768), (1024, 4096)]
 
 
 def main(argv=None) -> int:
@@ -397,6 +442,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-only", action="store_true", help="only the sparse_mla tile sweep (and a sorted-index probe)")
     ap.add_argument("--splits-probe", action="store_true",
                     help="only sparse_mla at 64 tokens with 1, 2, 4, 8 top-k splits, and the merge launch alone")
+    ap.add_argument("--indexer-probe", action="store_true",
+                    help="only the indexer's scores pass: key tiles per program 1-16 x pipeline stages 2-3 at "
+                         + ", ".join(f"{T}x{c}" for T, c in INDEXER_PROBE) + " (tokens x context)")
     ap.add_argument("--compare", metavar="JSON",
                     help="only sparse_mla: each config of this JSON list (over the defaults) at 64, 128 and 512 tokens "
                          "of one request and a 64-request decode batch, both models")
@@ -430,6 +478,21 @@ def main(argv=None) -> int:
                     save()
         save(complete=True)
         return 0 if all(r.get("ok", True) for r in results) else 1
+    if args.indexer_probe:  # how many key tiles a scores program should walk
+        for z in models:
+            for T, ctx in INDEXER_PROBE:
+                for tiles in (1, 2, 4, 8, 16):
+                    for stages in (2, 3):
+                        r = bench_indexer(z, T, ctx, ceil, torch_path=False, tiles=tiles, num_stages=stages,
+                                          scores_only=True)
+                        r["probe"] = "scores tiles"
+                        results.append(r)
+                        print(f"scores {z['name']} T={T} ctx={ctx} tiles={tiles} stages={stages}: "
+                              f"{r['ms_scores'] * 1e3:.1f} us ({r['scores_fraction_of_copy']:.0%} of copy) ok={r['ok']}",
+                              flush=True)
+                save()
+        save(complete=True)
+        return 0 if all(r.get("ok", True) for r in results) else 1
     if args.splits_probe:  # what splitting the top-k costs when the programs would not fill the GPU
         for z in models:
             for batch in (False, True):
@@ -454,7 +517,7 @@ def main(argv=None) -> int:
             sweep.append(r)
             save()
             print(f"sweep {z['name']} {cfg}: {r.get('ms', float('nan')):.3f} ms ok={r.get('ok')}", flush=True)
-        good = [r for r in sweep if r["model"] == z["name"] and r.get("ok")]
+        good = [r for r in sweep if r["model"] == z["name"] and r.get("ok") and not set(r["config"]) - set(CONFIG_KEYS)]
         best = min(good, key=lambda r: r["ms"])["config"] if good else SPARSE_CONFIGS[0]
         if args.sweep_only:  # does gather locality matter? the same work with each token's indices sorted
             r = bench_sparse_mla(z, 512, 32768, ceil, config=best, check=True, torch_path=False, sort_indices=True)
@@ -473,8 +536,10 @@ def main(argv=None) -> int:
             save()
         for ctx in ([4096, 32768] if args.quick else [4096, 32768, 131072]):
             for T in ([1, 64] if args.quick else [1, 16, 64, 256, 1024]):
-                results.append(bench_indexer(z, T, ctx, ceil))
-                print(results[-1]["kernel"], z["name"], T, ctx, f"{results[-1]['ms']:.3f} ms", flush=True)
+                results.append(r := bench_indexer(z, T, ctx, ceil))
+                print(f"indexer_topk {z['name']} T={T} ctx={ctx}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f} us, "
+                      f"{r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f} us); lean PyTorch "
+                      f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
                 save()
         for T in ([1, 1024] if args.quick else [1, 64, 1024, 8192]):
             results.append(bench_norm_rope(z, T, ceil))
@@ -490,6 +555,9 @@ def main(argv=None) -> int:
     for r in results + sweep:
         if "flops" in r and "ms" in r:
             r.update(roofline(r["flops"], r["bytes"], r["ms"], ceil))
+        for part in ("scores", "topk"):
+            if f"{part}_GBps" in r:
+                r[f"{part}_fraction_of_copy"] = r[f"{part}_GBps"] / ceil["copy_GBps"]
     save(complete=True)
     print(f"ceilings at the end: copy {end['copy_GBps']:.0f} GB/s, bf16 GEMM {end['bf16_gemm_TFLOPs']:.0f} TFLOP/s; "
           f"fractions against the higher", flush=True)
