@@ -445,6 +445,7 @@ def main(argv=None) -> int:
     ap.add_argument("--indexer-probe", action="store_true",
                     help="only the indexer's scores pass: key tiles per program 1-16 x pipeline stages 2-3 at "
                          + ", ".join(f"{T}x{c}" for T, c in INDEXER_PROBE) + " (tokens x context)")
+    ap.add_argument("--indexer-only", action="store_true", help="only the indexer (scores + top-k) cases")
     ap.add_argument("--compare", metavar="JSON",
                     help="only sparse_mla: each config of this JSON list (over the defaults) at 64, 128 and 512 tokens "
                          "of one request and a 64-request decode batch, both models")
@@ -509,7 +510,7 @@ def main(argv=None) -> int:
         save(complete=True)
         return 0 if all(r.get("ok", True) for r in results) else 1
     for z in models:  # tile sweep for sparse_mla at a prefill-like size, then every size with the best tile
-        for cfg in SPARSE_CONFIGS:
+        for cfg in ([] if args.indexer_only else SPARSE_CONFIGS):
             try:
                 r = bench_sparse_mla(z, 512, 32768, ceil, config=cfg, check=True, torch_path=False)
             except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
@@ -519,6 +520,15 @@ def main(argv=None) -> int:
             print(f"sweep {z['name']} {cfg}: {r.get('ms', float('nan')):.3f} ms ok={r.get('ok')}", flush=True)
         good = [r for r in sweep if r["model"] == z["name"] and r.get("ok") and not set(r["config"]) - set(CONFIG_KEYS)]
         best = min(good, key=lambda r: r["ms"])["config"] if good else SPARSE_CONFIGS[0]
+        if args.indexer_only:
+            for ctx in (4096, 32768, 131072):
+                for T in (1, 16, 64, 256, 1024):
+                    results.append(r := bench_indexer(z, T, ctx, ceil))
+                    print(f"indexer_topk {z['name']} T={T} ctx={ctx}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f} "
+                          f"us, {r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f} us); lean PyTorch "
+                          f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
+                    save()
+            continue
         if args.sweep_only:  # does gather locality matter? the same work with each token's indices sorted
             r = bench_sparse_mla(z, 512, 32768, ceil, config=best, check=True, torch_path=False, sort_indices=True)
             r["probe"] = "sorted top-k indices"
