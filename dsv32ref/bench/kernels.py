@@ -245,7 +245,7 @@ def lean_indexer_topk(q, w, keys, positions, scale, k):
     return torch.topk(scores, min(k, keys.shape[0]), dim=-1).indices
 
 
-def bench_indexer(z, T, ctx, ceil, torch_path=True, tiles=None, num_stages=3, scores_only=False):
+def bench_indexer(z, T, ctx, ceil, torch_path=True, scores_kw=None, topk_kw=None, scores_only=False):
     """T query tokens at the end of a ctx-token request. COPIES copies of the key cache rotate (Rotation): the
     keys come from HBM. The scores pass is reported against the copy bandwidth of the same run, the top-k
     against its own bytes (the scores read once, the indices written)."""
@@ -258,10 +258,10 @@ def bench_indexer(z, T, ctx, ceil, torch_path=True, tiles=None, num_stages=3, sc
     out = torch.empty(T, z["k"], device=DEV, dtype=torch.int32)
     rot = Rotation(COPIES)
     score = lambda: indexer_scores_paged(q, w, icaches[rot()], r["block_table"], r["req"], r["positions"], scale,
-                                         scores, tiles=tiles, num_stages=num_stages)
-    select = lambda: topk_from_scores(scores, r["positions"], out)
+                                         scores, **(scores_kw or {}))
+    select = lambda: topk_from_scores(scores, r["positions"], out, **(topk_kw or {}))
     res = {"kernel": "indexer_scores" if scores_only else "indexer_topk", "model": z["name"], "T": T, "context": ctx,
-           "topk": z["k"], "tiles": tiles, "num_stages": num_stages, "key_copies": COPIES}
+           "topk": z["k"], "scores_kw": scores_kw or {}, "topk_kw": topk_kw or {}, "key_copies": COPIES}
     scores.fill_(float("nan"))
     out.fill_(-7)
     rot.i = -1
@@ -432,7 +432,10 @@ SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then 
     dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
     dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
 ]
-INDEXER_PROBE = [(1, 32768), (1, 131072), (16, 131072), (64, 32768), (256, 32768), (1024, 4096)]
+INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs)
+    [((1, c), dict(block_s=b, num_warps=w, tiles=t, num_stages=st)) for c in (32768, 131072) for b in (64, 128)
+     for w in (4, 8) for t in (1, 2, 4, 8) for st in (2, 4)]
+    + [((T, c), dict(split_below_rows=rows)) for T in (1, 16, 64) for c in (32768, 131072) for rows in (0, 128)])
 
 
 def main(argv=None) -> int:
@@ -443,8 +446,8 @@ def main(argv=None) -> int:
     ap.add_argument("--splits-probe", action="store_true",
                     help="only sparse_mla at 64 tokens with 1, 2, 4, 8 top-k splits, and the merge launch alone")
     ap.add_argument("--indexer-probe", action="store_true",
-                    help="only the indexer's scores pass: key tiles per program 1-16 x pipeline stages 2-3 at "
-                         + ", ".join(f"{T}x{c}" for T, c in INDEXER_PROBE) + " (tokens x context)")
+                    help="only the indexer at decode: the scores pass's tile, warps, tiles per program and stages "
+                         "at one token (32k, 128k context); the top-k's chunked and one-program paths at 1-64 tokens")
     ap.add_argument("--indexer-only", action="store_true", help="only the indexer (scores + top-k) cases")
     ap.add_argument("--compare", metavar="JSON",
                     help="only sparse_mla: each config of this JSON list (over the defaults) at 64, 128 and 512 tokens "
@@ -479,18 +482,16 @@ def main(argv=None) -> int:
                     save()
         save(complete=True)
         return 0 if all(r.get("ok", True) for r in results) else 1
-    if args.indexer_probe:  # how many key tiles a scores program should walk
-        for z in models:
-            for T, ctx in INDEXER_PROBE:
-                for tiles in (1, 2, 4, 8, 16):
-                    for stages in (2, 3):
-                        r = bench_indexer(z, T, ctx, ceil, torch_path=False, tiles=tiles, num_stages=stages,
-                                          scores_only=True)
-                        r["probe"] = "scores tiles"
-                        results.append(r)
-                        print(f"scores {z['name']} T={T} ctx={ctx} tiles={tiles} stages={stages}: "
-                              f"{r['ms_scores'] * 1e3:.1f} us ({r['scores_fraction_of_copy']:.0%} of copy) ok={r['ok']}",
-                              flush=True)
+    if args.indexer_probe:  # how a scores program should walk its keys, and which top-k path few rows take
+        for z in models[:1]:
+            for (T, ctx), kw in INDEXER_PROBE:
+                r = bench_indexer(z, T, ctx, ceil, torch_path=False, scores_only="split_below_rows" not in kw,
+                                  **({"topk_kw": kw} if "split_below_rows" in kw else {"scores_kw": kw}))
+                r["probe"] = "indexer"
+                results.append(r)
+                print(f"indexer {z['name']} T={T} ctx={ctx} {kw}: scores {r['ms_scores'] * 1e3:.1f} us "
+                      f"({r['scores_fraction_of_copy']:.0%} of copy)"
+                      + (f", top-k {r['ms_topk'] * 1e3:.1f} us" if "ms_topk" in r else "") + f" ok={r['ok']}", flush=True)
                 save()
         save(complete=True)
         return 0 if all(r.get("ok", True) for r in results) else 1

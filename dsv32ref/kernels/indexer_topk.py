@@ -15,8 +15,8 @@ Work per query token with S visible keys (DeepSeek-V3.2: H_I = 64, D = 128):
 Decode is the case the indexer exists for: one token, a long context. One program per 64 keys then makes
 thousands of tiny programs that each reload the query; a program instead walks `tiles` key tiles with the
 query held (the loads pipelined). And one program per row would select from 128k scores on one SM: few long
-rows are cut into chunks, and each radix pass runs over all chunks at once (a launch per pass; every program
-sums the chunks' histograms of the passes before it to know the prefix), then a last launch compacts.
+rows are cut into chunks, and each radix pass runs over all chunks at once (a launch per pass; each program sums
+the chunks' histograms of the pass before to extend the prefix), then a last launch compacts.
 
 Output: top-k indices int32 [T, K], the selected positions in increasing order (a set: attention does
 not care about order), -1 padded when fewer than K keys are visible. Ties at the threshold go to the
@@ -165,7 +165,8 @@ def _topk_kernel(scores_ptr, stride_st, pos_ptr, out_ptr, stride_ot, K, S_MAX, B
 
 
 # ---- radix select over chunks (few long rows) -----------------------------------------------------------
-# hist int32 [4, T, n_chunks, 256]: pass p's histogram of digit p for each chunk of each row.
+# hist int32 [4, T, n_chunks, 256]: pass p's histogram of digit p for each chunk of each row; then
+# state int32 [T, 4, 2]: (prefix, k_rem) after digits 0..p-1, written by chunk 0's program of pass p.
 
 @triton.jit
 def _sum_chunks(hist_ptr, n_chunks, CB: tl.constexpr):
@@ -194,30 +195,47 @@ def _count_before(hist_ptr, c, d, CB: tl.constexpr):
 
 
 @triton.jit
-def _topk_hist_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, T, K, CHUNK, S_MAX, n_chunks,
+def _prefix_through(hist_ptr, state_ptr, t, T, K, n_chunks, P: tl.constexpr, CB: tl.constexpr):
+    """(prefix of digits 0..P-1 of row t's K-th largest key, keys still to take at it): the state after pass
+    P - 1 (from pass P - 1's programs) advanced by digit P - 1, from the sum of that pass's chunk histograms."""
+    if P == 1:
+        prefix = tl.full([], 0, tl.uint32)
+        k_rem = K + tl.zeros([], tl.int32)
+    else:
+        prefix = tl.load(state_ptr + (t * 4 + P - 1) * 2).to(tl.uint32, bitcast=True)
+        k_rem = tl.load(state_ptr + (t * 4 + P - 1) * 2 + 1)
+    prefix, k_rem, d = _digit_step(_sum_chunks(hist_ptr + ((P - 1) * T + t) * n_chunks * 256, n_chunks, CB),
+                                   prefix, k_rem, P - 1)
+    return prefix, k_rem
+
+
+@triton.jit
+def _topk_hist_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, T, K, CHUNK, S_MAX, n_chunks,
                       P: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr):
     """Pass P, program (t, c): the histogram of digit P in chunk c of row t, among the keys whose digits
-    before P are the K-th largest key's (found from the passes before, summed over all chunks)."""
+    before P are the K-th largest key's."""
     t = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)
     if n > K:  # (a row with at most K keys takes them all: no histograms, none read)
-        prefix = tl.full([], 0, tl.uint32)
-        k_rem = K
-        for p in tl.static_range(P):
-            prefix, k_rem, d = _digit_step(_sum_chunks(hist_ptr + (p * T + t) * n_chunks * 256, n_chunks, CB),
-                                           prefix, k_rem, p)
+        if P == 0:
+            prefix = tl.full([], 0, tl.uint32)
+        else:
+            prefix, k_rem = _prefix_through(hist_ptr, state_ptr, t, T, K, n_chunks, P, CB)
+            if c == 0:
+                tl.store(state_ptr + (t * 4 + P) * 2, prefix.to(tl.int32, bitcast=True))
+                tl.store(state_ptr + (t * 4 + P) * 2 + 1, k_rem)
         start = c * CHUNK
         hist = _digit_hist(scores_ptr + t * stride_st, start, tl.minimum(start + CHUNK, n), prefix, P, BLOCK)
         tl.store(hist_ptr + ((P * T + t) * n_chunks + c) * 256 + tl.arange(0, 256), hist)
 
 
 @triton.jit
-def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, out_ptr, stride_ot, T, K, CHUNK, S_MAX, n_chunks,
-                         BLOCK: tl.constexpr, CB: tl.constexpr):
+def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, out_ptr, stride_ot, T, K, CHUNK, S_MAX,
+                         n_chunks, BLOCK: tl.constexpr, CB: tl.constexpr):
     """Program (t, c): write chunk c's selected positions of row t at their place in the row's output. The
-    chunks before c took every key above the threshold (counted from their histograms) and, in position
-    order, the first of the keys equal to it."""
+    chunks before c took every key above the threshold (counted from their histograms: a key above it is
+    above it at one digit) and, in position order, the first of the keys equal to it."""
     t = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)
@@ -229,16 +247,14 @@ def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, out_ptr, stri
         if c == 0:
             _pad(tl.maximum(n, 0), K, out_idx, BLOCK)
     else:
-        prefix = tl.full([], 0, tl.uint32)
-        k_rem = K
+        threshold, n_eq = _prefix_through(hist_ptr, state_ptr, t, T, K, n_chunks, 4, CB)
         gt_before = tl.zeros([], tl.int32)
         eq_before = tl.zeros([], tl.int32)
         for p in tl.static_range(4):
-            h = hist_ptr + (p * T + t) * n_chunks * 256
-            prefix, k_rem, d = _digit_step(_sum_chunks(h, n_chunks, CB), prefix, k_rem, p)
-            gt, eq_before = _count_before(h, c, d, CB)  # a key above the threshold is above it at one digit
+            d = ((threshold >> (24 - 8 * p)) & 0xFF).to(tl.int32)
+            gt, eq_before = _count_before(hist_ptr + (p * T + t) * n_chunks * 256, c, d, CB)
             gt_before += gt
-        _take(scores_ptr + t * stride_st, start, end, prefix, k_rem, gt_before + tl.minimum(eq_before, k_rem),
+        _take(scores_ptr + t * stride_st, start, end, threshold, n_eq, gt_before + tl.minimum(eq_before, n_eq),
               eq_before, out_idx, BLOCK)
 
 
@@ -283,7 +299,7 @@ def scores_tiles(T: int, s_max: int, block_s: int, sms: int) -> int:
 
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
                          scores, block_s: int = 64, num_warps: int = 4, tiles: int | None = None,
-                         num_stages: int = 3, num_sms: int | None = None):
+                         num_stages: int = 2, num_sms: int | None = None):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
@@ -317,8 +333,9 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
 
 
 def topk_chunk(s_max: int) -> int:
-    """Positions per program of the chunked top-k: about 32 chunks per row, at least 1024."""
-    return max(1024, triton.next_power_of_2(triton.cdiv(s_max, 32)))
+    """Positions per program of the chunked top-k: at most 32 chunks per row (each program of a pass sums the
+    chunks' histograms), at least 4096."""
+    return max(4096, triton.next_power_of_2(triton.cdiv(s_max, 32)))
 
 
 def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int = 8, chunk: int | None = None,
@@ -350,12 +367,13 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
     n_chunks = triton.cdiv(scores.shape[1], chunk)
     block = min(block, chunk)
     cb = min(32, triton.next_power_of_2(n_chunks))
-    hist = torch.empty(4, T, n_chunks, 256, dtype=torch.int32, device=scores.device)
+    work = torch.empty(4 * T * n_chunks * 256 + T * 8, dtype=torch.int32, device=scores.device)
+    hist, state = work[: 4 * T * n_chunks * 256], work[4 * T * n_chunks * 256:]  # [4, T, n_chunks, 256], [T, 4, 2]
     for p in range(4):
-        _topk_hist_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, T, K, chunk, scores.shape[1],
-                                         n_chunks, P=p, BLOCK=block, CB=cb, num_warps=num_warps)
-    _topk_compact_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, out, out.stride(0), T, K, chunk,
-                                        scores.shape[1], n_chunks, BLOCK=block, CB=cb, num_warps=num_warps)
+        _topk_hist_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, state, T, K, chunk,
+                                         scores.shape[1], n_chunks, P=p, BLOCK=block, CB=cb, num_warps=num_warps)
+    _topk_compact_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, state, out, out.stride(0), T, K,
+                                        chunk, scores.shape[1], n_chunks, BLOCK=block, CB=cb, num_warps=num_warps)
     return out
 
 
