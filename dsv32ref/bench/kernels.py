@@ -433,9 +433,12 @@ SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then 
     dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
 ]
 INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs)
-    [((1, c), dict(block_s=b, num_warps=w, tiles=t, num_stages=st)) for c in (32768, 131072) for b in (64, 128)
-     for w in (4, 8) for t in (1, 2, 4, 8) for st in (2, 4)]
-    + [((T, c), dict(split_below_rows=rows)) for T in (1, 16, 64) for c in (32768, 131072) for rows in (0, 128)])
+    [((1, c), dict(block_s=b, num_warps=w, tiles=t, keys_as_rows=kr)) for c in (32768, 131072) for kr in (False, True)
+     for b in (64, 128) for w in (4, 8) for t in (1, 2, 4)]
+    + [((T, c), dict(keys_as_rows=kr)) for T, c in ((16, 131072), (64, 32768), (256, 32768), (1024, 4096))
+       for kr in (False, True)]
+    + [((T, c), dict(chunk=ch, num_warps=w)) for T in (1, 16, 64) for c in (32768, 131072) for ch in (1024, 2048, 4096)
+       for w in (4, 8)])
 
 
 def main(argv=None) -> int:
@@ -485,8 +488,8 @@ def main(argv=None) -> int:
     if args.indexer_probe:  # how a scores program should walk its keys, and which top-k path few rows take
         for z in models[:1]:
             for (T, ctx), kw in INDEXER_PROBE:
-                r = bench_indexer(z, T, ctx, ceil, torch_path=False, scores_only="split_below_rows" not in kw,
-                                  **({"topk_kw": kw} if "split_below_rows" in kw else {"scores_kw": kw}))
+                r = bench_indexer(z, T, ctx, ceil, torch_path=False, scores_only="chunk" not in kw,
+                                  **({"topk_kw": kw} if "chunk" in kw else {"scores_kw": kw}))
                 r["probe"] = "indexer"
                 results.append(r)
                 print(f"indexer {z['name']} T={T} ctx={ctx} {kw}: scores {r['ms_scores'] * 1e3:.1f} us "

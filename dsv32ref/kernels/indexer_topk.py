@@ -46,6 +46,7 @@ def _indexer_scores_kernel(
     softmax_scale, block_size,
     S_MAX, B, max_blocks, num_blocks,  # bounds: score width, requests, a block-table row, block ids (masked)
     H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr,
 ):
     """Program (t, j): the scores of keys [j TILES BLOCK_S, (j + 1) TILES BLOCK_S) of token t, a tile at a time."""
     t = tl.program_id(0)
@@ -69,8 +70,12 @@ def _indexer_scores_kernel(
             k_ptrs = (kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb + (offs_s % block_size)[:, None] * stride_ks
                       + offs_d[None, :])
             k = tl.load(k_ptrs, mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
-            logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * softmax_scale  # (H_I, BLOCK_S)
-            score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)  # (BLOCK_S,)
+            if KEYS_AS_ROWS:  # keys on the MMA's rows: the sum over heads stays inside each warp
+                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, H_I)
+                score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)  # (BLOCK_S,)
+            else:
+                logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * softmax_scale  # (H_I, BLOCK_S)
+                score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)  # (BLOCK_S,)
             tl.store(scores_ptr + t * stride_st + offs_s, score, mask=vis)
 
 
@@ -299,7 +304,7 @@ def scores_tiles(T: int, s_max: int, block_s: int, sms: int) -> int:
 
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
                          scores, block_s: int = 64, num_warps: int = 4, tiles: int | None = None,
-                         num_stages: int = 2, num_sms: int | None = None):
+                         num_stages: int = 2, num_sms: int | None = None, keys_as_rows: bool = False):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
@@ -327,6 +332,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
             softmax_scale, index_cache.shape[1],
             scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
             H_I=H_I, D=D, BLOCK_S=block_s, TILES=tiles, PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
+            KEYS_AS_ROWS=keys_as_rows,
             num_warps=num_warps, num_stages=num_stages,
         )
     return scores
