@@ -471,6 +471,8 @@ KERNEL_CASES = [
                               block=3), r"topk_from_scores: block must be a power of two, got 3"),
     (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
                               chunk=6), r"topk_from_scores: chunk must be a power of two, got 6"),
+    (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
+                              chunk=32768), r"topk_from_scores: chunk must be at most 16384 \(one block per program\), got 32768"),
     (lambda: topk_from_scores(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, dtype=torch.long),
                               torch.zeros(2, 4, dtype=torch.int32)), r"scores: expected dtype torch.float32"),
 ]

@@ -433,10 +433,8 @@ SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then 
     dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
 ]
 INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs)
-    [((1, c), dict(block_s=b, num_warps=w, tiles=t, keys_as_rows=kr)) for c in (32768, 131072) for kr in (False, True)
-     for b in (64, 128) for w in (4, 8) for t in (1, 2, 4)]
-    + [((T, c), dict(keys_as_rows=kr)) for T, c in ((16, 131072), (64, 32768), (256, 32768), (1024, 4096))
-       for kr in (False, True)]
+    [((1, c), dict(block_s=b, num_warps=w, tiles=t)) for c in (32768, 131072) for b in (64, 128) for w in (4, 8)
+     for t in (1, 2, 4)]
     + [((T, c), dict(chunk=ch, num_warps=w)) for T in (1, 16, 64) for c in (32768, 131072) for ch in (1024, 2048, 4096)
        for w in (4, 8)])
 

@@ -46,7 +46,6 @@ def _indexer_scores_kernel(
     softmax_scale, block_size,
     S_MAX, B, max_blocks, num_blocks,  # bounds: score width, requests, a block-table row, block ids (masked)
     H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr,
 ):
     """Program (t, j): the scores of keys [j TILES BLOCK_S, (j + 1) TILES BLOCK_S) of token t, a tile at a time."""
     t = tl.program_id(0)
@@ -70,12 +69,10 @@ def _indexer_scores_kernel(
             k_ptrs = (kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb + (offs_s % block_size)[:, None] * stride_ks
                       + offs_d[None, :])
             k = tl.load(k_ptrs, mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
-            if KEYS_AS_ROWS:  # keys on the MMA's rows: the sum over heads stays inside each warp
-                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, H_I)
-                score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)  # (BLOCK_S,)
-            else:
-                logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * softmax_scale  # (H_I, BLOCK_S)
-                score = tl.sum(w[:, None] * tl.maximum(logits, 0.0), axis=0)  # (BLOCK_S,)
+            # keys on the MMA's rows, heads on its columns: the sum over heads stays inside each warp (with
+            # heads on the rows it crossed warps through shared memory: 8-15 % slower on the H200)
+            logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, H_I)
+            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)  # (BLOCK_S,)
             tl.store(scores_ptr + t * stride_st + offs_s, score, mask=vis)
 
 
@@ -92,17 +89,22 @@ def _ordered_key(x):
 
 
 @triton.jit
+def _digit_hist_block(key, m, prefix, P: tl.constexpr):
+    """Histogram (256,) of digit P (bits [24 - 8P, 32 - 8P)) of the keys under mask m whose digits before P
+    are prefix's."""
+    if P > 0:
+        m = m & ((key >> (32 - 8 * P)) == (prefix >> (32 - 8 * P)))
+    return tl.histogram(((key >> (24 - 8 * P)) & 0xFF).to(tl.int32), 256, mask=m)
+
+
+@triton.jit
 def _digit_hist(vals, start, end, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
-    """Histogram (256,) of digit P (bits [24 - 8P, 32 - 8P)) of the keys of vals[start:end] whose digits
-    before P are prefix's."""
+    """_digit_hist_block over the keys of vals[start:end], BLOCK at a time."""
     hist = tl.zeros([256], tl.int32)
     for s in range(start, end, BLOCK):
         offs = s + tl.arange(0, BLOCK)
         m = offs < end
-        key = _ordered_key(tl.load(vals + offs, mask=m, other=float("-inf")))
-        if P > 0:
-            m = m & ((key >> (32 - 8 * P)) == (prefix >> (32 - 8 * P)))
-        hist += tl.histogram(((key >> (24 - 8 * P)) & 0xFF).to(tl.int32), 256, mask=m)
+        hist += _digit_hist_block(_ordered_key(tl.load(vals + offs, mask=m, other=float("-inf"))), m, prefix, P)
     return hist
 
 
@@ -118,23 +120,29 @@ def _digit_step(hist, prefix, k_rem, P: tl.constexpr):
 
 
 @triton.jit
+def _take_block(key, offs, m, threshold, n_eq, written, eq_seen, out_idx):
+    """Write the positions offs (under mask m) of every key above `threshold`, and of the equal keys while
+    fewer than n_eq were taken (eq_seen equal keys came before), to out_idx[written:] in increasing order
+    -> (written, eq_seen) after them."""
+    gt = m & (key > threshold)
+    eq = m & (key == threshold)
+    eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1 + eq_seen
+    take = gt | (eq & (eq_rank < n_eq))
+    slot = tl.cumsum(take.to(tl.int32), 0) - 1 + written
+    tl.store(out_idx + slot, offs, mask=take)
+    return written + tl.sum(take.to(tl.int32), axis=0), eq_seen + tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _take(vals, start, end, threshold, n_eq, written, eq_seen, out_idx, BLOCK: tl.constexpr):
-    """Write the positions in [start, end) of every key above `threshold`, and of the equal keys while fewer
-    than n_eq were taken (eq_seen equal keys came before start), to out_idx[written:] in increasing order."""
+    """_take_block over the positions [start, end) of vals, BLOCK at a time."""
     written = written + tl.zeros([], tl.int32)
     eq_seen = eq_seen + tl.zeros([], tl.int32)
     for s in range(start, end, BLOCK):
         offs = s + tl.arange(0, BLOCK)
         m = offs < end
         key = _ordered_key(tl.load(vals + offs, mask=m, other=float("-inf")))
-        gt = m & (key > threshold)
-        eq = m & (key == threshold)
-        eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1 + eq_seen
-        take = gt | (eq & (eq_rank < n_eq))
-        slot = tl.cumsum(take.to(tl.int32), 0) - 1 + written
-        tl.store(out_idx + slot, offs, mask=take)
-        written += tl.sum(take.to(tl.int32), axis=0)
-        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+        written, eq_seen = _take_block(key, offs, m, threshold, n_eq, written, eq_seen, out_idx)
 
 
 @triton.jit
@@ -215,43 +223,46 @@ def _prefix_through(hist_ptr, state_ptr, t, T, K, n_chunks, P: tl.constexpr, CB:
 
 
 @triton.jit
-def _topk_hist_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, T, K, CHUNK, S_MAX, n_chunks,
-                      P: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr):
+def _topk_hist_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, T, K, S_MAX, n_chunks,
+                      P: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
     """Pass P, program (t, c): the histogram of digit P in chunk c of row t, among the keys whose digits
     before P are the K-th largest key's."""
     t = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)
     if n > K:  # (a row with at most K keys takes them all: no histograms, none read)
-        if P == 0:
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        m = offs < n
+        key = _ordered_key(tl.load(scores_ptr + t * stride_st + offs, mask=m, other=float("-inf")))  # in flight
+        if P == 0:                                                                                  # meanwhile
             prefix = tl.full([], 0, tl.uint32)
         else:
             prefix, k_rem = _prefix_through(hist_ptr, state_ptr, t, T, K, n_chunks, P, CB)
             if c == 0:
                 tl.store(state_ptr + (t * 4 + P) * 2, prefix.to(tl.int32, bitcast=True))
                 tl.store(state_ptr + (t * 4 + P) * 2 + 1, k_rem)
-        start = c * CHUNK
-        hist = _digit_hist(scores_ptr + t * stride_st, start, tl.minimum(start + CHUNK, n), prefix, P, BLOCK)
-        tl.store(hist_ptr + ((P * T + t) * n_chunks + c) * 256 + tl.arange(0, 256), hist)
+        tl.store(hist_ptr + ((P * T + t) * n_chunks + c) * 256 + tl.arange(0, 256),
+                 _digit_hist_block(key, m, prefix, P))
 
 
 @triton.jit
-def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, out_ptr, stride_ot, T, K, CHUNK, S_MAX,
-                         n_chunks, BLOCK: tl.constexpr, CB: tl.constexpr):
+def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, out_ptr, stride_ot, T, K, S_MAX,
+                         n_chunks, CHUNK: tl.constexpr, CB: tl.constexpr):
     """Program (t, c): write chunk c's selected positions of row t at their place in the row's output. The
     chunks before c took every key above the threshold (counted from their histograms: a key above it is
     above it at one digit) and, in position order, the first of the keys equal to it."""
     t = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)
-    start = c * CHUNK
-    end = tl.minimum(start + CHUNK, n)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    m = offs < n
     out_idx = out_ptr + t * stride_ot
     if n <= K:
-        _take_all(start, end, out_idx, BLOCK)
+        tl.store(out_idx + offs, offs, mask=m)
         if c == 0:
-            _pad(tl.maximum(n, 0), K, out_idx, BLOCK)
+            _pad(tl.maximum(n, 0), K, out_idx, CHUNK)
     else:
+        key = _ordered_key(tl.load(scores_ptr + t * stride_st + offs, mask=m, other=float("-inf")))
         threshold, n_eq = _prefix_through(hist_ptr, state_ptr, t, T, K, n_chunks, 4, CB)
         gt_before = tl.zeros([], tl.int32)
         eq_before = tl.zeros([], tl.int32)
@@ -259,8 +270,7 @@ def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, ou
             d = ((threshold >> (24 - 8 * p)) & 0xFF).to(tl.int32)
             gt, eq_before = _count_before(hist_ptr + (p * T + t) * n_chunks * 256, c, d, CB)
             gt_before += gt
-        _take(scores_ptr + t * stride_st, start, end, threshold, n_eq, gt_before + tl.minimum(eq_before, n_eq),
-              eq_before, out_idx, BLOCK)
+        _take_block(key, offs, m, threshold, n_eq, gt_before + tl.minimum(eq_before, n_eq), eq_before, out_idx)
 
 
 def _check_common(q_idx, weights, index_cache, block_table, req_indices, positions):
@@ -293,23 +303,25 @@ def _check_pow2(caller: str, **values) -> None:
 
 
 def scores_tiles(T: int, s_max: int, block_s: int, sms: int) -> int:
-    """Key tiles per program: the most (a power of two, at most 16) that still leaves 4 programs per SM.
-    Depends on shapes only (fixed within a captured graph)."""
+    """Key tiles per program: the most (a power of two, at most 16) that still leaves 2 programs per SM (the
+    best of the H200 probe, data/indexer_probe.json: one tile at one token and 32k keys, four at 128k, 8-16
+    with many tokens). Depends on shapes only (fixed within a captured graph)."""
     n_tiles = triton.cdiv(s_max, block_s)
     tiles = 1
-    while tiles < 16 and T * triton.cdiv(n_tiles, 2 * tiles) >= 4 * sms:
+    while tiles < 16 and T * triton.cdiv(n_tiles, 2 * tiles) >= 2 * sms:
         tiles *= 2
     return tiles
 
 
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
                          scores, block_s: int = 64, num_warps: int = 4, tiles: int | None = None,
-                         num_stages: int = 2, num_sms: int | None = None, keys_as_rows: bool = False):
+                         num_stages: int = 2, num_sms: int | None = None):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
     entries past a token's position are left untouched). S_MAX must exceed every position.
-    tiles: key tiles of block_s keys per program (default: scores_tiles, from T, S_MAX and the SMs).
+    tiles: key tiles of block_s keys per program (default: scores_tiles, from T, S_MAX and the SMs); their loads
+    are pipelined num_stages deep (2 beat 3 and 4 at every shape of the H200 probe, data/indexer_probe_stages.json).
     """
     T, H_I, D = _check_common(q_idx, weights, index_cache, block_table, req_indices, positions)
     check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
@@ -332,16 +344,18 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
             softmax_scale, index_cache.shape[1],
             scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
             H_I=H_I, D=D, BLOCK_S=block_s, TILES=tiles, PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
-            KEYS_AS_ROWS=keys_as_rows,
             num_warps=num_warps, num_stages=num_stages,
         )
     return scores
 
 
-def topk_chunk(s_max: int) -> int:
-    """Positions per program of the chunked top-k: at most 32 chunks per row (each program of a pass sums the
-    chunks' histograms), at least 4096."""
-    return max(4096, triton.next_power_of_2(triton.cdiv(s_max, 32)))
+def topk_chunk(rows: int, s_max: int) -> int:
+    """Positions per program of the chunked top-k (the best of the H200 probe, data/indexer_probe.json): about 32
+    chunks per row, and with many rows at most 256 programs per pass up to 4096 per chunk (each program of a
+    pass reads every chunk histogram of its row); at least 1024, at most 16384 (one block)."""
+    per_row = triton.next_power_of_2(triton.cdiv(s_max, 32))
+    per_pass = min(4096, triton.next_power_of_2(triton.cdiv(rows * s_max, 256)))
+    return min(16384, max(1024, per_row, per_pass))
 
 
 def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int = 8, chunk: int | None = None,
@@ -349,16 +363,18 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
     """out[t] = the top out.shape[1] of scores[t, :positions[t] + 1] (int32, increasing, -1 padded).
 
     With fewer than `split_below_rows` rows wider than `split_above`, one program per row would leave the
-    GPU idle: each row is cut into `chunk`-long pieces (default topk_chunk(S_MAX)) and each radix pass runs
-    over all of them (five launches: four histogram passes, one compaction). The choice depends only on the
-    shapes, so it is fixed within a captured graph.
+    GPU idle: each row is cut into `chunk`-long pieces (default topk_chunk(T, S_MAX)) and each radix pass runs
+    over all of them (five launches: four histogram passes, one compaction; 4 warps per program from 16
+    rows on). The choice depends only on the shapes, so it is fixed within a captured graph.
     """
     T = check_tensor("scores", scores, shape=(None, None), dtype=torch.float32, dense_dims=1).shape[0]
     check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), device=scores.device,
                  dense_dims=1)
     K = check_tensor("out", out, shape=(T, None), dtype=torch.int32, device=scores.device, dense_dims=1).shape[1]
-    chunk = topk_chunk(scores.shape[1]) if chunk is None else chunk
+    chunk = topk_chunk(T, scores.shape[1]) if chunk is None else chunk
     _check_pow2("topk_from_scores", block=block, chunk=chunk, num_warps=num_warps)
+    if chunk > 16384:
+        raise ValueError(f"topk_from_scores: chunk must be at most 16384 (one block per program), got {chunk}")
     for name, v in (("split_below_rows", split_below_rows), ("split_above", split_above)):
         if not is_int(v) or v < 0:
             raise ValueError(f"topk_from_scores: {name} must be an int >= 0, got {v!r}")
@@ -371,15 +387,15 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
                            num_warps=num_warps)
         return out
     n_chunks = triton.cdiv(scores.shape[1], chunk)
-    block = min(block, chunk)
     cb = min(32, triton.next_power_of_2(n_chunks))
+    warps = num_warps if T < 16 else min(num_warps, 4)
     work = torch.empty(4 * T * n_chunks * 256 + T * 8, dtype=torch.int32, device=scores.device)
     hist, state = work[: 4 * T * n_chunks * 256], work[4 * T * n_chunks * 256:]  # [4, T, n_chunks, 256], [T, 4, 2]
     for p in range(4):
-        _topk_hist_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, state, T, K, chunk,
-                                         scores.shape[1], n_chunks, P=p, BLOCK=block, CB=cb, num_warps=num_warps)
+        _topk_hist_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, state, T, K, scores.shape[1],
+                                         n_chunks, P=p, CHUNK=chunk, CB=cb, num_warps=warps)
     _topk_compact_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, state, out, out.stride(0), T, K,
-                                        chunk, scores.shape[1], n_chunks, BLOCK=block, CB=cb, num_warps=num_warps)
+                                        scores.shape[1], n_chunks, CHUNK=chunk, CB=cb, num_warps=warps)
     return out
 
 
