@@ -12,7 +12,7 @@ from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
 from dsv32ref.kernels.fused_q import fused_q
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged, indexer_topk_paged, topk_from_scores
 from dsv32ref.bench.sparse_mla_variants import sparse_mla_variant
-from dsv32ref.kernels.sparse_mla import sparse_mla_paged
+from dsv32ref.kernels.sparse_mla import FP32_CONFIG, sparse_mla_paged
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
                                 sparse_mla, topk_indices)
 from dsv32ref.reference.rope import RotaryEmbedding
@@ -297,7 +297,9 @@ def test_sparse_mla_sweep_variants(device, dtype, tol, variant, seed):
     topk = torch.stack([torch.randint(-1, int(p) + 2, (z["k"],), device=device) for p in meta.positions]).int()
     out = torch.full((T, q.shape[1], z["d_lat"]), float("nan"), **f)
     lse = torch.full((T, q.shape[1]), float("nan"), device=device)
-    tiles = dict(BLOCK_H=16, BLOCK_N=4, num_warps=4, num_stages=1) if device == "cpu" else {}
+    # fp32 tiles take twice the shared memory: the library's fp32 tiles on a GPU
+    tiles = dict(BLOCK_H=16, BLOCK_N=4, num_warps=4, num_stages=1) if device == "cpu" else \
+        FP32_CONFIG if dtype == torch.float32 else {}
     sparse_mla_variant(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse,
                        config=dict(variant, **tiles))
     for b in range(meta.num_reqs):
