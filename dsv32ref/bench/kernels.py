@@ -432,11 +432,11 @@ SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then 
     dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
     dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
 ]
-INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs)
-    [((1, c), dict(block_s=b, num_warps=w, tiles=t)) for c in (32768, 131072) for b in (64, 128) for w in (4, 8)
-     for t in (1, 2, 4)]
-    + [((T, c), dict(chunk=ch, num_warps=w)) for T in (1, 16, 64) for c in (32768, 131072) for ch in (1024, 2048, 4096)
-       for w in (4, 8)])
+INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs): one decode token
+    [((1, 131072), dict(tiles=t, num_stages=st, num_warps=w)) for t in (2, 4) for st in (2, 3) for w in (4, 8)]
+    + [((1, 32768), dict(tiles=1, num_stages=st)) for st in (2, 3)]
+    + [((1, 131072), dict(chunk=ch, num_warps=w)) for ch in (2048, 4096, 8192) for w in (8, 16)]
+    + [((1, 32768), dict(chunk=ch, num_warps=w)) for ch in (1024, 2048) for w in (4, 8, 16)])
 
 
 def main(argv=None) -> int:
@@ -447,8 +447,8 @@ def main(argv=None) -> int:
     ap.add_argument("--splits-probe", action="store_true",
                     help="only sparse_mla at 64 tokens with 1, 2, 4, 8 top-k splits, and the merge launch alone")
     ap.add_argument("--indexer-probe", action="store_true",
-                    help="only the indexer at decode: the scores pass's tile, warps, tiles per program and stages "
-                         "at one token (32k, 128k context); the top-k's chunked and one-program paths at 1-64 tokens")
+                    help="only the indexer at one decode token (32k, 128k context): the scores pass's tiles per "
+                         "program, stages and warps; the top-k's chunk length and warps")
     ap.add_argument("--indexer-only", action="store_true", help="only the indexer (scores + top-k) cases")
     ap.add_argument("--compare", metavar="JSON",
                     help="only sparse_mla: each config of this JSON list (over the defaults) at 64, 128 and 512 tokens "
