@@ -11,6 +11,7 @@ from dsv32ref.cache import gather_tokens
 from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
 from dsv32ref.kernels.fused_q import fused_q
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged, indexer_topk_paged, topk_from_scores
+from dsv32ref.bench.sparse_mla_gluon import sparse_mla_gluon
 from dsv32ref.bench.sparse_mla_variants import sparse_mla_variant
 from dsv32ref.kernels.sparse_mla import FP32_CONFIG, sparse_mla_paged
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
@@ -309,6 +310,31 @@ def test_sparse_mla_sweep_variants(device, dtype, tol, variant, seed):
         ref, ref_lse = sparse_mla(q[t0:t1].double(), kv.double(), idx, 0.1, z["d_lat"])
         assert_close(f"out of request {b}", out[t0:t1], ref, dtype=dtype, rtol=tol, atol=tol, row_dims=2)
         assert_close(f"lse of request {b}", lse[t0:t1], ref_lse, dtype=torch.float32, rtol=64, atol=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 64, 40])
+def test_sparse_mla_gluon(heads, seed):
+    """The Gluon experiment (dsv32ref.bench.sparse_mla_gluon) against the reference, outputs poisoned, invalid and
+    out-of-range indices included, a head count that is not a multiple of 64."""
+    z = _sizes("cuda")
+    meta, nb = _meta("cuda", [3000, 0, 200], [5, 64, 1], z["block"])
+    T, f = meta.num_tokens, dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(T, heads, z["d_lat"] + z["rope"], **f)
+    cache = torch.randn(nb, z["block"], z["d_lat"] + z["rope"], **f)
+    topk = torch.stack([torch.randint(-1, int(p) + 2, (z["k"],), device="cuda") for p in meta.positions]).int()
+    topk[0] = -1  # no valid key
+    out = torch.full((T, heads, z["d_lat"]), float("nan"), **f)
+    lse = torch.full((T, heads), float("nan"), device="cuda")
+    sparse_mla_gluon(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse)
+    for b in range(meta.num_reqs):
+        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])
+        idx = torch.where(topk[t0:t1] < meta.seq_lens_cpu[b], topk[t0:t1], -1)
+        ref, ref_lse = sparse_mla(q[t0:t1].double(), kv.double(), idx, 0.1, z["d_lat"])
+        assert_close(f"out of request {b}", out[t0:t1], ref, dtype=torch.bfloat16, rtol=1, atol=1, row_dims=2)
+        assert_close(f"lse of request {b}", lse[t0:t1], ref_lse, dtype=torch.float32, rtol=64, atol=64)
+    assert (out[0] == 0).all() and torch.isinf(lse[0]).all()
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)

@@ -24,6 +24,7 @@ from dsv32ref.kernels.fused_norm_rope import _fused_norm_rope_kernel, fused_norm
 from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
 from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact_kernel, _topk_hist_kernel, _topk_kernel,
                                            indexer_scores_paged, topk_from_scores)
+from dsv32ref.bench.sparse_mla_gluon import sparse_mla_gluon
 from dsv32ref.bench.sparse_mla_variants import LIBRARY, _variant_kernel, sparse_mla_variant
 from dsv32ref.kernels.sparse_mla import CONFIG_KEYS, _combine_splits_kernel, _sparse_mla_kernel, sparse_mla_paged
 from dsv32ref.provenance import provenance
@@ -188,14 +189,16 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     scale = z["config"].softmax_scale
     out = torch.empty(T, z["H"], z["d_lat"], device=DEV, dtype=BF16)
     lse = torch.empty(T, z["H"], device=DEV, dtype=torch.float32)
-    if config and set(config) - set(CONFIG_KEYS):  # a loop of the sweep's (not the library's kernel)
+    if config and config.get("GLUON"):  # the Gluon experiment (bench.sparse_mla_gluon)
+        run = lambda: sparse_mla_gluon(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse)
+    elif config and set(config) - set(CONFIG_KEYS):  # a loop of the sweep's (not the library's kernel)
         run = lambda: sparse_mla_variant(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
                                          config)
     else:
         run = lambda: sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
                                        config)
     res = {"kernel": "sparse_mla", "model": z["name"], "T": T, "context": ctx, "topk": z["k"], "config": config or {},
-           "config_full": dict(LIBRARY, **(config or {})),
+           "config_full": {"GLUON": True} if (config or {}).get("GLUON") else dict(LIBRARY, **(config or {})),
            "shape": "decode batch" if batch else "one request"}
     if check:
         out.fill_(float("nan"))
@@ -431,6 +434,7 @@ SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then 
     dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=True, PREFETCH=True, SPLIT_QK=False),  # chained
     dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
     dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
+    dict(GLUON=True),  # the same schedule written in Gluon (bench.sparse_mla_gluon)
 ]
 INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs): one decode token
     [((1, 131072), dict(tiles=t, num_stages=st, num_warps=w)) for t in (2, 4) for st in (2, 3) for w in (4, 8)]
