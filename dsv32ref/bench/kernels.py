@@ -190,7 +190,8 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     out = torch.empty(T, z["H"], z["d_lat"], device=DEV, dtype=BF16)
     lse = torch.empty(T, z["H"], device=DEV, dtype=torch.float32)
     if config and config.get("GLUON"):  # the Gluon experiment (bench.sparse_mla_gluon)
-        run = lambda: sparse_mla_gluon(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse)
+        run = lambda: sparse_mla_gluon(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
+                                       overlap_pv=config.get("OVERLAP_PV", True))
     elif config and set(config) - set(CONFIG_KEYS):  # a loop of the sweep's (not the library's kernel)
         run = lambda: sparse_mla_variant(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
                                          config)
@@ -198,7 +199,7 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
         run = lambda: sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
                                        config)
     res = {"kernel": "sparse_mla", "model": z["name"], "T": T, "context": ctx, "topk": z["k"], "config": config or {},
-           "config_full": {"GLUON": True} if (config or {}).get("GLUON") else dict(LIBRARY, **(config or {})),
+           "config_full": dict(config) if (config or {}).get("GLUON") else dict(LIBRARY, **(config or {})),
            "shape": "decode batch" if batch else "one request"}
     if check:
         out.fill_(float("nan"))
@@ -434,7 +435,7 @@ SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then 
     dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=True, PREFETCH=True, SPLIT_QK=False),  # chained
     dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
     dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
-    dict(GLUON=True),  # the same schedule written in Gluon (bench.sparse_mla_gluon)
+    dict(GLUON=True, OVERLAP_PV=False), dict(GLUON=True, OVERLAP_PV=True),  # written in Gluon (bench.sparse_mla_gluon)
 ]
 INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs): one decode token
     [((1, 131072), dict(tiles=t, num_stages=st, num_warps=w)) for t in (2, 4) for st in (2, 3) for w in (4, 8)]

@@ -4,7 +4,8 @@ An experiment beside the library's Triton kernel (same math, same result), for t
 tile sits in shared memory for the whole program (the Triton build reads it again every step), the two
 warpgroups split S's 64 keys and the output's 512 columns by layout ([4, 2] warps on both MMAs), the next
 step's rows are gathered with cp.async into the other half of a double buffer while this step computes,
-and every wgmma is issued asynchronously and waited where its result is needed.
+and every wgmma is issued asynchronously and waited where its result is needed (with overlap_pv, a step's
+PV is waited for only after the next step's QK^T was issued).
 
     shared memory (bf16): q 64 x 576 (72 KiB) + 2 stages of K 64 x 576 (144 KiB) + P 64 x 64 (8 KiB) = 224 KiB
 
@@ -22,7 +23,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
 
 from dsv32ref.kernels.sparse_mla import _program_keys, _resolve_rows, check_inputs
 
@@ -58,7 +60,7 @@ def _issue_gather(cache_ptr, stride_cs, rows_row_ptr, step, K, k_lat_buf, k_pe_b
 def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, rows_ptr, out_ptr, stride_ot,
                              stride_oh, lse_ptr, stride_lt, sm_scale_log2, H, K,
                              D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             OVERLAP_PV: gl.constexpr, num_warps: gl.constexpr):
     t = gl.program_id(0)
     h0 = gl.program_id(1) * BLOCK_H
     # registers: a copy layout (16 B per thread per cp.async), and the two MMAs' accumulators, each split
@@ -90,19 +92,34 @@ def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, 
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
     acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, o_l)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    if OVERLAP_PV:
+        acc = warpgroup_mma_init(acc)  # carried through the loop as an in-flight accumulator
     n_steps = gl.cdiv(K, BLOCK_N)
     for i in range(n_steps):
         st = i % 2
-        # the next step's rows into the other stage (read by step i - 1, whose MMAs were waited for)
-        _issue_gather(cache_ptr, stride_cs, rows_row_ptr, i + 1, K, k_lat.index(1 - st), k_pe.index(1 - st), D_LAT,
-                      D_ROPE, BLOCK_N, ld)
-        cp.wait_group(1)  # this thread's copies of step i (and q) have landed
-        gl.thread_barrier()  # ... and every thread's
-        fence_async_shared()  # generic-proxy writes visible to the wgmma's async proxy
         kl = k_lat.index(st)
         kp = k_pe.index(st)
-        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, is_async=True)
+        if OVERLAP_PV:
+            cp.wait_group(0)  # this thread's copies of step i (and q) have landed
+            gl.thread_barrier()  # ... and every thread's
+            fence_async_shared()  # generic-proxy writes visible to the wgmma's async proxy
+            s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, is_async=True)
+            # the previous step's PV ran meanwhile; wait for it (the two S groups may still run), then every
+            # warpgroup is done with the other stage and with P
+            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, ))
+            gl.thread_barrier()
+            _issue_gather(cache_ptr, stride_cs, rows_row_ptr, i + 1, K, k_lat.index(1 - st), k_pe.index(1 - st), D_LAT,
+                          D_ROPE, BLOCK_N, ld)
+        else:
+            # the next step's rows into the other stage (read by step i - 1, whose MMAs were waited for)
+            _issue_gather(cache_ptr, stride_cs, rows_row_ptr, i + 1, K, k_lat.index(1 - st), k_pe.index(1 - st), D_LAT,
+                          D_ROPE, BLOCK_N, ld)
+            cp.wait_group(1)  # this thread's copies of step i (and q) have landed
+            gl.thread_barrier()  # ... and every thread's
+            fence_async_shared()
+            s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         offs_s = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_l))
         valid = gl.load(rows_row_ptr + offs_s, mask=offs_s < K, other=-1) >= 0
@@ -118,8 +135,10 @@ def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, 
         gl.thread_barrier()  # both warpgroups' halves of P are written
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        gl.thread_barrier()  # every warp is done with stage st and P before they are written again
+        if not OVERLAP_PV:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            gl.thread_barrier()  # every warp is done with stage st and P before they are written again
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     cp.wait_group(0)
 
     has_key = l_i != 0
@@ -134,8 +153,11 @@ def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, 
     gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
 
 
-def sparse_mla_gluon(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse=None):
-    """sparse_mla_paged's result (bf16, D_LAT 512, D_ROPE 64, no splits) from the Gluon kernel."""
+def sparse_mla_gluon(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse=None,
+                     overlap_pv: bool = True):
+    """sparse_mla_paged's result (bf16, D_LAT 512, D_ROPE 64, no splits) from the Gluon kernel. overlap_pv: a
+    step's PV runs while the next step's copies are awaited and its QK^T issued (else each PV is waited for
+    at once)."""
     T, H, d_lat, d_rope, B = check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale,
                                           out, lse)
     if q.dtype != torch.bfloat16 or (d_lat, d_rope) != (512, 64):
@@ -151,5 +173,5 @@ def sparse_mla_gluon(q, latent_cache, block_table, req_indices, seq_lens, topk_i
     _sparse_mla_gluon_kernel[(T, triton.cdiv(H, 64))](
         q, q.stride(0), q.stride(1), latent_cache, latent_cache.stride(1), rows, out, out.stride(0), out.stride(1),
         lse_arg, lse_arg.stride(0), sm_scale * math.log2(math.e), H, K,
-        D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=64, BLOCK_N=64, num_warps=8)
+        D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=64, BLOCK_N=64, OVERLAP_PV=overlap_pv, num_warps=8)
     return out, lse
