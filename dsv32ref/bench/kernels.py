@@ -191,7 +191,7 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     lse = torch.empty(T, z["H"], device=DEV, dtype=torch.float32)
     if config and config.get("GLUON"):  # the Gluon experiment (bench.sparse_mla_gluon)
         run = lambda: sparse_mla_gluon(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
-                                       overlap_pv=config.get("OVERLAP_PV", True))
+                                       overlap_pv=config.get("OVERLAP_PV", False))
     elif config and set(config) - set(CONFIG_KEYS):  # a loop of the sweep's (not the library's kernel)
         run = lambda: sparse_mla_variant(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
                                          config)

@@ -154,10 +154,10 @@ def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, 
 
 
 def sparse_mla_gluon(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse=None,
-                     overlap_pv: bool = True):
+                     overlap_pv: bool = False):
     """sparse_mla_paged's result (bf16, D_LAT 512, D_ROPE 64, no splits) from the Gluon kernel. overlap_pv: a
     step's PV runs while the next step's copies are awaited and its QK^T issued (else each PV is waited for
-    at once)."""
+    at once; the default: the overlap was 9 % slower on the H200, data/sparse_mla_gluon_sweep.json)."""
     T, H, d_lat, d_rope, B = check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale,
                                           out, lse)
     if q.dtype != torch.bfloat16 or (d_lat, d_rope) != (512, 64):
