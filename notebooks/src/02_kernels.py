@@ -11,7 +11,7 @@
 # |---|---|---|---|
 # | `fused_norm_rope` | RMSNorm(q_c); RMSNorm(c_kv) + interleaved RoPE(k_pe) + latent-cache write; LayerNorm + RoPE + indexer-cache write | 1 | yes |
 # | `fused_q` | RoPE(q_pe) + MQA query assembly [q̃ ∣ q_pe]; indexer-query RoPE; indexer weights × H_I^-½ (deployed numerics: + Hadamard, fp8 e4m3, scale folded into the weights) | 1 | yes |
-# | `indexer_topk` | scores Σ_h w·ReLU(q·k) over the paged key cache, then a radix-select top-k (2 or 3 launches) | 2–3 | yes |
+# | `indexer_topk` | scores Σ_h w·ReLU(q·k) over the paged key cache, then a radix-select top-k (one launch; five for few long rows: four radix passes over all chunks, then a compaction) | 2 or 6 | yes |
 # | `sparse_mla` | gather the top-k latent rows, QKᵀ, online softmax, PV, lse (+ a combine launch when split) | 1–2 | yes |
 #
 # Graph-safe means: grids depend only on shapes, sequence lengths and block tables are read on the
@@ -183,7 +183,8 @@ print(f"fractions below are of the higher: copy {ceil['copy_GBps']:.0f} GB/s, bf
 print(f"every case matched its reference: {all(r['ok'] for r in data['results'])} ({len(data['results'])} cases)")
 
 # %%
-LABELS = {"ms": "ms", "torch_ms": "torch ms", "ms_topk": "top-k ms", "fraction_of_bound": "of bound",
+LABELS = {"ms": "ms", "torch_ms": "torch ms", "ms_topk": "top-k ms", "ms_scores": "scores ms",
+          "scores_fraction_of_copy": "scores of copy", "fraction_of_bound": "of bound",
           "fraction_of_compute": "of compute", "fraction_of_memory": "of HBM", "achieved_TFLOPs": "TFLOP/s",
           "achieved_GBps": "GB/s", "context": "context", "T": "T", "bound": "bound", "shape": "shape"}
 
@@ -192,7 +193,7 @@ def kernel_table(kernel, cols):
     def fmt(c, v):
         if v is None:
             return None
-        return f"{v:.1%}" if c.startswith("fraction") else f"{v:.4g}" if isinstance(v, float) else v
+        return f"{v:.1%}" if "fraction" in c else f"{v:.4g}" if isinstance(v, float) else v
 
     rows = [r for r in data["results"] if r["kernel"] == kernel]
     table(["model"] + [LABELS[c] for c in cols], [[r["model"]] + [fmt(c, r.get(c)) for c in cols] for r in rows])
@@ -202,7 +203,7 @@ kernel_table("sparse_mla", ["shape", "T", "ms", "torch_ms", "bound", "fraction_o
                             "fraction_of_memory", "achieved_TFLOPs"])
 
 # %%
-kernel_table("indexer_topk", ["T", "context", "ms", "ms_topk", "torch_ms", "bound", "fraction_of_bound"])
+kernel_table("indexer_topk", ["T", "context", "ms", "ms_scores", "ms_topk", "torch_ms", "scores_fraction_of_copy"])
 
 # %%
 for k in ("fused_norm_rope", "fused_q", "fused_q_fp8"):
@@ -281,14 +282,16 @@ print(f"ridge of the measured ceilings: {ceil['bf16_gemm_TFLOPs'] * 1e3 / ceil['
 # of that index. The sweep times three ways to get them (all with the old QKᵀ layout, below): resolved
 # inside the loop each step; resolved one step ahead (what this kernel used to do); resolved once per
 # program into an int32 workspace before the loop (`SLOTS`), so each step needs one independent,
-# contiguous load before its gather.
+# contiguous load before its gather. The library's kernel does the last; the other loops are kept for the
+# sweep in `dsv32ref.bench.sparse_mla_variants` (same math and epilogue, only the loop differs).
 
 # %%
 sweep = data["sparse_mla_tile_sweep"]
 
 
 def sweep_ms(model, **want):
-    hits = [r for r in sweep if r["model"] == model and r.get("ok") and all(r["config"].get(k) == v for k, v in want.items())]
+    hits = [r for r in sweep if r["model"] == model and r.get("ok")
+            and all(r["config_full"].get(k) == v for k, v in want.items())]
     return min(r["ms"] for r in hits)
 
 
@@ -328,15 +331,15 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 table(["model", "chained (ms)", "chained, rows ahead", "split (ms)", "split, rows ahead", "default over chained"],
       rows, floatfmt=".3f")
 top = min((r for r in sweep if r.get("ok")), key=lambda r: r["ms"])
-print("best tile:", ", ".join(f"{k}={v}" for k, v in list(top["config"].items())[:6]))
-print("          ", ", ".join(f"{k}={v}" for k, v in list(top["config"].items())[6:]))
+print("fastest in the sweep:", "the library's kernel" if not top["config"] else top["config"])
+print("  ", ", ".join(f"{k}={v}" for k, v in top["config_full"].items()))
 
 # %% [markdown]
 # An earlier run (`--compare`, `data/sparse_mla_split_qk.json`, its own provenance) timed the split with
 # and without the next step's rows loaded one step ahead (`PREFETCH`) at more shapes; the pair was the
-# fastest everywhere and is the default. With `SLOTS` the loads `PREFETCH` moves a step ahead are
-# independent row numbers, so unlike the chains above they help. (A cache whose blocks are not back to
-# back falls back to addresses in the loop, and then `PREFETCH` stays off unless asked for.)
+# fastest everywhere and is what the library's kernel does. With `SLOTS` the loads `PREFETCH` moves a step
+# ahead are independent row numbers, so unlike the chains above they help. (The workspace holds rows in
+# units of the cache's row stride, so a cache whose blocks are not back to back takes the same path.)
 #
 # <details><summary>History: the illegal memory access before PREFETCH became the default</summary>
 #
@@ -408,6 +411,48 @@ for m in ("deepseek-v3.2", "glm-5.2"):
     print(f"{m:<14} sorted indices / unsorted: {probe['ms'] / same['ms']:.2f}")
 
 # %% [markdown]
+# ## The same schedule in Gluon
+# `dsv32ref.bench.sparse_mla_gluon` writes the kernel in Gluon (`triton.experimental.gluon`), with the
+# layouts, copies and MMAs by hand. The query tile stays in shared memory for the whole program (the Triton
+# build reads it again every step); the two warpgroups split S's keys and O's columns through the MMA
+# layout; the next step's rows are gathered with cp.async into the other half of a double buffer; every
+# wgmma is issued asynchronously. A sweep-only run (`data/sparse_mla_gluon_sweep.json`, its own provenance)
+# timed it beside the library's kernel at 512 query tokens, with each PV waited for at once and with a
+# step's PV left running while the next step's copies are awaited and its QKᵀ issued:
+
+# %%
+gsweep = json.load(open("../data/sparse_mla_gluon_sweep.json"))
+g_roof = gsweep["ceilings"]["bf16_gemm_TFLOPs"]  # the higher of the run's two GEMM measurements
+KINDS = (("library (Triton)", {}), ("Gluon", {"GLUON": True, "OVERLAP_PV": False}),
+         ("Gluon, PV overlapped", {"GLUON": True, "OVERLAP_PV": True}))
+g = {(r["model"], json.dumps(r["config"], sort_keys=True)): r for r in gsweep["sparse_mla_tile_sweep"]}
+rows = []
+for m in ("deepseek-v3.2", "glm-5.2"):
+    lib = g[(m, "{}")]
+    for name, want in KINDS:
+        r = g[(m, json.dumps(want, sort_keys=True))]
+        rows.append([m, name, r["ms"], r["achieved_TFLOPs"], f"{r['achieved_TFLOPs'] / g_roof:.1%}",
+                     f"{lib['ms'] / r['ms']:.2f}x", r["ok"]])
+table(["model", "kernel", "ms", "TFLOP/s", "of the run's GEMM", "over the library", "matches the reference"], rows,
+      floatfmt=".3f")
+
+# %%
+gl_ds = g[("deepseek-v3.2", json.dumps(KINDS[1][1], sort_keys=True))]
+gl_ov = g[("deepseek-v3.2", json.dumps(KINDS[2][1], sort_keys=True))]
+lib_ds = g[("deepseek-v3.2", "{}")]
+display(Markdown(
+    f"At DeepSeek-V3.2's shape the Gluon kernel takes {gl_ds['ms']:.3f} ms against the library's "
+    f"{lib_ds['ms']:.3f} ms: {gl_ds['achieved_TFLOPs']:.0f} TFLOP/s, {gl_ds['achieved_TFLOPs'] / g_roof:.0%} of the "
+    f"bf16 GEMM rate measured in the same run ({g_roof:.0f} TFLOP/s), short of half of it. Overlapping a step's "
+    f"PV with the next step's copies and QKᵀ made it slower ({gl_ov['ms']:.3f} ms): the PV's wait moves after the "
+    f"next QKᵀ is issued, and the gather of the step after that is issued later. What bounds both builds: one "
+    f"program per SM (the query, two key tiles and P take 224 KiB of shared memory), and every step runs its "
+    f"phases one after another (wait for the gather, QKᵀ, a softmax whose row maxima cross the warpgroups through "
+    f"shared memory, P to shared memory, PV) with no second program or warpgroup to fill the tensor cores "
+    f"meanwhile. FlashMLA's sparse prefill kernel gives the gathers to a producer warpgroup and lets the two "
+    f"consumer warpgroups run apart; that is the next step for this kernel, not built here."))
+
+# %% [markdown]
 # ## Splitting the top-k when the programs do not fill the GPU
 # A separate probe run (`--splits-probe`, `data/sparse_mla_splits.json`, its own provenance) timed 1, 2, 4
 # and 8 splits, and the merge launch alone. The default takes the largest power of two that keeps every
@@ -443,6 +488,83 @@ print(f"  128 tokens in 32 steps {glm[128]['ms'] * 1e3:.1f} us (the same 128 pro
       f"{glm[128]['ms'] * 1e3 / 2:.1f} us")
 
 # %% [markdown]
+# ## The indexer at one decode token
+# Decode is the case DSA exists for: one query token against a long context. The benchmark's baseline is the
+# lean PyTorch path: keys already contiguous, a bf16 einsum, ReLU, the weighted sum as one bmm, `torch.topk`,
+# timed the same way (CUDA-graph replay, ten copies of the key cache in rotation, so that the keys come from
+# HBM as a layer's cache does in a forward). The scores pass must read every key once (S × 128 × 2 bytes),
+# so it is reported against the copy bandwidth of the same run; the top-k against its own bytes (the S fp32
+# scores read once, the indices written).
+
+# %%
+dec = [r for r in data["results"] if r["kernel"] == "indexer_topk" and r["T"] == 1]
+table(["model", "context", "scores (us)", "of copy", "top-k (us)", "top-k GB/s", "both (us)", "lean PyTorch (us)",
+       "speed-up"],
+      [[r["model"], r["context"], r["ms_scores"] * 1e3, f"{r['scores_fraction_of_copy']:.0%}", r["ms_topk"] * 1e3,
+        f"{r['topk_GBps']:.0f}", r["ms"] * 1e3, r["torch_ms"] * 1e3, f"{r['torch_ms'] / r['ms']:.2f}x"] for r in dec],
+      floatfmt=".1f")
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
+for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):
+    rows = [r for r in dec if r["model"] == m]
+    x = list(range(len(rows)))
+    sc = [r["ms_scores"] * 1e3 for r in rows]
+    ax.bar([i - 0.2 for i in x], sc, 0.4, color=OKABE_ITO[0], label="ours: scores")
+    ax.bar([i - 0.2 for i in x], [r["ms_topk"] * 1e3 for r in rows], 0.4, bottom=sc, color=OKABE_ITO[1],
+           label="ours: top-k")
+    ax.bar([i + 0.2 for i in x], [r["torch_ms"] * 1e3 for r in rows], 0.4, color=GREY, label="lean PyTorch")
+    ax.set_xticks(x, [f"{r['context'] // 1024}k" for r in rows])
+    ax.set_xlabel("context (keys)")
+    ax.set_title(f"indexer, one decode token, {m}")
+    ax.legend(fontsize=8, loc="upper left")
+axes[0].set_ylabel("time (us), CUDA-graph replay")
+show(fig)
+
+# %% [markdown]
+# Two probe runs chose the scores pass's shape and the top-k's chunks (`data/indexer_probe.json`, and
+# `data/indexer_probe_stages.json` for the pipeline depth; their own provenance). With the keys on the
+# MMA's rows the sum over heads stays inside each warp; with the heads on the rows it crossed warps through
+# shared memory. A program walks several key tiles with the query held, and the best count leaves about four
+# programs per SM; the radix passes of the top-k run over about 32 chunks per row:
+
+# %%
+iprobe = json.load(open("../data/indexer_probe.json"))["results"]
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+for ax, ctx in zip(axes, (32768, 131072)):
+    for j, rows_kr in enumerate((False, True)):
+        sel = [r for r in iprobe if r["T"] == 1 and r["context"] == ctx and r["scores_kw"].get("block_s") == 64
+               and r["scores_kw"].get("num_warps") == 4 and r["scores_kw"].get("keys_as_rows") == rows_kr]
+        tiles = [r["scores_kw"]["tiles"] for r in sel]
+        ax.bar([i + 0.4 * j for i in range(len(sel))], [r["ms_scores"] * 1e3 for r in sel], 0.4,
+               color=OKABE_ITO[2 * j], label="keys on the MMA rows" if rows_kr else "heads on the MMA rows")
+    ax.set_xticks([i + 0.2 for i in range(len(tiles))], [str(t) for t in tiles])
+    ax.set_xlabel("key tiles (64 keys) per program")
+    ax.set_ylabel("scores pass (us)")
+    ax.set_title(f"indexer scores, one token, {ctx // 1024}k keys")
+    ax.legend(fontsize=8, loc="upper left")
+show(fig)
+chunks = {}
+for r in iprobe:
+    if "chunk" in r["topk_kw"] and r["T"] == 1:
+        c = chunks.setdefault(r["context"], {})
+        c[r["topk_kw"]["chunk"]] = min(c.get(r["topk_kw"]["chunk"], 1e9), r["ms_topk"] * 1e3)
+table(["context"] + [f"chunk {c} (us)" for c in sorted(next(iter(chunks.values())))],
+      [[ctx] + [v[c] for c in sorted(v)] for ctx, v in chunks.items()], floatfmt=".1f")
+
+# %%
+d32 = {r["model"]: r for r in dec if r["context"] == 32768}
+d128 = {r["model"]: r for r in dec if r["context"] == 131072}
+display(Markdown(
+    "At one decode token the indexer is " + ", ".join(
+        f"{d32[m]['torch_ms'] / d32[m]['ms']:.2f}x (32k) and {d128[m]['torch_ms'] / d128[m]['ms']:.2f}x (128k) "
+        f"the lean PyTorch path for {m}" for m in d32) + ". "
+    f"The scores pass reads the keys at {d128['deepseek-v3.2']['scores_fraction_of_copy']:.0%} of the copy "
+    f"bandwidth at 128k (DeepSeek-V3.2; the copy streams 2 GiB buffers). Our reading of the gap: the "
+    f"programs are short, and each waits for a block-table entry, then its keys, tile after tile (the probe: "
+    f"more tiles per program than four programs per SM made it slower, not faster). The top-k is five dependent launches (four radix passes and the compaction) "
+    f"of a few microseconds each, whatever the context: "
+    f"{d32['deepseek-v3.2']['ms_topk'] * 1e3:.1f} us at 32k, {d128['deepseek-v3.2']['ms_topk'] * 1e3:.1f} us at 128k."))
+
+# %% [markdown]
 # The split path pays for the merge launch, the fp32 partial outputs it writes and reads, and one more
 # program prologue per token: GLM-5.2 at 64 tokens is the lowest fraction of the one-request cases of 64
 # tokens or more (below). The probe file predates `SPLIT_QK`; the split rule it supported is unchanged.
@@ -460,8 +582,8 @@ def best(kernel, key, model=None, T=None):
 for k in ("fused_norm_rope", "fused_q", "fused_q_fp8"):
     print(f"{k:<16} best fraction of copy bandwidth at 8192 tokens: {best(k, 'fraction_of_bound', T=8192):.0%}")
 wins = [r for r in data["results"] if r["kernel"] == "indexer_topk" and r["context"] >= 32768 and r.get("torch_ms")]
-print(f"indexer_topk faster than the PyTorch path in {sum(r['ms'] < r['torch_ms'] for r in wins)} of {len(wins)} "
-      f"measured cases at >= 32k context")
+print(f"indexer_topk faster than the lean PyTorch path in {sum(r['ms'] < r['torch_ms'] for r in wins)} of "
+      f"{len(wins)} measured cases at >= 32k context")
 for m in ("deepseek-v3.2", "glm-5.2"):
     for shape in ("one request", "decode batch"):
         rows = [r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == m and r["shape"] == shape
@@ -476,10 +598,15 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 #   decode sizes they take a few microseconds, which under CUDA graphs is what a launch costs. The fp8
 #   variant of `fused_q` does the Hadamard butterflies in registers and writes half the bytes for the
 #   indexer query; it runs at a lower fraction of the copy bandwidth (the butterflies' shuffles).
-# - `indexer_topk` beats the PyTorch path (scores materialised per head, then `torch.topk`) because it
-#   never writes the [T, H_I, S] intermediate. Few long rows are cut into chunks selected in parallel,
-#   then merged.
+# - `indexer_topk` beats the lean PyTorch path (contiguous keys, bf16 einsum, `torch.topk`) in the cases
+#   counted above: it never writes the [T, H_I, S] logits. At one decode token it is faster by the ratios
+#   printed above; what holds it back is the scores pass's short programs and the top-k's five dependent
+#   launches.
 # - `sparse_mla` at 64 query tokens and more runs at the fractions printed above: of the bf16
 #   tensor-core rate, and for a decode batch of GLM-5.2 (memory-bound: every row a distinct HBM read) of
 #   the copy bandwidth. Decode with one or eight tokens is latency-bound: a few steps per program, plus
-#   the prologue and the merge.
+#   the prologue and the merge. The same schedule in Gluon, with the query held in shared memory, is faster
+#   (table above) but still below half of the GEMM rate; a producer warpgroup for the gathers is what
+#   FlashMLA adds.
+# - Beside the PR: it measured whole requests through vLLM's kernels on TP4; this notebook measures our
+#   kernels alone on one GPU, each checked against the PyTorch reference in every benchmarked case.
