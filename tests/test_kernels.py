@@ -164,6 +164,24 @@ def test_fused_q_fp8_deployed_numerics(device, dtype, interleaved, seed):
     assert torch.equal(q8[0, 0].float(), torch.zeros(d_i, device=device)), q8[0, 0].float()
 
 
+def _check_indexer_scores(scores, q, w, icache, meta, z, dtype, tol):
+    """Every visible score of every token against the float64 reference -> [(t0, t1, reference scores)] per
+    request. Products of both signs cancel (in q.k and across weighted heads): the error is bounded by the same
+    sum over |terms| (the usual dot-product error bound), not by the result."""
+    per_request = []
+    for b in range(meta.num_reqs):
+        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        keys = gather_tokens(icache, meta.block_table[b], meta.seq_lens_cpu[b])
+        ref = indexer_scores(q[t0:t1].double(), keys.double(), w[t0:t1].double(), z["d_i"] ** -0.5)
+        bound = indexer_scores(q[t0:t1].double().abs(), keys.double().abs(), w[t0:t1].double().abs(), z["d_i"] ** -0.5)
+        for i, t in enumerate(range(t0, t1)):
+            n = int(meta.positions[t]) + 1
+            err = (scores[t, :n].double() - ref[i, :n]).abs()
+            assert (err <= tol * eps(dtype) * bound[i, :n].clamp(min=1e-30)).all(), t
+        per_request.append((t0, t1, ref))
+    return per_request
+
+
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 def test_indexer_topk(device, dtype, tol, seed):
     z = _sizes(device)
@@ -176,17 +194,9 @@ def test_indexer_topk(device, dtype, tol, seed):
     scores = torch.full((T, s_max), float("nan"), device=device)
     out = torch.full((T, z["k"]), -7, dtype=torch.int32, device=device)
     indexer_topk_paged(q, w, icache, meta.block_table, meta.req_indices, meta.positions, z["d_i"] ** -0.5, scores, out)
-    for b in range(meta.num_reqs):
-        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-        keys = gather_tokens(icache, meta.block_table[b], meta.seq_lens_cpu[b])
-        ref = indexer_scores(q[t0:t1].double(), keys.double(), w[t0:t1].double(), z["d_i"] ** -0.5)
-        # Products of both signs cancel (in q.k and across weighted heads): bound the error by the same sum
-        # over |terms| (the usual dot-product error bound), not by the result.
-        scale_ref = indexer_scores(q[t0:t1].double().abs(), keys.double().abs(), w[t0:t1].double().abs(), z["d_i"] ** -0.5)
+    for t0, t1, ref in _check_indexer_scores(scores, q, w, icache, meta, z, dtype, tol):
         for i, t in enumerate(range(t0, t1)):
             n = int(meta.positions[t]) + 1
-            err = (scores[t, :n].double() - ref[i, :n]).abs()
-            assert (err <= tol * eps(dtype) * scale_ref[i, :n].clamp(min=1e-30)).all()
             got = out[t]
             assert (got >= 0).sum() == min(n, z["k"]) and (got[(got >= 0).sum():] == -1).all()
             sel = got[got >= 0].long()
@@ -221,15 +231,7 @@ def test_indexer_scores_tiles_per_program(device, dtype, tol, seed):
             n = int(meta.positions[t]) + 1
             assert torch.equal(got[t, :n], one[t, :n]), (tiles, t)
             assert got[t, n:].isnan().all(), (tiles, t)
-    for b in range(meta.num_reqs):
-        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-        keys = gather_tokens(icache, meta.block_table[b], meta.seq_lens_cpu[b])
-        ref = indexer_scores(q[t0:t1].double(), keys.double(), w[t0:t1].double(), z["d_i"] ** -0.5)
-        bound = indexer_scores(q[t0:t1].double().abs(), keys.double().abs(), w[t0:t1].double().abs(), z["d_i"] ** -0.5)
-        for i, t in enumerate(range(t0, t1)):
-            n = int(meta.positions[t]) + 1
-            err = (one[t, :n].double() - ref[i, :n]).abs()
-            assert (err <= tol * eps(dtype) * bound[i, :n].clamp(min=1e-30)).all(), t
+    _check_indexer_scores(one, q, w, icache, meta, z, dtype, tol)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -179,7 +179,8 @@ def _topk_kernel(scores_ptr, stride_st, pos_ptr, out_ptr, stride_ot, K, S_MAX, B
 
 # ---- radix select over chunks (few long rows) -----------------------------------------------------------
 # hist int32 [4, T, n_chunks, 256]: pass p's histogram of digit p for each chunk of each row; then
-# state int32 [T, 4, 2]: (prefix, k_rem) after digits 0..p-1, written by chunk 0's program of pass p.
+# state int32 [T, 4, 2]: slot p (1..3) holds (prefix, k_rem) after digits 0..p-1, written by chunk 0's program of
+# pass p (slot 0 is unused: pass 0 starts from the empty prefix).
 
 @triton.jit
 def _sum_chunks(hist_ptr, n_chunks, CB: tl.constexpr):

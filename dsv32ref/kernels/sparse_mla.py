@@ -255,13 +255,13 @@ def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indic
     return T, H, d_lat, d_rope, B
 
 
-def num_splits(T: int, head_blocks: int, K: int, block_n: int, sms: int) -> int:
+def num_splits(T: int, head_blocks: int, sms: int) -> int:
     """Top-k splits per (token, head block): split only while the programs leave SMs idle. A bf16 program
     takes most of an SM's shared memory (one per SM), so splitting a full wave further adds waves and a
-    combine, not parallelism. The largest power of two that keeps every program in one wave, at most 16."""
+    combine, not parallelism. The largest power of two that keeps every program in one wave (the launcher caps
+    it at 16 and at the top-k's steps)."""
     fill = sms // (T * head_blocks)
-    splits = 1 << (fill.bit_length() - 1) if fill >= 2 else 1
-    return max(1, min(splits, 16, triton.next_power_of_2(triton.cdiv(K, block_n))))
+    return 1 << (fill.bit_length() - 1) if fill >= 2 else 1
 
 
 def sparse_mla_paged(
@@ -309,7 +309,7 @@ def sparse_mla_paged(
     head_blocks, K = triton.cdiv(H, block_h), topk_indices.shape[1]
     splits = cfg.get("NUM_SPLITS")
     if splits is None:
-        splits = num_splits(T, head_blocks, K, cfg["BLOCK_N"], sms)
+        splits = num_splits(T, head_blocks, sms)
     elif not is_int(splits) or splits < 1 or splits & (splits - 1):
         raise ValueError(f"sparse_mla_paged: NUM_SPLITS must be a power of two, got {splits!r}")
     splits = min(splits, 16, triton.next_power_of_2(triton.cdiv(K, cfg["BLOCK_N"])))
