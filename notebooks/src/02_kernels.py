@@ -446,7 +446,8 @@ display(Markdown(
     f"bf16 GEMM rate measured in the same run ({g_roof:.0f} TFLOP/s), short of half of it. Overlapping a step's "
     f"PV with the next step's copies and QKᵀ made it slower ({gl_ov['ms']:.3f} ms): the PV's wait moves after the "
     f"next QKᵀ is issued, and the gather of the step after that is issued later. What bounds both builds: one "
-    f"program per SM (the query, two key tiles and P take 224 KiB of shared memory), and every step runs its "
+    f"program per SM (the query, two key tiles and P take {(64 * 576 * 3 + 64 * 64) * 2 // 1024} KiB of shared "
+    f"memory in bf16), and every step runs its "
     f"phases one after another (wait for the gather, QKᵀ, a softmax whose row maxima cross the warpgroups through "
     f"shared memory, P to shared memory, PV) with no second program or warpgroup to fill the tensor cores "
     f"meanwhile. FlashMLA's sparse prefill kernel gives the gathers to a producer warpgroup and lets the two "
@@ -491,13 +492,14 @@ print(f"  128 tokens in 32 steps {glm[128]['ms'] * 1e3:.1f} us (the same 128 pro
 # ## The indexer at one decode token
 # Decode is the case DSA exists for: one query token against a long context. The benchmark's baseline is the
 # lean PyTorch path: keys already contiguous, a bf16 einsum, ReLU, the weighted sum as one bmm, `torch.topk`,
-# timed the same way (CUDA-graph replay, ten copies of the key cache in rotation, so that the keys come from
+# timed the same way (CUDA-graph replay, copies of the key cache in rotation, so that the keys come from
 # HBM as a layer's cache does in a forward). The scores pass must read every key once (S × 128 × 2 bytes),
 # so it is reported against the copy bandwidth of the same run; the top-k against its own bytes (the S fp32
 # scores read once, the indices written).
 
 # %%
 dec = [r for r in data["results"] if r["kernel"] == "indexer_topk" and r["T"] == 1]
+display(Markdown(f"Key-cache copies in rotation: {sorted({r['key_copies'] for r in dec})}."))
 table(["model", "context", "scores (us)", "of copy", "top-k (us)", "top-k GB/s", "both (us)", "lean PyTorch (us)",
        "speed-up"],
       [[r["model"], r["context"], r["ms_scores"] * 1e3, f"{r['scores_fraction_of_copy']:.0%}", r["ms_topk"] * 1e3,
