@@ -463,6 +463,41 @@ def test_topk_split_path_matches_reference(device, seed):
         assert valid == sorted(valid) and got[len(valid):] == [-1] * (K - len(valid))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,ctx", [(1, 40000), (3, 9000)])  # the chunked top-k (six launches), the one-program one
+def test_indexer_chained_launches_replay_like_plain_ones(T, ctx, seed):
+    """Under programmatic dependent launch each kernel may start while the one before runs (it waits before it
+    reads that one's output): captured in a CUDA graph and replayed on changing inputs, the chain gives the
+    scores and the top-k of plain launches, bit for bit."""
+    z = _sizes("cuda")
+    meta, nb = _meta("cuda", [ctx - 1] * T, [1] * T, z["block"])
+    f = dict(device="cuda", dtype=torch.bfloat16)
+    q_idx, w = torch.randn(T, z["h_i"], z["d_i"], **f), torch.randn(T, z["h_i"], device="cuda")
+    icache = torch.randn(nb, z["block"], z["d_i"], **f)
+    args = (q_idx, w, icache, meta.block_table, meta.req_indices, meta.positions, z["d_i"] ** -0.5)
+    scores, topk = torch.empty(T, ctx, device="cuda"), torch.empty(T, z["k"], dtype=torch.int32, device="cuda")
+
+    def chained():
+        indexer_scores_paged(*args, scores, pdl=True)
+        topk_from_scores(scores, meta.positions, topk, pdl=True)
+
+    chained()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chained()
+    for trial in range(3):
+        q_idx.normal_()
+        icache.normal_()
+        scores.fill_(float("nan"))
+        topk.fill_(-7)
+        g.replay()
+        want_scores = indexer_scores_paged(*args, torch.full_like(scores, float("nan")), pdl=False)
+        want_topk = topk_from_scores(want_scores, meta.positions, torch.full_like(topk, -7), pdl=False)
+        assert torch.equal(scores, want_scores), trial
+        assert torch.equal(topk, want_topk), trial
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fused_q_with_more_indexer_heads_than_mla_heads(device, seed):
     """A tensor-parallel rank holds H / tp MLA heads but the whole (replicated) indexer."""

@@ -249,10 +249,13 @@ def lean_indexer_topk(q, w, keys, positions, scale, k):
     return torch.topk(scores, min(k, keys.shape[0]), dim=-1).indices
 
 
-def bench_indexer(z, T, ctx, ceil, torch_path=True, scores_kw=None, topk_kw=None, scores_only=False):
+def bench_indexer(z, T, ctx, ceil, torch_path=True, scores_kw=None, topk_kw=None, scores_only=False, impl=None):
     """T query tokens at the end of a ctx-token request. COPIES copies of the key cache rotate (Rotation): the
     keys come from HBM. The scores pass is reported against the copy bandwidth of the same run, the top-k
-    against its own bytes (the scores read once, the indices written)."""
+    against its own bytes (the scores read once, the indices written). impl: a module with
+    indexer_scores_paged and topk_from_scores (default: the library's; an A/B run passes an earlier one)."""
+    scores_fn = impl.indexer_scores_paged if impl is not None else indexer_scores_paged
+    topk_fn = impl.topk_from_scores if impl is not None else topk_from_scores
     r = one_request(ctx, T)
     icaches = [torch.randn(r["nblocks"], BLOCK_SIZE, z["d_i"], device=DEV, dtype=BF16) for _ in range(COPIES)]
     q = torch.randn(T, z["h_i"], z["d_i"], device=DEV, dtype=BF16)
@@ -261,9 +264,9 @@ def bench_indexer(z, T, ctx, ceil, torch_path=True, scores_kw=None, topk_kw=None
     scores = torch.empty(T, ctx, device=DEV)
     out = torch.empty(T, z["k"], device=DEV, dtype=torch.int32)
     rot = Rotation(COPIES)
-    score = lambda: indexer_scores_paged(q, w, icaches[rot()], r["block_table"], r["req"], r["positions"], scale,
-                                         scores, **(scores_kw or {}))
-    select = lambda: topk_from_scores(scores, r["positions"], out, **(topk_kw or {}))
+    score = lambda: scores_fn(q, w, icaches[rot()], r["block_table"], r["req"], r["positions"], scale, scores,
+                              **(scores_kw or {}))
+    select = lambda: topk_fn(scores, r["positions"], out, **(topk_kw or {}))
     res = {"kernel": "indexer_scores" if scores_only else "indexer_topk", "model": z["name"], "T": T, "context": ctx,
            "topk": z["k"], "scores_kw": scores_kw or {}, "topk_kw": topk_kw or {}, "key_copies": COPIES}
     scores.fill_(float("nan"))
@@ -437,6 +440,7 @@ SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then 
     dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
     dict(GLUON=True, OVERLAP_PV=False), dict(GLUON=True, OVERLAP_PV=True),  # written in Gluon (bench.sparse_mla_gluon)
 ]
+INDEXER_CASES = [(ctx, T) for ctx in (4096, 32768, 131072) for T in (1, 16, 64, 256, 1024)]  # (context, tokens)
 INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs): one decode token
     [((1, 131072), dict(tiles=t, num_stages=st, num_warps=w)) for t in (2, 4) for st in (2, 3) for w in (4, 8)]
     + [((1, 32768), dict(tiles=1, num_stages=st)) for st in (2, 3)]
@@ -528,13 +532,12 @@ def main(argv=None) -> int:
         good = [r for r in sweep if r["model"] == z["name"] and r.get("ok") and not set(r["config"]) - set(CONFIG_KEYS)]
         best = min(good, key=lambda r: r["ms"])["config"] if good else SPARSE_CONFIGS[0]
         if args.indexer_only:
-            for ctx in (4096, 32768, 131072):
-                for T in (1, 16, 64, 256, 1024):
-                    results.append(r := bench_indexer(z, T, ctx, ceil))
-                    print(f"indexer_topk {z['name']} T={T} ctx={ctx}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f} "
-                          f"us, {r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f} us); lean PyTorch "
-                          f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
-                    save()
+            for ctx, T in INDEXER_CASES:
+                results.append(r := bench_indexer(z, T, ctx, ceil))
+                print(f"indexer_topk {z['name']} T={T} ctx={ctx}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f} "
+                      f"us, {r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f} us); lean PyTorch "
+                      f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
+                save()
             continue
         if args.sweep_only:  # does gather locality matter? the same work with each token's indices sorted
             r = bench_sparse_mla(z, 512, 32768, ceil, config=best, check=True, torch_path=False, sort_indices=True)
@@ -551,13 +554,13 @@ def main(argv=None) -> int:
             results.append(bench_sparse_mla(z, T, 32768, ceil, config=best, torch_path=False, batch=True))
             print(results[-1]["kernel"], z["name"], "decode batch", T, f"{results[-1]['ms']:.3f} ms", flush=True)
             save()
-        for ctx in ([4096, 32768] if args.quick else [4096, 32768, 131072]):
-            for T in ([1, 64] if args.quick else [1, 16, 64, 256, 1024]):
-                results.append(r := bench_indexer(z, T, ctx, ceil))
-                print(f"indexer_topk {z['name']} T={T} ctx={ctx}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f} us, "
-                      f"{r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f} us); lean PyTorch "
-                      f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
-                save()
+        cases = [(c, t) for c, t in INDEXER_CASES if c <= 32768 and t in (1, 64)] if args.quick else INDEXER_CASES
+        for ctx, T in cases:
+            results.append(r := bench_indexer(z, T, ctx, ceil))
+            print(f"indexer_topk {z['name']} T={T} ctx={ctx}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f} us, "
+                  f"{r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f} us); lean PyTorch "
+                  f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
+            save()
         for T in ([1, 1024] if args.quick else [1, 64, 1024, 8192]):
             results.append(bench_norm_rope(z, T, ceil))
             results.append(bench_fused_q(z, T, ceil))

@@ -1,4 +1,5 @@
-"""The streaming-multiprocessor count that launchers size their grids by (split the work only while SMs idle)."""
+"""What launchers size and chain their grids by: the streaming-multiprocessor count (split the work only while SMs
+idle), and whether a launch may overlap the one before it (programmatic dependent launch)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ def num_sms(device: torch.device, override: int | None, caller: str) -> int:
             raise ValueError(f"{caller}: num_sms must be None or an int >= 1, got {override!r}")
         return int(override)
     return _cuda_sms(device.index) if device.type == "cuda" else CPU_SMS
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (sm_90 on): a kernel launched with it may start while the kernel before it
+    runs, and waits (griddepcontrol.wait) before it reads what that one wrote. Not under the interpreter."""
+    return device.type == "cuda" and _cuda_capability(device.index) >= (9, 0)

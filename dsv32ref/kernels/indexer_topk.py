@@ -32,8 +32,38 @@ import triton.language as tl
 from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.grid import num_sms as _num_sms
+from dsv32ref.kernels.grid import pdl_supported
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["indexer_scores_paged", "topk_from_scores", "indexer_topk_paged"]
+
+
+@triton.jit
+def _after_previous(PDL: tl.constexpr):
+    """Under programmatic dependent launch (PDL): wait until the launch before this one has finished (its writes
+    visible), then let the next launch start. Every program of a PDL launch calls it, before it reads what the
+    launch before wrote and before it returns: a launch then ends only after the one before it, and a launch
+    may read, before it calls this, what the launch two back wrote (the one between waited for it)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _key_blocks(block_table_ptr, stride_bt, req, offs_s, s_hi, block_size, num_blocks):
+    """(block id, visible) of positions offs_s: below s_hi and in a block inside the cache (a key in a block
+    outside it scores nothing)."""
+    vis = offs_s < s_hi
+    blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
+    return blk, vis & (blk >= 0) & (blk < num_blocks)
+
+
+@triton.jit
+def _key_tile(kcache_ptr, stride_kb, stride_ks, blk, vis, offs_s, block_size, offs_d):
+    """The keys (BLOCK_S, D) at positions offs_s (zeros where not visible)."""
+    ptrs = (kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb + (offs_s % block_size)[:, None] * stride_ks
+            + offs_d[None, :])
+    return tl.load(ptrs, mask=vis[:, None], other=0.0)
 
 
 @triton.jit
@@ -45,35 +75,47 @@ def _indexer_scores_kernel(
     scores_ptr, stride_st,  # [T, S_MAX] fp32
     softmax_scale, block_size,
     S_MAX, B, max_blocks, num_blocks,  # bounds: score width, requests, a block-table row, block ids (masked)
-    H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
+    H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (t, j): the scores of keys [j TILES BLOCK_S, (j + 1) TILES BLOCK_S) of token t, a tile at a time."""
+    """Program (t, j) of (T, P): the scores of token t's key tiles j, j + P, j + 2P, ... (BLOCK_S keys each).
+
+    A tile's keys hang off its block ids (a load that waits on a load), so each step issues the next tile's
+    key loads and the block ids of the one after before it multiplies this tile: two tiles' worth of reads
+    in flight per program, the block-table latency off the critical path.
+    """
+    _after_previous(PDL)  # q, the weights, positions: from the launches before
     t = tl.program_id(0)
+    j = tl.program_id(1)
+    step = tl.num_programs(1) * BLOCK_S
     # causal: keys 0..position, within the score row and what the block-table row can address; a request
     # index outside [0, B) scores nothing (the launcher's debug mode raises on these instead)
     req = tl.load(req_ptr + t)
     n_visible = tl.minimum(tl.load(pos_ptr + t) + 1, tl.minimum(S_MAX, max_blocks * block_size))
     n_visible = tl.where((req >= 0) & (req < B), n_visible, 0)
-    s_lo = tl.program_id(1) * (TILES * BLOCK_S)
-    s_hi = tl.minimum(s_lo + TILES * BLOCK_S, n_visible)
-    if s_lo < s_hi:
+    n_mine = tl.cdiv(tl.maximum(tl.cdiv(n_visible, BLOCK_S) - j, 0), tl.num_programs(1))  # my tiles below it
+    if n_mine > 0:
         offs_h = tl.arange(0, H_I)
         offs_d = tl.arange(0, D)
+        offs_s = j * BLOCK_S + tl.arange(0, BLOCK_S)
+        blk, vis = _key_blocks(block_table_ptr, stride_bt, req, offs_s, n_visible, block_size, num_blocks)
+        k = _key_tile(kcache_ptr, stride_kb, stride_ks, blk, vis, offs_s, block_size, offs_d)  # (BLOCK_S, D)
+        blk_next, vis_next = _key_blocks(block_table_ptr, stride_bt, req, offs_s + step, n_visible, block_size,
+                                         num_blocks)
         q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :])  # (H_I, D), held
         w = tl.load(w_ptr + t * stride_wt + offs_h)  # (H_I,)
-        for s0 in tl.range(s_lo, s_hi, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            vis = offs_s < s_hi
-            blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
-            vis = vis & (blk >= 0) & (blk < num_blocks)  # a key in a block outside the cache scores nothing
-            k_ptrs = (kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb + (offs_s % block_size)[:, None] * stride_ks
-                      + offs_d[None, :])
-            k = tl.load(k_ptrs, mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
+        for _ in range(n_mine):
+            # in flight while this tile is multiplied: the next tile's keys, the block ids of the one after
+            # (past the last tile every lane is masked: nothing is read)
+            k_next = _key_tile(kcache_ptr, stride_kb, stride_ks, blk_next, vis_next, offs_s + step, block_size,
+                               offs_d)
+            blk_after, vis_after = _key_blocks(block_table_ptr, stride_bt, req, offs_s + 2 * step, n_visible,
+                                               block_size, num_blocks)
             # keys on the MMA's rows, heads on its columns: the sum over heads stays inside each warp (with
             # heads on the rows it crossed warps through shared memory: 8-15 % slower on the H200)
             logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, H_I)
             score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)  # (BLOCK_S,)
             tl.store(scores_ptr + t * stride_st + offs_s, score, mask=vis)
+            k, vis, blk_next, vis_next, offs_s = k_next, vis_next, blk_after, vis_after, offs_s + step
 
 
 # ---- radix select ------------------------------------------------------------------------------------
@@ -161,8 +203,10 @@ def _pad(start, K, out_idx, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(scores_ptr, stride_st, pos_ptr, out_ptr, stride_ot, K, S_MAX, BLOCK: tl.constexpr):
+def _topk_kernel(scores_ptr, stride_st, pos_ptr, out_ptr, stride_ot, K, S_MAX, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
     """One program per row: the top K of scores[t, :positions[t] + 1] (never past the row's S_MAX)."""
+    _after_previous(PDL)
     t = tl.program_id(0)
     n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)  # visible keys
     vals, out_idx = scores_ptr + t * stride_st, out_ptr + t * stride_ot
@@ -225,17 +269,21 @@ def _prefix_through(hist_ptr, state_ptr, t, T, K, n_chunks, P: tl.constexpr, CB:
 
 @triton.jit
 def _topk_hist_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, T, K, S_MAX, n_chunks,
-                      P: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
+                      P: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, PDL: tl.constexpr):
     """Pass P, program (t, c): the histogram of digit P in chunk c of row t, among the keys whose digits
     before P are the K-th largest key's."""
+    if P == 0:
+        _after_previous(PDL)  # the scores: from the launch before
     t = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.minimum(tl.load(pos_ptr + t) + 1, S_MAX).to(tl.int32)
-    if n > K:  # (a row with at most K keys takes them all: no histograms, none read)
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        m = offs < n
-        key = _ordered_key(tl.load(scores_ptr + t * stride_st + offs, mask=m, other=float("-inf")))  # in flight
-        if P == 0:                                                                                  # meanwhile
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    m = (offs < n) & (n > K)  # (a row with at most K keys takes them all: no histograms, none read)
+    key = _ordered_key(tl.load(scores_ptr + t * stride_st + offs, mask=m, other=float("-inf")))  # in flight
+    if P > 0:
+        _after_previous(PDL)  # the chunk histograms of pass P - 1 (the scores were two launches back)
+    if n > K:
+        if P == 0:
             prefix = tl.full([], 0, tl.uint32)
         else:
             prefix, k_rem = _prefix_through(hist_ptr, state_ptr, t, T, K, n_chunks, P, CB)
@@ -248,7 +296,7 @@ def _topk_hist_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, T, K,
 
 @triton.jit
 def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, out_ptr, stride_ot, T, K, S_MAX,
-                         n_chunks, CHUNK: tl.constexpr, CB: tl.constexpr):
+                         n_chunks, CHUNK: tl.constexpr, CB: tl.constexpr, PDL: tl.constexpr):
     """Program (t, c): write chunk c's selected positions of row t at their place in the row's output. The
     chunks before c took every key above the threshold (counted from their histograms: a key above it is
     above it at one digit) and, in position order, the first of the keys equal to it."""
@@ -258,12 +306,13 @@ def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, ou
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < n
     out_idx = out_ptr + t * stride_ot
+    key = _ordered_key(tl.load(scores_ptr + t * stride_st + offs, mask=m & (n > K), other=float("-inf")))
+    _after_previous(PDL)  # the histograms and state of the passes (the scores were launches back)
     if n <= K:
         tl.store(out_idx + offs, offs, mask=m)
         if c == 0:
             _pad(tl.maximum(n, 0), K, out_idx, CHUNK)
     else:
-        key = _ordered_key(tl.load(scores_ptr + t * stride_st + offs, mask=m, other=float("-inf")))
         threshold, n_eq = _prefix_through(hist_ptr, state_ptr, t, T, K, n_chunks, 4, CB)
         gt_before = tl.zeros([], tl.int32)
         eq_before = tl.zeros([], tl.int32)
@@ -303,6 +352,17 @@ def _check_pow2(caller: str, **values) -> None:
             raise ValueError(f"{caller}: {name} must be a power of two, got {v!r}")
 
 
+def _check_pdl(caller: str, pdl, device) -> bool:
+    """pdl: None = wherever the device has it (pdl_supported); True there only; False = plain launches."""
+    if pdl is None:
+        return pdl_supported(device)
+    if not isinstance(pdl, bool):
+        raise ValueError(f"{caller}: pdl must be None, True or False, got {pdl!r}")
+    if pdl and not pdl_supported(device):
+        raise ValueError(f"{caller}: pdl=True needs a CUDA device of compute capability >= 9.0, got {device}")
+    return pdl
+
+
 def scores_tiles(T: int, s_max: int, block_s: int, sms: int) -> int:
     """Key tiles per program: the most (a power of two, at most 16) that still leaves 2 programs per SM (the
     best of the H200 probe, data/indexer_probe.json: one tile at one token and 32k keys, four at 128k, 8-16
@@ -316,7 +376,7 @@ def scores_tiles(T: int, s_max: int, block_s: int, sms: int) -> int:
 
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
                          scores, block_s: int = 64, num_warps: int = 4, tiles: int | None = None,
-                         num_stages: int = 2, num_sms: int | None = None):
+                         num_stages: int = 2, num_sms: int | None = None, pdl: bool | None = None):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
@@ -333,6 +393,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     if not is_int(num_stages) or num_stages < 1:
         raise ValueError(f"indexer_scores_paged: num_stages must be an int >= 1, got {num_stages!r}")
     sms = _num_sms(q_idx.device, num_sms, "indexer_scores_paged")
+    pdl = _check_pdl("indexer_scores_paged", pdl, q_idx.device)
     if device_value_checks_on():
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if T:
@@ -344,8 +405,8 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
             block_table, block_table.stride(0), req_indices, positions, scores, scores.stride(0),
             softmax_scale, index_cache.shape[1],
             scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
-            H_I=H_I, D=D, BLOCK_S=block_s, TILES=tiles, PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
-            num_warps=num_warps, num_stages=num_stages,
+            H_I=H_I, D=D, BLOCK_S=block_s, PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
+            PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
         )
     return scores
 
@@ -360,7 +421,7 @@ def topk_chunk(rows: int, s_max: int) -> int:
 
 
 def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int = 8, chunk: int | None = None,
-                     split_below_rows: int = 128, split_above: int = 16384):
+                     split_below_rows: int = 128, split_above: int = 16384, pdl: bool | None = None):
     """out[t] = the top out.shape[1] of scores[t, :positions[t] + 1] (int32, increasing, -1 padded).
 
     With fewer than `split_below_rows` rows wider than `split_above`, one program per row would leave the
@@ -379,13 +440,14 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
     for name, v in (("split_below_rows", split_below_rows), ("split_above", split_above)):
         if not is_int(v) or v < 0:
             raise ValueError(f"topk_from_scores: {name} must be an int >= 0, got {v!r}")
+    pdl = _check_pdl("topk_from_scores", pdl, scores.device)
     if device_value_checks_on():
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if T == 0:
         return out
     if T >= split_below_rows or scores.shape[1] <= split_above:
         _topk_kernel[(T,)](scores, scores.stride(0), positions, out, out.stride(0), K, scores.shape[1], BLOCK=block,
-                           num_warps=num_warps)
+                           PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
         return out
     n_chunks = triton.cdiv(scores.shape[1], chunk)
     cb = min(32, triton.next_power_of_2(n_chunks))
@@ -394,9 +456,10 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
     hist, state = work[: 4 * T * n_chunks * 256], work[4 * T * n_chunks * 256:]  # [4, T, n_chunks, 256], [T, 4, 2]
     for p in range(4):
         _topk_hist_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, state, T, K, scores.shape[1],
-                                         n_chunks, P=p, CHUNK=chunk, CB=cb, num_warps=warps)
+                                         n_chunks, P=p, CHUNK=chunk, CB=cb, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     _topk_compact_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, state, out, out.stride(0), T, K,
-                                        scores.shape[1], n_chunks, CHUNK=chunk, CB=cb, num_warps=warps)
+                                        scores.shape[1], n_chunks, CHUNK=chunk, CB=cb, PDL=pdl, num_warps=warps,
+                                        launch_pdl=pdl)
     return out
 
 

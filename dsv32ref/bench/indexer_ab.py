@@ -1,0 +1,104 @@
+"""The indexer (scores + top-k) of earlier commits against the library's, case by case in one run.
+
+    python -m dsv32ref.bench.indexer_ab --base REV [--base REV ...] --out data/indexer_ab.json [--probe]
+
+Each REV's dsv32ref/kernels/indexer_topk.py is read with `git show` and imported beside the library's. Every
+indexer case of the kernel benchmark (kernels.INDEXER_CASES, both models) is measured with each, one after
+the other on the same inputs: the same key-cache copies rotating through HBM, the same ceilings, the lean
+PyTorch path timed once per case. "No slower than before" is then a same-run comparison, not one against a
+file measured another day. --probe adds the library's knobs at one decode token (32k and 128k keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dsv32ref.bench.kernels import INDEXER_CASES, bench_indexer, measure_ceilings, shapes
+from dsv32ref.provenance import provenance
+from dsv32ref.results import write_partial, write_result
+
+MODULE = "dsv32ref/kernels/indexer_topk.py"
+
+# the library's knobs at one decode token: ((tokens, context), scores kwargs, top-k kwargs)
+PROBE = ([((1, ctx), dict(tiles=t, num_stages=st), {}) for ctx in (32768, 131072) for t in (1, 2, 4, 8, 16)
+          for st in (1, 2)]
+         + [((1, ctx), dict(block_s=128, tiles=t, num_stages=1, num_warps=w), {}) for ctx in (32768, 131072)
+            for t in (1, 2, 4, 8) for w in (4, 8)]
+         + [((1, ctx), dict(pdl=False), dict(pdl=False)) for ctx in (32768, 131072)])
+
+
+def load_revision(rev: str):
+    """(full sha, the module MODULE was at rev), imported from a temporary file (Triton reads its source)."""
+    sha = subprocess.run(["git", "rev-parse", rev], check=True, capture_output=True, text=True).stdout.strip()
+    src = subprocess.run(["git", "show", f"{sha}:{MODULE}"], check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / f"indexer_topk_{sha[:12]}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return sha, mod
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", action="append", default=[], help="an earlier revision to compare (repeatable)")
+    ap.add_argument("--out", default="data/indexer_ab.json")
+    ap.add_argument("--probe", action="store_true", help="also the library's knobs at one decode token")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    t_start = time.time()
+    prov = provenance()
+    impls = [(sha, mod) for sha, mod in map(load_revision, args.base)] + [("library", None)]
+    ceil = measure_ceilings()
+    ceil_runs = [dict(ceil, when="start")]
+    results = []
+
+    def save(complete: bool = False):
+        out = {"provenance": prov, "ceilings": ceil, "ceilings_measured": ceil_runs, "module": MODULE,
+               "implementations": [name for name, _ in impls], "results": results, "wall_s": time.time() - t_start}
+        (write_result if complete else write_partial)(args.out, out)
+
+    for z in (shapes("deepseek-v3.2"), shapes("glm-5.2")):
+        for ctx, T in INDEXER_CASES:
+            for i, (name, mod) in enumerate(impls):  # the lean PyTorch path once, with the first
+                r = bench_indexer(z, T, ctx, ceil, torch_path=i == 0, impl=mod)
+                r["implementation"] = name
+                results.append(r)
+                print(f"{z['name']} T={T} ctx={ctx} {name[:12]}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f}, "
+                      f"{r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f})"
+                      + (f"; lean {r['torch_ms'] * 1e3:.1f}" if r.get("torch_ms") else "") + f" ok={r['ok']}", flush=True)
+                save()
+    if args.probe:
+        z = shapes("deepseek-v3.2")
+        for (T, ctx), skw, tkw in PROBE:
+            r = bench_indexer(z, T, ctx, ceil, torch_path=False, scores_kw=skw, topk_kw=tkw, scores_only=not tkw)
+            r.update(implementation="library", probe="knobs")
+            results.append(r)
+            print(f"probe T={T} ctx={ctx} {skw} {tkw}: scores {r['ms_scores'] * 1e3:.1f} us "
+                  f"({r['scores_fraction_of_copy']:.0%} of copy)" + (f", top-k {r['ms_topk'] * 1e3:.1f} us" if tkw else "")
+                  + f" ok={r['ok']}", flush=True)
+            save()
+    end = measure_ceilings()  # as the kernel benchmark: fractions of the higher copy rate of start and end
+    ceil_runs.append(dict(end, when="end"))
+    ceil = dict(ceil, copy_GBps=max(ceil["copy_GBps"], end["copy_GBps"]))
+    for r in results:
+        for part in ("scores", "topk"):
+            if f"{part}_GBps" in r:
+                r[f"{part}_fraction_of_copy"] = r[f"{part}_GBps"] / ceil["copy_GBps"]
+    save(complete=True)
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
