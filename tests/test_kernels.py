@@ -232,6 +232,11 @@ def test_indexer_scores_tiles_per_program(device, dtype, tol, seed):
             assert torch.equal(got[t, :n], one[t, :n]), (tiles, t)
             assert got[t, n:].isnan().all(), (tiles, t)
     _check_indexer_scores(one, q, w, icache, meta, z, dtype, tol)
+    for keys_on_rows in (False, True):  # heads on the MMA's rows or keys: the same scores up to rounding
+        got = indexer_scores_paged(*args, torch.full((T, s_max), float("nan"), device=device), block_s=block_s,
+                                   tiles=2, keys_on_rows=keys_on_rows)
+        _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
+        assert all(got[t, int(meta.positions[t]) + 1:].isnan().all() for t in range(T)), keys_on_rows
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -478,7 +483,7 @@ def test_indexer_chained_launches_replay_like_plain_ones(T, ctx, seed):
     scores, topk = torch.empty(T, ctx, device="cuda"), torch.empty(T, z["k"], dtype=torch.int32, device="cuda")
 
     def chained():
-        indexer_scores_paged(*args, scores, pdl=True)
+        indexer_scores_paged(*args, scores)
         topk_from_scores(scores, meta.positions, topk, pdl=True)
 
     chained()  # compile outside the capture
@@ -492,7 +497,7 @@ def test_indexer_chained_launches_replay_like_plain_ones(T, ctx, seed):
         scores.fill_(float("nan"))
         topk.fill_(-7)
         g.replay()
-        want_scores = indexer_scores_paged(*args, torch.full_like(scores, float("nan")), pdl=False)
+        want_scores = indexer_scores_paged(*args, torch.full_like(scores, float("nan")))
         want_topk = topk_from_scores(want_scores, meta.positions, torch.full_like(topk, -7), pdl=False)
         assert torch.equal(scores, want_scores), trial
         assert torch.equal(topk, want_topk), trial

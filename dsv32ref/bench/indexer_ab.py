@@ -6,7 +6,8 @@ Each REV's dsv32ref/kernels/indexer_topk.py is read with `git show` and imported
 indexer case of the kernel benchmark (kernels.INDEXER_CASES, both models) is measured with each, one after
 the other on the same inputs: the same key-cache copies rotating through HBM, the same ceilings, the lean
 PyTorch path timed once per case. "No slower than before" is then a same-run comparison, not one against a
-file measured another day. --probe adds the library's knobs at one decode token (32k and 128k keys).
+file measured another day. --probe adds the library's knobs (tiles, tile length, layout, chained launches)
+and what a kernel that only reads one decode token's keys takes (the read floor).
 """
 
 from __future__ import annotations
@@ -21,18 +22,23 @@ from pathlib import Path
 
 import torch
 
-from dsv32ref.bench.kernels import INDEXER_CASES, bench_indexer, measure_ceilings, shapes
+from dsv32ref.bench.kernels import INDEXER_CASES, bench_indexer, bench_read_floor, measure_ceilings, shapes
 from dsv32ref.provenance import provenance
 from dsv32ref.results import write_partial, write_result
 
 MODULE = "dsv32ref/kernels/indexer_topk.py"
 
-# the library's knobs at one decode token: ((tokens, context), scores kwargs, top-k kwargs)
-PROBE = ([((1, ctx), dict(tiles=t, num_stages=st), {}) for ctx in (32768, 131072) for t in (1, 2, 4, 8, 16)
-          for st in (1, 2)]
-         + [((1, ctx), dict(block_s=128, tiles=t, num_stages=1, num_warps=w), {}) for ctx in (32768, 131072)
-            for t in (1, 2, 4, 8) for w in (4, 8)]
-         + [((1, ctx), dict(pdl=False), dict(pdl=False)) for ctx in (32768, 131072)])
+# the library's knobs: (model, (tokens, context), scores kwargs, top-k kwargs); no top-k kwargs = scores alone
+_DS, _GLM = "deepseek-v3.2", "glm-5.2"
+PROBE = ([(m, (1, ctx), dict(block_s=bs, tiles=t, keys_on_rows=rows), {}) for m in (_DS, _GLM)
+          for ctx in (32768, 131072) for bs, t in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8))
+          for rows in ((True,) if m == _DS else (True, False))]
+         + [(m, (T, ctx), dict(tiles=t, keys_on_rows=rows), {}) for m in (_DS, _GLM)
+            for T, ctx in ((16, 4096), (64, 32768), (256, 32768), (1024, 4096)) for t in (1, 4, 16)
+            for rows in ((True,) if m == _DS else (True, False))]
+         + [(m, (T, ctx), {}, dict(pdl=pdl)) for m in (_DS, _GLM) for T, ctx in ((16, 4096), (64, 4096), (1, 131072))
+            for pdl in (True, False)])
+READ_FLOOR_BYTES = (2 * 128 * 32768, 2 * 128 * 131072)  # one decode token's keys at 32k and 128k
 
 
 def load_revision(rev: str):
@@ -51,7 +57,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", action="append", default=[], help="an earlier revision to compare (repeatable)")
     ap.add_argument("--out", default="data/indexer_ab.json")
-    ap.add_argument("--probe", action="store_true", help="also the library's knobs at one decode token")
+    ap.add_argument("--probe", action="store_true", help="also the library's knobs (PROBE) and the read floor")
+    ap.add_argument("--probe-only", action="store_true", help="only the probe")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -69,7 +76,7 @@ def main(argv=None) -> int:
                "implementations": [name for name, _ in impls], "results": results, "wall_s": time.time() - t_start}
         (write_result if complete else write_partial)(args.out, out)
 
-    for z in (shapes("deepseek-v3.2"), shapes("glm-5.2")):
+    for z in ([] if args.probe_only else (shapes(_DS), shapes(_GLM))):
         for ctx, T in INDEXER_CASES:
             for i, (name, mod) in enumerate(impls):  # the lean PyTorch path once, with the first
                 r = bench_indexer(z, T, ctx, ceil, torch_path=i == 0, impl=mod)
@@ -79,20 +86,27 @@ def main(argv=None) -> int:
                       f"{r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f})"
                       + (f"; lean {r['torch_ms'] * 1e3:.1f}" if r.get("torch_ms") else "") + f" ok={r['ok']}", flush=True)
                 save()
-    if args.probe:
-        z = shapes("deepseek-v3.2")
-        for (T, ctx), skw, tkw in PROBE:
-            r = bench_indexer(z, T, ctx, ceil, torch_path=False, scores_kw=skw, topk_kw=tkw, scores_only=not tkw)
+    if args.probe or args.probe_only:
+        for m, (T, ctx), skw, tkw in PROBE:
+            r = bench_indexer(shapes(m), T, ctx, ceil, torch_path=False, scores_kw=skw, topk_kw=tkw, scores_only=not tkw)
             r.update(implementation="library", probe="knobs")
             results.append(r)
-            print(f"probe T={T} ctx={ctx} {skw} {tkw}: scores {r['ms_scores'] * 1e3:.1f} us "
-                  f"({r['scores_fraction_of_copy']:.0%} of copy)" + (f", top-k {r['ms_topk'] * 1e3:.1f} us" if tkw else "")
+            print(f"probe {m} T={T} ctx={ctx} {skw} {tkw}: scores {r['ms_scores'] * 1e3:.1f} us "
+                  f"({r['scores_fraction_of_copy']:.0%} of copy)"
+                  + (f", top-k {r['ms_topk'] * 1e3:.1f} us, both {r['ms'] * 1e3:.1f} us" if tkw else "")
                   + f" ok={r['ok']}", flush=True)
+            save()
+        for nbytes in READ_FLOOR_BYTES:
+            results.append(r := dict(bench_read_floor(nbytes, ceil), ok=True))
+            print(f"read floor {nbytes / 1e6:.1f} MB: {r['ms'] * 1e3:.1f} us ({r['fraction_of_copy']:.0%} of copy) "
+                  f"{r['block']}x{r['tiles']}, {r['num_warps']} warps", flush=True)
             save()
     end = measure_ceilings()  # as the kernel benchmark: fractions of the higher copy rate of start and end
     ceil_runs.append(dict(end, when="end"))
     ceil = dict(ceil, copy_GBps=max(ceil["copy_GBps"], end["copy_GBps"]))
     for r in results:
+        if r["kernel"] == "read_floor":
+            r["fraction_of_copy"] = r["GBps"] / ceil["copy_GBps"]
         for part in ("scores", "topk"):
             if f"{part}_GBps" in r:
                 r[f"{part}_fraction_of_copy"] = r[f"{part}_GBps"] / ceil["copy_GBps"]

@@ -16,6 +16,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 from dsv32ref.checks import rel_err
@@ -112,6 +114,36 @@ def roofline(flops: float, nbytes: float, ms: float, ceil: dict) -> dict:
     return {"flops": flops, "bytes": nbytes, "bound": bound, "floor_ms": floor, "fraction_of_bound": floor / ms,
             "fraction_of_compute": t_flop / ms, "fraction_of_memory": t_mem / ms,
             "achieved_TFLOPs": flops / ms / 1e9, "achieved_GBps": nbytes / ms / 1e6}
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """Program p sums elements [p TILES BLOCK, (p + 1) TILES BLOCK) of x: TILES independent loads in flight."""
+    base = tl.program_id(0) * (TILES * BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in tl.static_range(TILES):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+def bench_read_floor(nbytes: int, ceil: dict) -> dict:
+    """What one kernel reading nbytes of bf16 from HBM (COPIES copies rotating, as the indexer's keys) takes
+    under graph replay: the best of a few tilings. It prices the launch, ramp and tail that a kernel of that
+    size pays whatever it computes; the scores pass is held to the copy rate of a 2 GiB copy."""
+    n = nbytes // 2
+    xs = [torch.randn(n, device=DEV, dtype=BF16) for _ in range(COPIES)]
+    out = torch.empty(triton.cdiv(n, 1024), device=DEV)
+    best = None
+    for block, tiles, warps in ((4096, 4, 8), (8192, 2, 8), (2048, 8, 4), (4096, 8, 8)):
+        rot = Rotation(COPIES)
+        grid = (triton.cdiv(n, block * tiles),)
+        fn = lambda: _read_kernel[grid](xs[rot()], out, n, BLOCK=block, TILES=tiles, num_warps=warps)
+        ms = timed(fn)["ms"]
+        if best is None or ms < best["ms"]:
+            best = {"ms": ms, "block": block, "tiles": tiles, "num_warps": warps}
+    return {"kernel": "read_floor", "bytes": nbytes, **best, "GBps": nbytes / best["ms"] / 1e6,
+            "fraction_of_copy": nbytes / best["ms"] / 1e6 / ceil["copy_GBps"]}
 
 
 # ---- shapes ----------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def _indexer_scores_kernel(
     scores_ptr, stride_st,  # [T, S_MAX] fp32
     softmax_scale, block_size,
     S_MAX, B, max_blocks, num_blocks,  # bounds: score width, requests, a block-table row, block ids (masked)
-    H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, KEYS_ON_ROWS: tl.constexpr,
 ):
     """Program (t, j) of (T, P): the scores of token t's key tiles j, j + P, j + 2P, ... (BLOCK_S keys each).
 
@@ -83,7 +83,6 @@ def _indexer_scores_kernel(
     key loads and the block ids of the one after before it multiplies this tile: two tiles' worth of reads
     in flight per program, the block-table latency off the critical path.
     """
-    _after_previous(PDL)  # q, the weights, positions: from the launches before
     t = tl.program_id(0)
     j = tl.program_id(1)
     step = tl.num_programs(1) * BLOCK_S
@@ -110,10 +109,12 @@ def _indexer_scores_kernel(
                                offs_d)
             blk_after, vis_after = _key_blocks(block_table_ptr, stride_bt, req, offs_s + 2 * step, n_visible,
                                                block_size, num_blocks)
-            # keys on the MMA's rows, heads on its columns: the sum over heads stays inside each warp (with
-            # heads on the rows it crossed warps through shared memory: 8-15 % slower on the H200)
-            logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, H_I)
-            score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)  # (BLOCK_S,)
+            if KEYS_ON_ROWS:  # the sum over heads stays inside each warp
+                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, H_I)
+                score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)  # (BLOCK_S,)
+            else:  # heads on the rows: the sum crosses warps (fewer heads than an MMA's 64 rows fill)
+                logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * softmax_scale  # (H_I, BLOCK_S)
+                score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)  # (BLOCK_S,)
             tl.store(scores_ptr + t * stride_st + offs_s, score, mask=vis)
             k, vis, blk_next, vis_next, offs_s = k_next, vis_next, blk_after, vis_after, offs_s + step
 
@@ -376,7 +377,7 @@ def scores_tiles(T: int, s_max: int, block_s: int, sms: int) -> int:
 
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
                          scores, block_s: int = 64, num_warps: int = 4, tiles: int | None = None,
-                         num_stages: int = 2, num_sms: int | None = None, pdl: bool | None = None):
+                         num_stages: int = 2, num_sms: int | None = None, keys_on_rows: bool | None = None):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
@@ -393,7 +394,10 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     if not is_int(num_stages) or num_stages < 1:
         raise ValueError(f"indexer_scores_paged: num_stages must be an int >= 1, got {num_stages!r}")
     sms = _num_sms(q_idx.device, num_sms, "indexer_scores_paged")
-    pdl = _check_pdl("indexer_scores_paged", pdl, q_idx.device)
+    if keys_on_rows is None:
+        keys_on_rows = H_I >= 64
+    elif not isinstance(keys_on_rows, bool):
+        raise ValueError(f"indexer_scores_paged: keys_on_rows must be None, True or False, got {keys_on_rows!r}")
     if device_value_checks_on():
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if T:
@@ -406,7 +410,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
             softmax_scale, index_cache.shape[1],
             scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
             H_I=H_I, D=D, BLOCK_S=block_s, PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
-            PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+            KEYS_ON_ROWS=keys_on_rows, num_warps=num_warps, num_stages=num_stages,
         )
     return scores
 
