@@ -214,7 +214,8 @@ def test_indexer_topk(device, dtype, tol, seed):
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 def test_indexer_scores_tiles_per_program(device, dtype, tol, seed):
     """A program that walks several key tiles (decode) writes the same scores as one tile per program, stops at
-    each token's position inside a tile, and leaves the entries past it untouched."""
+    each token's position inside a tile, and leaves the entries past it untouched; so does one that scores a
+    group of tokens (prefill), also when the group spans requests or holds a token of no request."""
     z = _sizes(device)
     block_s = _shape_for(device, 4, 64)
     meta, nb = _meta(device, *_shape_for(device, ([37, 5], [1, 2]), ([9000, 300], [1, 2])), z["block"])
@@ -232,11 +233,18 @@ def test_indexer_scores_tiles_per_program(device, dtype, tol, seed):
             assert torch.equal(got[t, :n], one[t, :n]), (tiles, t)
             assert got[t, n:].isnan().all(), (tiles, t)
     _check_indexer_scores(one, q, w, icache, meta, z, dtype, tol)
-    for keys_on_rows in (False, True):  # heads on the MMA's rows or keys: the same scores up to rounding
+    for tokens in (2, 4):  # groups of tokens share each key tile; the groups here span two requests
         got = indexer_scores_paged(*args, torch.full((T, s_max), float("nan"), device=device), block_s=block_s,
-                                   tiles=2, keys_on_rows=keys_on_rows)
+                                   tiles=2, tokens=tokens)
         _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
-        assert all(got[t, int(meta.positions[t]) + 1:].isnan().all() for t in range(T)), keys_on_rows
+        assert all(got[t, int(meta.positions[t]) + 1:].isnan().all() for t in range(T)), tokens
+    bad_req = meta.req_indices.clone()
+    bad_req[1] = meta.num_reqs  # outside the block table: that token scores nothing, its group's others do
+    got = indexer_scores_paged(q, w, icache, meta.block_table, bad_req, meta.positions, z["d_i"] ** -0.5,
+                               torch.full((T, s_max), float("nan"), device=device), block_s=block_s, tokens=4)
+    assert got[1].isnan().all()
+    got[1] = one[1]  # the other rows against the reference
+    _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])

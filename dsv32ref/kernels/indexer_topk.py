@@ -50,23 +50,6 @@ def _after_previous(PDL: tl.constexpr):
 
 
 @triton.jit
-def _key_blocks(block_table_ptr, stride_bt, req, offs_s, s_hi, block_size, num_blocks):
-    """(block id, visible) of positions offs_s: below s_hi and in a block inside the cache (a key in a block
-    outside it scores nothing)."""
-    vis = offs_s < s_hi
-    blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
-    return blk, vis & (blk >= 0) & (blk < num_blocks)
-
-
-@triton.jit
-def _key_tile(kcache_ptr, stride_kb, stride_ks, blk, vis, offs_s, block_size, offs_d):
-    """The keys (BLOCK_S, D) at positions offs_s (zeros where not visible)."""
-    ptrs = (kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb + (offs_s % block_size)[:, None] * stride_ks
-            + offs_d[None, :])
-    return tl.load(ptrs, mask=vis[:, None], other=0.0)
-
-
-@triton.jit
 def _indexer_scores_kernel(
     q_ptr, stride_qt, stride_qh,  # q^I [T, H_I, D] (roped)
     w_ptr, stride_wt,  # weights [T, H_I] fp32, already scaled by H_I^-1/2
@@ -74,49 +57,55 @@ def _indexer_scores_kernel(
     block_table_ptr, stride_bt, req_ptr, pos_ptr,
     scores_ptr, stride_st,  # [T, S_MAX] fp32
     softmax_scale, block_size,
-    S_MAX, B, max_blocks, num_blocks,  # bounds: score width, requests, a block-table row, block ids (masked)
-    H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, KEYS_ON_ROWS: tl.constexpr,
+    T, S_MAX, B, max_blocks, num_blocks,  # bounds: tokens, score width, requests, a block-table row, block ids
+    H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr, TOKENS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Program (t, j) of (T, P): the scores of token t's key tiles j, j + P, j + 2P, ... (BLOCK_S keys each).
-
-    A tile's keys hang off its block ids (a load that waits on a load), so each step issues the next tile's
-    key loads and the block ids of the one after before it multiplies this tile: two tiles' worth of reads
-    in flight per program, the block-table latency off the critical path.
-    """
-    t = tl.program_id(0)
-    j = tl.program_id(1)
-    step = tl.num_programs(1) * BLOCK_S
+    """Program (i, j): the scores of keys [j TILES BLOCK_S, (j + 1) TILES BLOCK_S) of tokens [i TOKENS,
+    (i + 1) TOKENS), a key tile at a time. The tokens of one request share its keys: each tile is read once
+    for all of them, one MMA over their TOKENS x H_I query rows (a group that spans requests takes each of
+    its requests in turn, the others' rows masked)."""
+    t0 = tl.program_id(0) * TOKENS
+    offs_g = tl.arange(0, TOKENS)  # the group's tokens
+    offs_c = tl.arange(0, TOKENS * H_I)  # the MMA's columns: (token, head) pairs
+    offs_d = tl.arange(0, D)
     # causal: keys 0..position, within the score row and what the block-table row can address; a request
     # index outside [0, B) scores nothing (the launcher's debug mode raises on these instead)
-    req = tl.load(req_ptr + t)
-    n_visible = tl.minimum(tl.load(pos_ptr + t) + 1, tl.minimum(S_MAX, max_blocks * block_size))
-    n_visible = tl.where((req >= 0) & (req < B), n_visible, 0)
-    n_mine = tl.cdiv(tl.maximum(tl.cdiv(n_visible, BLOCK_S) - j, 0), tl.num_programs(1))  # my tiles below it
-    if n_mine > 0:
-        offs_h = tl.arange(0, H_I)
-        offs_d = tl.arange(0, D)
-        offs_s = j * BLOCK_S + tl.arange(0, BLOCK_S)
-        blk, vis = _key_blocks(block_table_ptr, stride_bt, req, offs_s, n_visible, block_size, num_blocks)
-        k = _key_tile(kcache_ptr, stride_kb, stride_ks, blk, vis, offs_s, block_size, offs_d)  # (BLOCK_S, D)
-        blk_next, vis_next = _key_blocks(block_table_ptr, stride_bt, req, offs_s + step, n_visible, block_size,
-                                         num_blocks)
-        q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :])  # (H_I, D), held
-        w = tl.load(w_ptr + t * stride_wt + offs_h)  # (H_I,)
-        for _ in range(n_mine):
-            # in flight while this tile is multiplied: the next tile's keys, the block ids of the one after
-            # (past the last tile every lane is masked: nothing is read)
-            k_next = _key_tile(kcache_ptr, stride_kb, stride_ks, blk_next, vis_next, offs_s + step, block_size,
-                               offs_d)
-            blk_after, vis_after = _key_blocks(block_table_ptr, stride_bt, req, offs_s + 2 * step, n_visible,
-                                               block_size, num_blocks)
-            if KEYS_ON_ROWS:  # the sum over heads stays inside each warp
-                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, H_I)
-                score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)  # (BLOCK_S,)
-            else:  # heads on the rows: the sum crosses warps (fewer heads than an MMA's 64 rows fill)
-                logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * softmax_scale  # (H_I, BLOCK_S)
-                score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)  # (BLOCK_S,)
-            tl.store(scores_ptr + t * stride_st + offs_s, score, mask=vis)
-            k, vis, blk_next, vis_next, offs_s = k_next, vis_next, blk_after, vis_after, offs_s + step
+    tok_ok = t0 + offs_g < T
+    req_g = tl.load(req_ptr + t0 + offs_g, mask=tok_ok, other=-1)
+    n_vis_g = tl.minimum(tl.load(pos_ptr + t0 + offs_g, mask=tok_ok, other=-1) + 1,
+                         tl.minimum(S_MAX, max_blocks * block_size))
+    n_vis_g = tl.where(tok_ok & (req_g >= 0) & (req_g < B), n_vis_g, 0)  # (TOKENS,)
+    tok_c = t0 + offs_c // H_I
+    req_c = tl.load(req_ptr + tok_c, mask=tok_c < T, other=-1)  # (TOKENS H_I,)
+    s_lo = tl.program_id(1) * (TILES * BLOCK_S)
+    for g in range(TOKENS):
+        req = tl.sum(tl.where(offs_g == g, req_g, 0), axis=0)
+        n_g = tl.sum(tl.where(offs_g == g, n_vis_g, 0), axis=0)
+        first = tl.sum(((offs_g < g) & (req_g == req)).to(tl.int32), axis=0) == 0  # token g leads its request
+        member = (req_g == req) & (n_vis_g > 0)  # (TOKENS,) tokens of this request in the group
+        s_hi = tl.minimum(s_lo + TILES * BLOCK_S, tl.max(tl.where(member, n_vis_g, 0), axis=0))
+        if first & (n_g > 0) & (s_lo < s_hi):
+            member_c = (req_c == req) & (tok_c < T)
+            q = tl.load(q_ptr + tok_c[:, None] * stride_qt + (offs_c % H_I)[:, None] * stride_qh + offs_d[None, :],
+                        mask=member_c[:, None], other=0.0)  # (TOKENS H_I, D), held
+            w = tl.load(w_ptr + tok_c * stride_wt + offs_c % H_I, mask=member_c, other=0.0)  # (TOKENS H_I,)
+            for s0 in tl.range(s_lo, s_hi, BLOCK_S):
+                offs_s = s0 + tl.arange(0, BLOCK_S)
+                vis = offs_s < s_hi
+                blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
+                vis = vis & (blk >= 0) & (blk < num_blocks)  # a key in a block outside the cache scores nothing
+                k_ptrs = (kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb
+                          + (offs_s % block_size)[:, None] * stride_ks + offs_d[None, :])
+                k = tl.load(k_ptrs, mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
+                # keys on the MMA's rows, (token, head) on its columns: the sum over heads stays inside each
+                # warp (with heads on the rows it crossed warps through shared memory: 8-15 % slower, H200)
+                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, TOKENS H_I)
+                part = tl.maximum(logits, 0.0) * w[None, :]
+                for u in tl.static_range(TOKENS):
+                    n_u = tl.sum(tl.where((offs_g == u) & member, n_vis_g, 0), axis=0)
+                    score = tl.sum(tl.where((offs_c // H_I == u)[None, :], part, 0.0), axis=1)  # (BLOCK_S,)
+                    tl.store(scores_ptr + (t0 + u) * stride_st + offs_s, score, mask=vis & (offs_s < n_u))
 
 
 # ---- radix select ------------------------------------------------------------------------------------
@@ -364,53 +353,61 @@ def _check_pdl(caller: str, pdl, device) -> bool:
     return pdl
 
 
-def scores_tiles(T: int, s_max: int, block_s: int, sms: int) -> int:
-    """Key tiles per program: the most (a power of two, at most 16) that still leaves 2 programs per SM (the
-    best of the H200 probe, data/indexer_probe.json: one tile at one token and 32k keys, four at 128k, 8-16
-    with many tokens). Depends on shapes only (fixed within a captured graph)."""
+def scores_tiles(rows: int, s_max: int, block_s: int, sms: int) -> int:
+    """Key tiles per program: the most (a power of two, at most 16) that still leaves 2 programs per SM for
+    `rows` token groups (the best of the H200 probe, data/indexer_probe.json: one tile at one token and 32k keys,
+    four at 128k, 8-16 with many tokens). Depends on shapes only (fixed within a captured graph)."""
     n_tiles = triton.cdiv(s_max, block_s)
     tiles = 1
-    while tiles < 16 and T * triton.cdiv(n_tiles, 2 * tiles) >= 2 * sms:
+    while tiles < 16 and rows * triton.cdiv(n_tiles, 2 * tiles) >= 2 * sms:
         tiles *= 2
     return tiles
 
 
+def scores_tokens(T: int, H_I: int) -> int:
+    """Tokens per program: one below 16 tokens (decode: each token its own keys), else as many as fill 256 MMA
+    columns with their heads (a key tile read once for all of them), at most 8."""
+    return 1 if T < 16 else max(1, min(8, 256 // H_I))
+
+
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
-                         scores, block_s: int = 64, num_warps: int = 4, tiles: int | None = None,
-                         num_stages: int = 2, num_sms: int | None = None, keys_on_rows: bool | None = None):
+                         scores, block_s: int = 64, num_warps: int | None = None, tiles: int | None = None,
+                         num_stages: int = 2, num_sms: int | None = None, tokens: int | None = None):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
     entries past a token's position are left untouched). S_MAX must exceed every position.
-    tiles: key tiles of block_s keys per program (default: scores_tiles, from T, S_MAX and the SMs); their loads
-    are pipelined num_stages deep (2 beat 3 and 4 at every shape of the H200 probe, data/indexer_probe_stages.json).
+    tokens: consecutive tokens per program (default scores_tokens(T, H_I)); tokens of one request share each
+    key tile's read. tiles: key tiles of block_s keys per program (default: scores_tiles); their loads are
+    pipelined num_stages deep (2 beat 3 and 4 at every shape of the H200 probe, data/indexer_probe_stages.json).
+    num_warps: default 4, 8 from 256 MMA columns (tokens x H_I).
     """
     T, H_I, D = _check_common(q_idx, weights, index_cache, block_table, req_indices, positions)
     check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
     check_scale("indexer_scores_paged: softmax_scale", softmax_scale)
-    _check_pow2("indexer_scores_paged", block_s=block_s, num_warps=num_warps)
+    tokens = scores_tokens(T, H_I) if tokens is None else tokens
+    _check_pow2("indexer_scores_paged", block_s=block_s, tokens=tokens)
+    num_warps = (8 if tokens * H_I >= 256 else 4) if num_warps is None else num_warps
+    _check_pow2("indexer_scores_paged", num_warps=num_warps)
     if tiles is not None:
         _check_pow2("indexer_scores_paged", tiles=tiles)
     if not is_int(num_stages) or num_stages < 1:
         raise ValueError(f"indexer_scores_paged: num_stages must be an int >= 1, got {num_stages!r}")
     sms = _num_sms(q_idx.device, num_sms, "indexer_scores_paged")
-    if keys_on_rows is None:
-        keys_on_rows = H_I >= 64
-    elif not isinstance(keys_on_rows, bool):
-        raise ValueError(f"indexer_scores_paged: keys_on_rows must be None, True or False, got {keys_on_rows!r}")
     if device_value_checks_on():
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if T:
-        tiles = tiles or scores_tiles(T, scores.shape[1], block_s, sms)
-        grid = (T, triton.cdiv(scores.shape[1], block_s * tiles))
+        groups = triton.cdiv(T, tokens)
+        tiles = tiles or scores_tiles(groups, scores.shape[1], block_s, sms)
+        grid = (groups, triton.cdiv(scores.shape[1], block_s * tiles))
         _indexer_scores_kernel[grid](
             q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0),
             index_cache, index_cache.stride(0), index_cache.stride(1),
             block_table, block_table.stride(0), req_indices, positions, scores, scores.stride(0),
             softmax_scale, index_cache.shape[1],
-            scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
-            H_I=H_I, D=D, BLOCK_S=block_s, PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
-            KEYS_ON_ROWS=keys_on_rows, num_warps=num_warps, num_stages=num_stages,
+            T, scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
+            H_I=H_I, D=D, BLOCK_S=block_s, TILES=tiles, TOKENS=tokens,
+            PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         )
     return scores
 
