@@ -467,6 +467,7 @@ KERNEL_CASES = [
     (_idx(num_sms=0), r"indexer_scores_paged: num_sms must be None or an int >= 1, got 0"),
     (_idx(tokens=3), r"indexer_scores_paged: tokens must be a power of two, got 3"),
     (_idx(num_warps=6), r"indexer_scores_paged: num_warps must be a power of two, got 6"),
+    (_idx(tokens=128), r"indexer_scores_paged: tokens x index_n_heads must be at most 256 MMA columns, got 128 x 4"),
     (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
                               pdl="on"), r"topk_from_scores: pdl must be None, True or False, got 'on'"),
     (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),

@@ -6,7 +6,7 @@ Each REV's dsv32ref/kernels/indexer_topk.py is read with `git show` and imported
 indexer case of the kernel benchmark (kernels.INDEXER_CASES, both models) is measured with each, one after
 the other on the same inputs: the same key-cache copies rotating through HBM, the same ceilings, the lean
 PyTorch path timed once per case. "No slower than before" is then a same-run comparison, not one against a
-file measured another day. --probe adds the library's knobs (tiles, tokens per program, warps, chained launches)
+file measured another day. --probe adds the library's knobs (tiles, tokens per program, chained launches)
 and what a kernel that only reads one decode token's keys takes (the read floor).
 """
 
@@ -31,9 +31,9 @@ MODULE = "dsv32ref/kernels/indexer_topk.py"
 # the library's knobs: (model, (tokens, context), scores kwargs, top-k kwargs); no top-k kwargs = scores alone
 _DS, _GLM = "deepseek-v3.2", "glm-5.2"
 PROBE = ([(m, (1, 131072), dict(tiles=t), {}) for m in (_DS, _GLM) for t in (2, 4, 8)]
-         + [(m, (T, ctx), dict(tokens=g, num_warps=w), {}) for m in (_DS, _GLM)
-            for T, ctx in ((16, 4096), (64, 4096), (256, 32768), (1024, 4096)) for g in (1, 2, 4, 8) for w in (4, 8)]
-         + [(m, (T, ctx), {}, dict(pdl=pdl)) for m in (_DS, _GLM) for T, ctx in ((16, 4096), (64, 4096), (1, 131072))
+         + [(m, (T, ctx), dict(tokens=g), {}) for m in (_DS, _GLM) for T, ctx in ((64, 4096), (256, 32768), (1024, 4096))
+            for g in ((1, 2, 4) if m == _DS else (1, 2, 4, 8))]
+         + [(m, (T, ctx), {}, dict(pdl=pdl)) for m in (_DS, _GLM) for T, ctx in ((16, 4096), (1, 131072))
             for pdl in (True, False)])
 READ_FLOOR_BYTES = (2 * 128 * 32768, 2 * 128 * 131072)  # one decode token's keys at 32k and 128k
 

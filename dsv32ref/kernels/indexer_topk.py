@@ -365,13 +365,14 @@ def scores_tiles(rows: int, s_max: int, block_s: int, sms: int) -> int:
 
 
 def scores_tokens(T: int, H_I: int) -> int:
-    """Tokens per program: one below 16 tokens (decode: each token its own keys), else as many as fill 256 MMA
-    columns with their heads (a key tile read once for all of them), at most 8."""
-    return 1 if T < 16 else max(1, min(8, 256 // H_I))
+    """Tokens per program: one below 256 tokens (decode and short prefills: more programs beat shared reads), else
+    as many as fill 256 MMA columns with their heads (a key tile read once for all of them): the H200 probe,
+    data/indexer_ab.json (4 at DeepSeek-V3.2's 64 heads, 8 at GLM-5.2's 32; at 64 tokens 4 were slower)."""
+    return 1 if T < 256 else max(1, 256 // H_I)
 
 
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
-                         scores, block_s: int = 64, num_warps: int | None = None, tiles: int | None = None,
+                         scores, block_s: int = 64, num_warps: int = 4, tiles: int | None = None,
                          num_stages: int = 2, num_sms: int | None = None, tokens: int | None = None):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
@@ -380,15 +381,15 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     tokens: consecutive tokens per program (default scores_tokens(T, H_I)); tokens of one request share each
     key tile's read. tiles: key tiles of block_s keys per program (default: scores_tiles); their loads are
     pipelined num_stages deep (2 beat 3 and 4 at every shape of the H200 probe, data/indexer_probe_stages.json).
-    num_warps: default 4, 8 from 256 MMA columns (tokens x H_I).
     """
     T, H_I, D = _check_common(q_idx, weights, index_cache, block_table, req_indices, positions)
     check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
     check_scale("indexer_scores_paged: softmax_scale", softmax_scale)
     tokens = scores_tokens(T, H_I) if tokens is None else tokens
-    _check_pow2("indexer_scores_paged", block_s=block_s, tokens=tokens)
-    num_warps = (8 if tokens * H_I >= 256 else 4) if num_warps is None else num_warps
-    _check_pow2("indexer_scores_paged", num_warps=num_warps)
+    _check_pow2("indexer_scores_paged", block_s=block_s, num_warps=num_warps, tokens=tokens)
+    if tokens * H_I > 256:  # (the H200 build gave wrong scores at 512 columns)
+        raise ValueError(f"indexer_scores_paged: tokens x index_n_heads must be at most 256 MMA columns, got "
+                         f"{tokens} x {H_I} = {tokens * H_I}")
     if tiles is not None:
         _check_pow2("indexer_scores_paged", tiles=tiles)
     if not is_int(num_stages) or num_stages < 1:
