@@ -11,13 +11,13 @@
 # |---|---|---|---|
 # | `fused_norm_rope` | RMSNorm(q_c); RMSNorm(c_kv) + interleaved RoPE(k_pe) + latent-cache write; LayerNorm + RoPE + indexer-cache write | 1 | yes |
 # | `fused_q` | RoPE(q_pe) + MQA query assembly [q̃ ∣ q_pe]; indexer-query RoPE; indexer weights × H_I^-½ (deployed numerics: + Hadamard, fp8 e4m3, scale folded into the weights) | 1 | yes |
-# | `indexer_topk` | scores Σ_h w·ReLU(q·k) over the paged key cache, then a radix-select top-k (one launch; five for few long rows: four radix passes over all chunks, then a compaction) | 2 or 6 | yes |
+# | `indexer_topk` | scores Σ_h w·ReLU(q·k) over the paged key cache, then a radix-select top-k (one launch; five for few long rows: four radix passes over all chunks, then a compaction, chained by programmatic dependent launch) | 2 or 6 | yes |
 # | `sparse_mla` | gather the top-k latent rows, QKᵀ, online softmax, PV, lse (+ a combine launch when split) | 1–2 | yes |
 #
 # Graph-safe means: grids depend only on shapes, sequence lengths and block tables are read on the
 # device, outputs go to caller-owned buffers. This notebook runs each kernel against the PyTorch
 # reference on a small shape (interpreted on a CPU, compiled on a GPU), then plots what the H200
-# measured (`data/kernels.json`).
+# measured (`data/kernels.json`; the indexer's rows from `data/indexer_ab.json`).
 
 # %%
 import json
@@ -175,6 +175,11 @@ print("top-k split 4 ways + combine       :", ok[4])
 # %%
 with open("../data/kernels.json") as fh:
     data = json.load(fh)
+ab = json.load(open("../data/indexer_ab.json"))  # the indexer: this library's beside earlier commits', one run
+ab_cases = [r for r in ab["results"] if r["kernel"] == "indexer_topk" and not r.get("probe")]
+lean = {(r["model"], r["T"], r["context"]): r["torch_ms"] for r in ab_cases if r.get("torch_ms")}  # timed once a case
+idx = [dict(r, torch_ms=lean.get((r["model"], r["T"], r["context"]))) for r in ab_cases
+       if r["implementation"] == "library"]
 prov, ceil = data["provenance"], data["ceilings"]
 print(f"{prov['device']}, driver {prov['driver']}, torch {prov['torch']}, triton {prov['triton']}, {prov['date'][:10]}")
 for c in data["ceilings_measured"]:
@@ -203,7 +208,11 @@ kernel_table("sparse_mla", ["shape", "T", "ms", "torch_ms", "bound", "fraction_o
                             "fraction_of_memory", "achieved_TFLOPs"])
 
 # %%
-kernel_table("indexer_topk", ["T", "context", "ms", "ms_scores", "ms_topk", "torch_ms", "scores_fraction_of_copy"])
+# the indexer's rows come from data/indexer_ab.json (the current kernels; kernels.json's are an earlier build)
+table(["model"] + [LABELS[c] for c in ("T", "context", "ms", "ms_scores", "ms_topk", "scores_fraction_of_copy")]
+      + ["lean PyTorch (ms)"],
+      [[r["model"], r["T"], r["context"], f"{r['ms']:.4g}", f"{r['ms_scores']:.4g}", f"{r['ms_topk']:.4g}",
+        f"{r['scores_fraction_of_copy']:.1%}", f"{r['torch_ms']:.4g}" if r.get("torch_ms") else None] for r in idx])
 
 # %%
 for k in ("fused_norm_rope", "fused_q", "fused_q_fp8"):
@@ -227,7 +236,8 @@ ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak), textcoords="offset point
 markers = {"sparse_mla": "o", "indexer_topk": "s", "fused_norm_rope": "^", "fused_q": "v"}
 palette = [c for c in OKABE_ITO if c != "#F0E442"] + [GREY]  # no yellow on white
 for (kernel, model), color in zip([(k, m) for k in markers for m in ("deepseek-v3.2", "glm-5.2")], palette):
-    rows = [r for r in data["results"] if r["kernel"] == kernel and r["model"] == model]
+    rows = [r for r in (idx if kernel == "indexer_topk" else data["results"]) if r["kernel"] == kernel
+            and r["model"] == model]
     xs, ys = [r["flops"] / r["bytes"] for r in rows], [r["achieved_TFLOPs"] for r in rows]
     ax.scatter(xs, ys, marker=markers[kernel], color=color, label=f"{kernel} ({model})", s=30)
     if model == "deepseek-v3.2":  # label each kernel once, at its best point
@@ -498,7 +508,9 @@ print(f"  128 tokens in 32 steps {glm[128]['ms'] * 1e3:.1f} us (the same 128 pro
 # scores read once, the indices written).
 
 # %%
-dec = [r for r in data["results"] if r["kernel"] == "indexer_topk" and r["T"] == 1]
+dec = [r for r in idx if r["T"] == 1]
+display(Markdown(f"`data/indexer_ab.json`: {ab['provenance']['device']}, commit {ab['provenance']['git_commit'][:12]}, "
+                 f"copy bandwidth {ab['ceilings']['copy_GBps']:.0f} GB/s."))
 display(Markdown(f"Key-cache copies in rotation: {sorted({r['key_copies'] for r in dec})}."))
 table(["model", "context", "scores (us)", "of copy", "top-k (us)", "top-k GB/s", "both (us)", "lean PyTorch (us)",
        "speed-up"],
@@ -555,16 +567,68 @@ table(["context"] + [f"chunk {c} (us)" for c in sorted(next(iter(chunks.values()
 # %%
 d32 = {r["model"]: r for r in dec if r["context"] == 32768}
 d128 = {r["model"]: r for r in dec if r["context"] == 131072}
+floor = {r["bytes"]: r for r in ab["results"] if r["kernel"] == "read_floor"}
+f128 = floor[d128["deepseek-v3.2"]["context"] * 2 * 128]
+chained = {(r["model"], r["topk_kw"]["pdl"]): r for r in ab["results"] if r.get("probe") and "pdl" in r["topk_kw"]
+           and r["context"] == 131072}
 display(Markdown(
     "At one decode token the indexer is " + ", ".join(
         f"{d32[m]['torch_ms'] / d32[m]['ms']:.2f}x (32k) and {d128[m]['torch_ms'] / d128[m]['ms']:.2f}x (128k) "
         f"the lean PyTorch path for {m}" for m in d32) + ". "
-    f"The scores pass reads the keys at {d128['deepseek-v3.2']['scores_fraction_of_copy']:.0%} of the copy "
-    f"bandwidth at 128k (DeepSeek-V3.2; the copy streams 2 GiB buffers). Our reading of the gap: the "
-    f"programs are short, and each waits for a block-table entry, then its keys, tile after tile (the probe: "
-    f"more tiles per program than four programs per SM made it slower, not faster). The top-k is five dependent launches (four radix passes and the compaction) "
-    f"of a few microseconds each, whatever the context: "
-    f"{d32['deepseek-v3.2']['ms_topk'] * 1e3:.1f} us at 32k, {d128['deepseek-v3.2']['ms_topk'] * 1e3:.1f} us at 128k."))
+    f"The scores pass reads the keys at {d128['deepseek-v3.2']['scores_fraction_of_copy']:.0%} (DeepSeek-V3.2) and "
+    f"{d128['glm-5.2']['scores_fraction_of_copy']:.0%} (GLM-5.2) of the copy bandwidth at 128k (the copy streams "
+    f"2 GiB buffers). A kernel that only reads the same {f128['bytes'] / 1e6:.1f} MB, in the same rotation, takes "
+    f"{f128['ms'] * 1e3:.1f} us ({f128['fraction_of_copy']:.0%}): launch, ramp and tail cost a kernel of this size "
+    f"{1 - f128['fraction_of_copy']:.0%} of the copy rate whatever it computes, and the scores pass adds to them a block-table "
+    f"read before each tile's keys and the MMAs (DeepSeek-V3.2's 64 heads, twice GLM-5.2's 32, are the slower). "
+    f"The top-k is five dependent launches (four radix passes and the compaction), chained by programmatic "
+    f"dependent launch: each starts while the one before runs and waits only before it reads that one's "
+    f"histograms. At 128k that chain takes {chained[('deepseek-v3.2', True)]['ms_topk'] * 1e3:.1f} us, "
+    f"{chained[('deepseek-v3.2', False)]['ms_topk'] * 1e3:.1f} us with plain launches."))
+
+# %% [markdown]
+# ## The indexer against the kernels of earlier commits
+# `python -m dsv32ref.bench.indexer_ab` imports `dsv32ref/kernels/indexer_topk.py` as it was at earlier commits
+# beside the library's and measures every indexer case with each in one run (same inputs, same key-cache
+# rotation, same ceilings). The first is the commit before this round of indexer work; the second its
+# previous build (keys on the MMA's rows, several tiles per program, the chunked top-k). From 256 tokens a
+# program now scores a group of tokens (4 at 64 heads, 8 at 32: 256 MMA columns), reading each key tile once
+# for all of them instead of once per token.
+
+# %%
+base_sha = ab["implementations"][0]
+by = {}
+for r in ab_cases:
+    by.setdefault((r["model"], r["T"], r["context"]), {})[r["implementation"]] = r
+table(["model", "T", "context", f"{base_sha[:7]} (us)", "library (us)", "speed-up", "lean PyTorch (us)",
+       "vs lean"],
+      [[m, T, ctx, v[base_sha]["ms"] * 1e3, v["library"]["ms"] * 1e3, f"{v[base_sha]['ms'] / v['library']['ms']:.2f}x",
+        v[base_sha]["torch_ms"] * 1e3 if v[base_sha].get("torch_ms") else None,
+        f"{v[base_sha]['torch_ms'] / v['library']['ms']:.2f}x" if v[base_sha].get("torch_ms") else None]
+       for (m, T, ctx), v in by.items()], floatfmt=".1f")
+slower = [(k, v) for k, v in by.items() if v["library"]["ms"] > v[base_sha]["ms"]]
+display(Markdown(f"Slower than at {base_sha[:7]} in {len(slower)} of {len(by)} cases: " + "; ".join(
+    f"{m} T={T} {ctx // 1024}k, {v['library']['ms'] * 1e3:.1f} vs {v[base_sha]['ms'] * 1e3:.1f} us"
+    for (m, T, ctx), v in slower) + "."))
+tok = [r for r in ab["results"] if r.get("probe") and "tokens" in r["scores_kw"]]
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):
+    cases = sorted({(r["T"], r["context"]) for r in tok if r["model"] == m})
+    groups = sorted({r["scores_kw"]["tokens"] for r in tok if r["model"] == m})
+    for j, g in enumerate(groups):
+        base_ms = {(r["T"], r["context"]): r["ms_scores"] for r in tok if r["model"] == m and r["scores_kw"]["tokens"] == 1}
+        ys = [next(r["ms_scores"] for r in tok if r["model"] == m and (r["T"], r["context"]) == c
+                   and r["scores_kw"]["tokens"] == g) / base_ms[c] for c in cases]
+        ax.bar([i + 0.8 * j / len(groups) for i in range(len(cases))], ys, 0.8 / len(groups), color=OKABE_ITO[j],
+               label=f"{g} tokens per program")
+    ax.axhline(1.0, color=GREY, lw=1)
+    ax.set_xticks([i + 0.4 - 0.4 / len(groups) for i in range(len(cases))],
+                  [f"T={T}, {ctx // 1024}k" for T, ctx in cases])
+    ax.set_xlabel("query tokens, context (keys)")
+    ax.set_ylabel("scores time / 1 token per program")
+    ax.set_title(f"indexer scores, token groups, {m}")
+    ax.legend(fontsize=8)
+show(fig)
 
 # %% [markdown]
 # The split path pays for the merge launch, the fp32 partial outputs it writes and reads, and one more
@@ -583,7 +647,7 @@ def best(kernel, key, model=None, T=None):
 
 for k in ("fused_norm_rope", "fused_q", "fused_q_fp8"):
     print(f"{k:<16} best fraction of copy bandwidth at 8192 tokens: {best(k, 'fraction_of_bound', T=8192):.0%}")
-wins = [r for r in data["results"] if r["kernel"] == "indexer_topk" and r["context"] >= 32768 and r.get("torch_ms")]
+wins = [r for r in idx if r["context"] >= 32768 and r["torch_ms"]]
 print(f"indexer_topk faster than the lean PyTorch path in {sum(r['ms'] < r['torch_ms'] for r in wins)} of "
       f"{len(wins)} measured cases at >= 32k context")
 for m in ("deepseek-v3.2", "glm-5.2"):
@@ -602,8 +666,10 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 #   indexer query; it runs at a lower fraction of the copy bandwidth (the butterflies' shuffles).
 # - `indexer_topk` beats the lean PyTorch path (contiguous keys, bf16 einsum, `torch.topk`) in the cases
 #   counted above: it never writes the [T, H_I, S] logits. At one decode token it is faster by the ratios
-#   printed above; what holds it back is the scores pass's short programs and the top-k's five dependent
-#   launches.
+#   printed above. What holds it back there: the scores pass runs below the read-only floor (a block-table
+#   read before each tile, the MMAs), and the floor itself is far from the copy rate at tens of megabytes;
+#   the top-k is five dependent launches. From 256 tokens a program scores a group of tokens, so each key
+#   tile is read once for the group.
 # - `sparse_mla` at 64 query tokens and more runs at the fractions printed above: of the bf16
 #   tensor-core rate, and for a decode batch of GLM-5.2 (memory-bound: every row a distinct HBM read) of
 #   the copy bandwidth. Decode with one or eight tokens is latency-bound: a few steps per program, plus
