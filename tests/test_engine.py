@@ -281,7 +281,6 @@ def test_shared_copy_buffer_is_checked():
     m.reserve_copy_buffer(4)
     a = m.layers[0].self_attn
     assert all(layer.self_attn.shared_out is a.shared_out for layer in m.layers)
-    from dsv32ref.engine.context import ForwardContext  # noqa: F401  (the check fires before any context is read)
 
     with pytest.raises(ValueError, match=r"narrow_copy_shared: the shared copy buffer holds \[4, "):
         a._copy_target(torch.zeros(5, 8))

@@ -417,6 +417,16 @@ def test_launchers_reject_bad_inputs():
                 torch.zeros(2, 4), torch.zeros(2, 8))
 
 
+def _captured(fn):
+    """fn run once (compiled outside the capture), then captured: the CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 @pytest.mark.gpu
 def test_kernels_replay_in_cuda_graph(seed):
     """Capture indexer_topk + sparse_mla once, then change the metadata and data in the static buffers:
@@ -439,11 +449,7 @@ def test_kernels_replay_in_cuda_graph(seed):
         indexer_topk_paged(q_idx, w, icache, bt, req, positions, z["d_i"] ** -0.5, scores, topk)
         sparse_mla_paged(q, latent, bt, req, seq_lens, topk, 0.1, out)
 
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = _captured(step)
     for trial in range(3):
         positions.add_(17 * (trial + 1))  # decode moves on: longer contexts, new data
         seq_lens.copy_(positions[[0, 1]] + 1)
@@ -494,11 +500,7 @@ def test_indexer_chained_launches_replay_like_plain_ones(T, ctx, seed):
         indexer_scores_paged(*args, scores)
         topk_from_scores(scores, meta.positions, topk, pdl=True)
 
-    chained()  # compile outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chained()
+    g = _captured(chained)
     for trial in range(3):
         q_idx.normal_()
         icache.normal_()

@@ -20,10 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from dsv32ref.bench.kernels import INDEXER_CASES, bench_indexer, bench_read_floor, measure_ceilings, shapes
-from dsv32ref.provenance import provenance
+from dsv32ref.bench.kernels import (INDEXER_CASES, bench_indexer, bench_read_floor, measure_ceilings, shapes,
+                                    start_run)
 from dsv32ref.results import write_partial, write_result
 
 MODULE = "dsv32ref/kernels/indexer_topk.py"
@@ -57,12 +55,9 @@ def main(argv=None) -> int:
     ap.add_argument("--probe", action="store_true", help="also the library's knobs (PROBE) and the read floor")
     ap.add_argument("--probe-only", action="store_true", help="only the probe")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if (run := start_run()) is None:
         return 2
-    torch.manual_seed(0)
-    t_start = time.time()
-    prov = provenance()
+    t_start, prov = run
     impls = [(sha, mod) for sha, mod in map(load_revision, args.base)] + [("library", None)]
     ceil = measure_ceilings()
     ceil_runs = [dict(ceil, when="start")]

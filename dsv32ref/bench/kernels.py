@@ -92,6 +92,15 @@ COPIES = 10  # = bench_graph's n_inner
 
 
 
+def start_run() -> tuple[float, dict] | None:
+    """A benchmark's start: None (said on stderr) without a CUDA GPU; else seeded, (start time, provenance)."""
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return None
+    torch.manual_seed(0)
+    return time.time(), provenance()
+
+
 # ---- ceilings --------------------------------------------------------------------------------------
 
 def measure_ceilings() -> dict:
@@ -495,12 +504,9 @@ def main(argv=None) -> int:
                     help="only sparse_mla: each config of this JSON list (over the defaults) at 64, 128 and 512 tokens "
                          "of one request and a 64-request decode batch, both models")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if (run := start_run()) is None:
         return 2
-    torch.manual_seed(0)
-    t_start = time.time()
-    prov = provenance()
+    t_start, prov = run
     ceil = measure_ceilings()
     ceil_runs = [dict(ceil, when="start")]
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
@@ -563,13 +569,17 @@ def main(argv=None) -> int:
             print(f"sweep {z['name']} {cfg}: {r.get('ms', float('nan')):.3f} ms ok={r.get('ok')}", flush=True)
         good = [r for r in sweep if r["model"] == z["name"] and r.get("ok") and not set(r["config"]) - set(CONFIG_KEYS)]
         best = min(good, key=lambda r: r["ms"])["config"] if good else SPARSE_CONFIGS[0]
-        if args.indexer_only:
-            for ctx, T in INDEXER_CASES:
+
+        def indexer_cases(cases):
+            for ctx, T in cases:
                 results.append(r := bench_indexer(z, T, ctx, ceil))
                 print(f"indexer_topk {z['name']} T={T} ctx={ctx}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f} "
                       f"us, {r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f} us); lean PyTorch "
                       f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
                 save()
+
+        if args.indexer_only:
+            indexer_cases(INDEXER_CASES)
             continue
         if args.sweep_only:  # does gather locality matter? the same work with each token's indices sorted
             r = bench_sparse_mla(z, 512, 32768, ceil, config=best, check=True, torch_path=False, sort_indices=True)
@@ -586,13 +596,7 @@ def main(argv=None) -> int:
             results.append(bench_sparse_mla(z, T, 32768, ceil, config=best, torch_path=False, batch=True))
             print(results[-1]["kernel"], z["name"], "decode batch", T, f"{results[-1]['ms']:.3f} ms", flush=True)
             save()
-        cases = [(c, t) for c, t in INDEXER_CASES if c <= 32768 and t in (1, 64)] if args.quick else INDEXER_CASES
-        for ctx, T in cases:
-            results.append(r := bench_indexer(z, T, ctx, ceil))
-            print(f"indexer_topk {z['name']} T={T} ctx={ctx}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f} us, "
-                  f"{r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f} us); lean PyTorch "
-                  f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
-            save()
+        indexer_cases([(c, t) for c, t in INDEXER_CASES if c <= 32768 and t in (1, 64)] if args.quick else INDEXER_CASES)
         for T in ([1, 1024] if args.quick else [1, 64, 1024, 8192]):
             results.append(bench_norm_rope(z, T, ceil))
             results.append(bench_fused_q(z, T, ceil))

@@ -164,8 +164,10 @@ class EngineDSAAttention(nn.Module):
             # Graph-safe: one launch each over the whole batch, static workspace, device metadata.
             if self.has_indexer and not ctx.skip_topk:
                 with region("indexer"):
+                    # a decode batch: each token its own request's keys, nothing for a token group to share
                     indexer_scores_paged(q_idx, w_idx, cache.indexer_k[self.layer_idx], ctx.block_table,
-                                         ctx.req_indices, ctx.positions, self.D_I ** -0.5, ctx.scores)
+                                         ctx.req_indices, ctx.positions, self.D_I ** -0.5, ctx.scores,
+                                         tokens=1 if ctx.uniform_decode else None)
                     topk_from_scores(ctx.scores, ctx.positions, ctx.topk)
             with region("attention"):
                 sparse_mla_paged(q_mqa, cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices, ctx.seq_lens,

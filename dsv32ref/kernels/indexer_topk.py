@@ -16,7 +16,13 @@ Decode is the case the indexer exists for: one token, a long context. One progra
 thousands of tiny programs that each reload the query; a program instead walks `tiles` key tiles with the
 query held (the loads pipelined). And one program per row would select from 128k scores on one SM: few long
 rows are cut into chunks, and each radix pass runs over all chunks at once (a launch per pass; each program sums
-the chunks' histograms of the pass before to extend the prefix), then a last launch compacts.
+the chunks' histograms of the pass before to extend the prefix), then a last launch compacts. Those five
+launches are chained by programmatic dependent launch where the GPU has it (sm_90 on): each starts while the
+one before runs, loads its chunk of scores, and waits only before it reads the histograms of the pass before.
+
+Prefill is the other case: T tokens of one request read the same keys. From 256 tokens a program scores a
+group of consecutive tokens (their heads side by side on the MMA's columns), so each key tile is read once
+per group instead of once per token.
 
 Output: top-k indices int32 [T, K], the selected positions in increasing order (a set: attention does
 not care about order), -1 padded when fewer than K keys are visible. Ties at the threshold go to the
@@ -379,7 +385,9 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
     entries past a token's position are left untouched). S_MAX must exceed every position.
     tokens: consecutive tokens per program (default scores_tokens(T, H_I)); tokens of one request share each
-    key tile's read. tiles: key tiles of block_s keys per program (default: scores_tiles); their loads are
+    key tile's read. A group that spans requests takes each of them in turn with the other tokens' columns
+    masked, so a batch of one token per request (decode) should pass 1: its groups would share nothing and
+    multiply `tokens` times the columns they use. tiles: key tiles of block_s keys per program (default: scores_tiles); their loads are
     pipelined num_stages deep (2 beat 3 and 4 at every shape of the H200 probe, data/indexer_probe_stages.json).
     """
     T, H_I, D = _check_common(q_idx, weights, index_cache, block_table, req_indices, positions)
