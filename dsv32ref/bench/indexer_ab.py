@@ -25,6 +25,7 @@ from dsv32ref.bench.kernels import (INDEXER_CASES, bench_indexer, bench_read_flo
 from dsv32ref.results import write_partial, write_result
 
 MODULE = "dsv32ref/kernels/indexer_topk.py"
+REPO = Path(__file__).resolve().parents[2]  # the checkout (git runs there, wherever the command runs)
 
 # the library's knobs: (model, (tokens, context), scores kwargs, top-k kwargs); no top-k kwargs = scores alone
 _DS, _GLM = "deepseek-v3.2", "glm-5.2"
@@ -38,8 +39,9 @@ READ_FLOOR_BYTES = (2 * 128 * 32768, 2 * 128 * 131072)  # one decode token's key
 
 def load_revision(rev: str):
     """(full sha, the module MODULE was at rev), imported from a temporary file (Triton reads its source)."""
-    sha = subprocess.run(["git", "rev-parse", rev], check=True, capture_output=True, text=True).stdout.strip()
-    src = subprocess.run(["git", "show", f"{sha}:{MODULE}"], check=True, capture_output=True, text=True).stdout
+    git = dict(cwd=REPO, check=True, capture_output=True, text=True)
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], **git).stdout.strip()
+    src = subprocess.run(["git", "show", f"{sha}:{MODULE}"], **git).stdout
     path = Path(tempfile.mkdtemp()) / f"indexer_topk_{sha[:12]}.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
