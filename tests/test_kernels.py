@@ -245,6 +245,13 @@ def test_indexer_scores_tiles_per_program(device, dtype, tol, seed):
     assert got[1].isnan().all()
     got[1] = one[1]  # the other rows against the reference
     _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
+    bad_pos = meta.positions.clone()
+    bad_pos[1] = -1  # sees no key: it leads nothing, and token 2 (the same request) is still scored
+    got = indexer_scores_paged(q, w, icache, meta.block_table, meta.req_indices, bad_pos, z["d_i"] ** -0.5,
+                               torch.full((T, s_max), float("nan"), device=device), block_s=block_s, tokens=4)
+    assert got[1].isnan().all()
+    got[1] = one[1]
+    _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -88,8 +88,8 @@ def _indexer_scores_kernel(
     for g in range(TOKENS):
         req = tl.sum(tl.where(offs_g == g, req_g, 0), axis=0)
         n_g = tl.sum(tl.where(offs_g == g, n_vis_g, 0), axis=0)
-        first = tl.sum(((offs_g < g) & (req_g == req)).to(tl.int32), axis=0) == 0  # token g leads its request
-        member = (req_g == req) & (n_vis_g > 0)  # (TOKENS,) tokens of this request in the group
+        member = (req_g == req) & (n_vis_g > 0)  # (TOKENS,) the group's tokens of this request that see keys
+        first = tl.sum(((offs_g < g) & member).to(tl.int32), axis=0) == 0  # token g leads them (if it is one)
         s_hi = tl.minimum(s_lo + TILES * BLOCK_S, tl.max(tl.where(member, n_vis_g, 0), axis=0))
         if first & (n_g > 0) & (s_lo < s_hi):
             member_c = (req_c == req) & (tok_c < T)
@@ -387,15 +387,16 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     tokens: consecutive tokens per program (default scores_tokens(T, H_I)); tokens of one request share each
     key tile's read. A group that spans requests takes each of them in turn with the other tokens' columns
     masked, so a batch of one token per request (decode) should pass 1: its groups would share nothing and
-    multiply `tokens` times the columns they use. tiles: key tiles of block_s keys per program (default: scores_tiles); their loads are
-    pipelined num_stages deep (2 beat 3 and 4 at every shape of the H200 probe, data/indexer_probe_stages.json).
+    multiply `tokens` times the columns they use.
+    tiles: key tiles of block_s keys per program (default: scores_tiles); their loads are pipelined num_stages
+    deep (2 beat 3 and 4 at every shape of the H200 probe, data/indexer_probe_stages.json).
     """
     T, H_I, D = _check_common(q_idx, weights, index_cache, block_table, req_indices, positions)
     check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
     check_scale("indexer_scores_paged: softmax_scale", softmax_scale)
     tokens = scores_tokens(T, H_I) if tokens is None else tokens
     _check_pow2("indexer_scores_paged", block_s=block_s, num_warps=num_warps, tokens=tokens)
-    if tokens * H_I > 256:  # (the H200 build gave wrong scores at 512 columns)
+    if tokens * H_I > 256:  # (the H200 build scored 512 columns wrong; not understood, so refused)
         raise ValueError(f"indexer_scores_paged: tokens x index_n_heads must be at most 256 MMA columns, got "
                          f"{tokens} x {H_I} = {tokens * H_I}")
     if tiles is not None:
