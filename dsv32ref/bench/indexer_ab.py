@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     if (run := start_run()) is None:
         return 2
     t_start, prov = run
-    impls = [(sha, mod) for sha, mod in map(load_revision, args.base)] + [("library", None)]
+    impls = list(map(load_revision, args.base)) + [("library", None)]
     ceil = measure_ceilings()
     ceil_runs = [dict(ceil, when="start")]
     results = []

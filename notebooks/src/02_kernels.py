@@ -620,14 +620,15 @@ for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):
         ys = [next(r["ms_scores"] for r in tok if r["model"] == m and (r["T"], r["context"]) == c
                    and r["scores_kw"]["tokens"] == g) / base_ms[c] for c in cases]
         ax.bar([i + 0.8 * j / len(groups) for i in range(len(cases))], ys, 0.8 / len(groups), color=OKABE_ITO[j],
-               label=f"{g} tokens per program")
+               label=f"{g} token{'s' if g > 1 else ''} per program")
     ax.axhline(1.0, color=GREY, lw=1)
+    ax.set_ylim(0, 1.7)  # room above the bars for the legend
     ax.set_xticks([i + 0.4 - 0.4 / len(groups) for i in range(len(cases))],
                   [f"T={T}, {ctx // 1024}k" for T, ctx in cases])
     ax.set_xlabel("query tokens, context (keys)")
     ax.set_ylabel("scores time / 1 token per program")
     ax.set_title(f"indexer scores, token groups, {m}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=2, loc="upper center")
 show(fig)
 
 # %% [markdown]
