@@ -407,6 +407,11 @@ def _idx_args(T=2):
                 positions=torch.zeros(T, dtype=torch.long), softmax_scale=0.25, scores=torch.zeros(T, 12))
 
 
+def _topk(**over):
+    return lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long),
+                                    torch.zeros(2, 4, dtype=torch.int32), **over)
+
+
 def _idx(**over):
     a = _idx_args()
     a.update(over)
@@ -468,18 +473,12 @@ KERNEL_CASES = [
     (_idx(tokens=3), r"indexer_scores_paged: tokens must be a power of two, got 3"),
     (_idx(num_warps=6), r"indexer_scores_paged: num_warps must be a power of two, got 6"),
     (_idx(tokens=128), r"indexer_scores_paged: tokens x index_n_heads must be at most 256 MMA columns, got 128 x 4"),
-    (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
-                              pdl="on"), r"topk_from_scores: pdl must be None, True or False, got 'on'"),
-    (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
-                              pdl=True), r"topk_from_scores: pdl=True needs a CUDA device of compute capability >= 9.0"),
-    (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
-                              split_above=-1), r"topk_from_scores: split_above must be an int >= 0, got -1"),
-    (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
-                              block=3), r"topk_from_scores: block must be a power of two, got 3"),
-    (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
-                              chunk=6), r"topk_from_scores: chunk must be a power of two, got 6"),
-    (lambda: topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
-                              chunk=32768), r"topk_from_scores: chunk must be at most 16384 \(one block per program\), got 32768"),
+    (_topk(pdl="on"), r"topk_from_scores: pdl must be None, True or False, got 'on'"),
+    (_topk(pdl=True), r"topk_from_scores: pdl=True needs a CUDA device of compute capability >= 9.0"),
+    (_topk(split_above=-1), r"topk_from_scores: split_above must be an int >= 0, got -1"),
+    (_topk(block=3), r"topk_from_scores: block must be a power of two, got 3"),
+    (_topk(chunk=6), r"topk_from_scores: chunk must be a power of two, got 6"),
+    (_topk(chunk=32768), r"topk_from_scores: chunk must be at most 16384 \(one block per program\), got 32768"),
     (lambda: topk_from_scores(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, dtype=torch.long),
                               torch.zeros(2, 4, dtype=torch.int32)), r"scores: expected dtype torch.float32"),
 ]

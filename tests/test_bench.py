@@ -14,14 +14,18 @@ AB = os.path.join(ROOT, "data", "indexer_ab.json")
 
 
 def test_load_revision_imports_the_module_as_it_was():
+    """The revisions the data compares still load (their module runs against today's helpers), as their text."""
     if _history() is None:
         pytest.skip("no git history here (a copy without .git)")
-    sha, mod = load_revision("HEAD")
-    assert len(sha) == 40
-    assert callable(mod.indexer_scores_paged) and callable(mod.topk_from_scores)
-    want = subprocess.run(["git", "show", f"HEAD:{MODULE}"], cwd=ROOT, capture_output=True, text=True).stdout
-    with open(mod.__file__) as f:
-        assert f.read() == want  # the text at that commit, not the working tree's
+    with open(AB) as f:
+        bases = json.load(f)["implementations"][:-1]
+    for rev in bases:
+        sha, mod = load_revision(rev[:7])
+        assert sha == rev
+        assert callable(mod.indexer_scores_paged) and callable(mod.topk_from_scores)
+        want = subprocess.run(["git", "show", f"{rev}:{MODULE}"], cwd=ROOT, capture_output=True, text=True).stdout
+        with open(mod.__file__) as f:
+            assert f.read() == want  # the text at that commit, not the working tree's
     with pytest.raises(subprocess.CalledProcessError):
         load_revision("0" * 40)
 

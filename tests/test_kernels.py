@@ -238,20 +238,16 @@ def test_indexer_scores_tiles_per_program(device, dtype, tol, seed):
                                    tiles=2, tokens=tokens)
         _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
         assert all(got[t, int(meta.positions[t]) + 1:].isnan().all() for t in range(T)), tokens
-    bad_req = meta.req_indices.clone()
-    bad_req[1] = meta.num_reqs  # outside the block table: that token scores nothing, its group's others do
-    got = indexer_scores_paged(q, w, icache, meta.block_table, bad_req, meta.positions, z["d_i"] ** -0.5,
-                               torch.full((T, s_max), float("nan"), device=device), block_s=block_s, tokens=4)
-    assert got[1].isnan().all()
-    got[1] = one[1]  # the other rows against the reference
-    _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
-    bad_pos = meta.positions.clone()
-    bad_pos[1] = -1  # sees no key: it leads nothing, and token 2 (the same request) is still scored
-    got = indexer_scores_paged(q, w, icache, meta.block_table, meta.req_indices, bad_pos, z["d_i"] ** -0.5,
-                               torch.full((T, s_max), float("nan"), device=device), block_s=block_s, tokens=4)
-    assert got[1].isnan().all()
-    got[1] = one[1]
-    _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
+    # token 1 scores nothing: its request is outside the block table, or it sees no key (then it leads nothing,
+    # and token 2, of the same request, is still scored); the others of its group are scored as before
+    bad_req, bad_pos = meta.req_indices.clone(), meta.positions.clone()
+    bad_req[1], bad_pos[1] = meta.num_reqs, -1
+    for req, pos in ((bad_req, meta.positions), (meta.req_indices, bad_pos)):
+        got = indexer_scores_paged(q, w, icache, meta.block_table, req, pos, z["d_i"] ** -0.5,
+                                   torch.full((T, s_max), float("nan"), device=device), block_s=block_s, tokens=4)
+        assert got[1].isnan().all()
+        got[1] = one[1]  # the other rows against the reference
+        _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])

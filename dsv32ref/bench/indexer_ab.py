@@ -38,7 +38,8 @@ READ_FLOOR_BYTES = (2 * 128 * 32768, 2 * 128 * 131072)  # one decode token's key
 
 
 def load_revision(rev: str):
-    """(full sha, the module MODULE was at rev), imported from a temporary file (Triton reads its source)."""
+    """(full sha, the module MODULE was at rev), imported from a temporary file (Triton reads its source). Its
+    imports resolve against today's package: a revision that needs a helper since renamed fails here."""
     git = dict(cwd=REPO, check=True, capture_output=True, text=True)
     sha = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], **git).stdout.strip()
     src = subprocess.run(["git", "show", f"{sha}:{MODULE}"], **git).stdout
@@ -46,7 +47,10 @@ def load_revision(rev: str):
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except ImportError as e:
+        raise ImportError(f"indexer_ab: {MODULE} at {sha[:12]} imports what today's package lacks: {e}") from e
     return sha, mod
 
 

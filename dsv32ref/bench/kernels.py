@@ -90,8 +90,6 @@ class Rotation:
 COPIES = 10  # = bench_graph's n_inner
 
 
-
-
 def start_run() -> tuple[float, dict] | None:
     """A benchmark's start: None (said on stderr) without a CUDA GPU; else seeded, (start time, provenance)."""
     if not torch.cuda.is_available():

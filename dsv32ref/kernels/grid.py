@@ -33,7 +33,15 @@ def _cuda_capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (sm_90 on): a kernel launched with it may start while the kernel before it
-    runs, and waits (griddepcontrol.wait) before it reads what that one wrote. Not under the interpreter."""
-    return device.type == "cuda" and _cuda_capability(device.index) >= (9, 0)
+def pdl(device: torch.device, override: bool | None, caller: str) -> bool:
+    """Whether to launch with programmatic dependent launch (sm_90 on; never under the interpreter): a kernel so
+    launched may start while the kernel before it runs, and waits (griddepcontrol.wait) before it reads what
+    that one wrote. `override` if given (True only where the device has it), else wherever it has it."""
+    supported = device.type == "cuda" and _cuda_capability(device.index) >= (9, 0)
+    if override is None:
+        return supported
+    if not isinstance(override, bool):
+        raise ValueError(f"{caller}: pdl must be None, True or False, got {override!r}")
+    if override and not supported:
+        raise ValueError(f"{caller}: pdl=True needs a CUDA device of compute capability >= 9.0, got {device}")
+    return override

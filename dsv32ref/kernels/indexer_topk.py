@@ -38,7 +38,7 @@ import triton.language as tl
 from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.grid import num_sms as _num_sms
-from dsv32ref.kernels.grid import pdl_supported
+from dsv32ref.kernels.grid import pdl as _pdl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["indexer_scores_paged", "topk_from_scores", "indexer_topk_paged"]
@@ -348,17 +348,6 @@ def _check_pow2(caller: str, **values) -> None:
             raise ValueError(f"{caller}: {name} must be a power of two, got {v!r}")
 
 
-def _check_pdl(caller: str, pdl, device) -> bool:
-    """pdl: None = wherever the device has it (pdl_supported); True there only; False = plain launches."""
-    if pdl is None:
-        return pdl_supported(device)
-    if not isinstance(pdl, bool):
-        raise ValueError(f"{caller}: pdl must be None, True or False, got {pdl!r}")
-    if pdl and not pdl_supported(device):
-        raise ValueError(f"{caller}: pdl=True needs a CUDA device of compute capability >= 9.0, got {device}")
-    return pdl
-
-
 def scores_tiles(rows: int, s_max: int, block_s: int, sms: int) -> int:
     """Key tiles per program: the most (a power of two, at most 16) that still leaves 2 programs per SM for
     `rows` token groups (the best of the H200 probe, data/indexer_probe.json: one tile at one token and 32k keys,
@@ -451,7 +440,7 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
     for name, v in (("split_below_rows", split_below_rows), ("split_above", split_above)):
         if not is_int(v) or v < 0:
             raise ValueError(f"topk_from_scores: {name} must be an int >= 0, got {v!r}")
-    pdl = _check_pdl("topk_from_scores", pdl, scores.device)
+    pdl = _pdl(scores.device, pdl, "topk_from_scores")
     if device_value_checks_on():
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if T == 0:
