@@ -560,10 +560,10 @@ _DEVICE_VALUES = textwrap.dedent('''
 
     run("fused_q position past cos", lambda: fq(torch.tensor([1, 50])), lambda o: torch.isfinite(o).all())
 
-    def idx(bt, req, pos, width=12):
+    def idx(bt, req, pos, width=12, block_s=64):
         scores = torch.full((2, width), -7.0)
         indexer_scores_paged(torch.randn(2, 4, 16), torch.randn(2, 4), torch.randn(3, 4, 16), bt, req, pos, 0.25,
-                             scores)
+                             scores, block_s=block_s)
         return scores
 
     bt_i = torch.tensor([[1, 0, 2]], dtype=torch.int32)
@@ -571,8 +571,13 @@ _DEVICE_VALUES = textwrap.dedent('''
         torch.tensor([3, 40])), lambda s: torch.isfinite(s).all() and (s[0, 4:] == -7).all())
     run("indexer req >= B", lambda: idx(bt_i, torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3, 5])),
         lambda s: (s[1] == -7).all() and (s[0, :4] != -7).all())
-    run("indexer block id >= num_blocks", lambda: idx(torch.tensor([[1, 50, 2]], dtype=torch.int32),
-        torch.zeros(2, dtype=torch.int32), torch.tensor([3, 9])), lambda s: torch.isfinite(s).all())
+    # the keys of block 50 (positions 4..7) are left unscored, the others scored; a tile across blocks (a block
+    # id per key) and a tile inside one block (its id loaded before the loop)
+    bad_block = lambda s: ((s[1, 4:8] == -7).all() and (s[1, :4] != -7).all() and (s[1, 8:10] != -7).all()
+                           and (s[0, :4] != -7).all() and (s[0, 4:] == -7).all() and (s[1, 10:] == -7).all())
+    for name, bs in (("indexer block id >= num_blocks", 64), ("indexer block id >= num_blocks, tile in a block", 4)):
+        run(name, lambda bs=bs: idx(torch.tensor([[1, 50, 2]], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                                    torch.tensor([3, 9]), block_s=bs), bad_block)
 
     def tk(pos):
         out = torch.full((2, 4), -7, dtype=torch.int32)
@@ -598,6 +603,8 @@ DEVICE_VALUE_DEBUG = {
     "indexer position >= scores width": r"positions: values must lie in \[0, 12\)",
     "indexer req >= B": r"req_indices: values must lie in \[0, 1\)",
     "indexer block id >= num_blocks": r"block_table\[0\] \(the blocks of token 1\): values must lie in \[0, 3\)",
+    "indexer block id >= num_blocks, tile in a block":
+        r"block_table\[0\] \(the blocks of token 1\): values must lie in \[0, 3\)",
     "topk position >= scores width": r"positions: values must lie in \[0, 8\) \(scores.shape\[1\]\)",
 }
 

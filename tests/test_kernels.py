@@ -233,6 +233,11 @@ def test_indexer_scores_tiles_per_program(device, dtype, tol, seed):
             assert torch.equal(got[t, :n], one[t, :n]), (tiles, t)
             assert got[t, n:].isnan().all(), (tiles, t)
     _check_indexer_scores(one, q, w, icache, meta, z, dtype, tol)
+    # two tiles per cache block (block ids loaded before the loop), and tiles that cross blocks (a block id per key)
+    for bs in (block_s // 2, 2 * block_s):
+        got = indexer_scores_paged(*args, torch.full((T, s_max), float("nan"), device=device), block_s=bs, tiles=2)
+        _check_indexer_scores(got, q, w, icache, meta, z, dtype, tol)
+        assert all(got[t, int(meta.positions[t]) + 1:].isnan().all() for t in range(T)), bs
     for tokens in (2, 4):  # groups of tokens share each key tile; the groups here span two requests
         got = indexer_scores_paged(*args, torch.full((T, s_max), float("nan"), device=device), block_s=block_s,
                                    tiles=2, tokens=tokens)

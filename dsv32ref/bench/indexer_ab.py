@@ -6,8 +6,9 @@ Each REV's dsv32ref/kernels/indexer_topk.py is read with `git show` and imported
 indexer case of the kernel benchmark (kernels.INDEXER_CASES, both models) is measured with each, one after
 the other on the same inputs: the same key-cache copies rotating through HBM, the same ceilings, the lean
 PyTorch path timed once per case. "No slower than before" is then a same-run comparison, not one against a
-file measured another day. --probe adds the library's knobs (tiles, tokens per program, chained launches)
-and what a kernel that only reads one decode token's keys takes (the read floor).
+file measured another day. --probe adds the library's knobs (tiles per program and their pipeline depth, the
+tile size, tokens per program, chained launches) and what a kernel that only reads one decode token's keys takes
+(the read floor).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ REPO = Path(__file__).resolve().parents[2]  # the checkout (git runs there, wher
 
 # the library's knobs: (model, (tokens, context), scores kwargs, top-k kwargs); no top-k kwargs = scores alone
 _DS, _GLM = "deepseek-v3.2", "glm-5.2"
-PROBE = ([(m, (1, 131072), dict(tiles=t), {}) for m in (_DS, _GLM) for t in (2, 4, 8)]
+PROBE = ([(m, (1, ctx), dict(tiles=t, num_stages=st), {}) for m in (_DS, _GLM)
+          for ctx, tiles in ((32768, (1, 2, 4)), (131072, (4, 8, 16))) for t in tiles for st in (2, 3, 4)]
+         + [(m, (T, 4096), kw, {}) for m in (_DS, _GLM) for T in (1, 16)
+            for kw in (dict(num_stages=1), dict(num_stages=2), dict(block_s=32))]
          + [(m, (T, ctx), dict(tokens=g), {}) for m in (_DS, _GLM) for T, ctx in ((64, 4096), (256, 32768), (1024, 4096))
             for g in ((1, 2, 4) if m == _DS else (1, 2, 4, 8))]
          + [(m, (T, ctx), {}, dict(pdl=pdl)) for m in (_DS, _GLM) for T, ctx in ((16, 4096), (1, 131072))

@@ -65,12 +65,14 @@ def _indexer_scores_kernel(
     softmax_scale, block_size,
     T, S_MAX, B, max_blocks, num_blocks,  # bounds: tokens, score width, requests, a block-table row, block ids
     H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr, TOKENS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (i, j): the scores of keys [j TILES BLOCK_S, (j + 1) TILES BLOCK_S) of tokens [i TOKENS,
     (i + 1) TOKENS), a key tile at a time. The tokens of one request share its keys: each tile is read once
     for all of them, one MMA over their TOKENS x H_I query rows (a group that spans requests takes each of
-    its requests in turn, the others' rows masked)."""
+    its requests in turn, the others' rows masked). TILE_IN_BLOCK (block_size a multiple of BLOCK_S): a tile lies
+    in one cache block, and the program's block ids are loaded once, before its loop; no load in the loop then
+    waits on another (otherwise each key looks up its own block, a load its key's load waits on)."""
     t0 = tl.program_id(0) * TOKENS
     offs_g = tl.arange(0, TOKENS)  # the group's tokens
     offs_c = tl.arange(0, TOKENS * H_I)  # the MMA's columns: (token, head) pairs
@@ -96,14 +98,22 @@ def _indexer_scores_kernel(
             q = tl.load(q_ptr + tok_c[:, None] * stride_qt + (offs_c % H_I)[:, None] * stride_qh + offs_d[None, :],
                         mask=member_c[:, None], other=0.0)  # (TOKENS H_I, D), held
             w = tl.load(w_ptr + tok_c * stride_wt + offs_c % H_I, mask=member_c, other=0.0)  # (TOKENS H_I,)
+            if TILE_IN_BLOCK:
+                tile_s = s_lo + tl.arange(0, TILES) * BLOCK_S  # the first key of each of the program's tiles
+                blk_j = tl.load(block_table_ptr + req * stride_bt + tile_s // block_size, mask=tile_s < s_hi,
+                                other=-1)  # (TILES,)
             for s0 in tl.range(s_lo, s_hi, BLOCK_S):
                 offs_s = s0 + tl.arange(0, BLOCK_S)
                 vis = offs_s < s_hi
-                blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
+                if TILE_IN_BLOCK:
+                    blk = tl.sum(tl.where(tl.arange(0, TILES) == (s0 - s_lo) // BLOCK_S, blk_j, 0), axis=0)
+                    row = s0 % block_size + tl.arange(0, BLOCK_S)  # (BLOCK_S,) within the block
+                else:
+                    blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
+                    row = offs_s % block_size
                 vis = vis & (blk >= 0) & (blk < num_blocks)  # a key in a block outside the cache scores nothing
-                k_ptrs = (kcache_ptr + blk.to(tl.int64)[:, None] * stride_kb
-                          + (offs_s % block_size)[:, None] * stride_ks + offs_d[None, :])
-                k = tl.load(k_ptrs, mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
+                k_row = blk.to(tl.int64) * stride_kb + row * stride_ks  # (BLOCK_S,)
+                k = tl.load(kcache_ptr + k_row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
                 # keys on the MMA's rows, (token, head) on its columns: the sum over heads stays inside each
                 # warp (with heads on the rows it crossed warps through shared memory: 8-15 % slower, H200)
                 logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, TOKENS H_I)
@@ -406,6 +416,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
             softmax_scale, index_cache.shape[1],
             T, scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
             H_I=H_I, D=D, BLOCK_S=block_s, TILES=tiles, TOKENS=tokens,
+            TILE_IN_BLOCK=index_cache.shape[1] % block_s == 0,
             PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         )
     return scores
