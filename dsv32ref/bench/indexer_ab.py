@@ -1,6 +1,7 @@
 """The indexer (scores + top-k) of earlier commits against the library's, case by case in one run.
 
     python -m dsv32ref.bench.indexer_ab --base REV [--base REV ...] --out data/indexer_ab.json [--probe]
+    python -m dsv32ref.bench.indexer_ab --tune --out data/indexer_tune.json
 
 Each REV's dsv32ref/kernels/indexer_topk.py is read with `git show` and imported beside the library's. Every
 indexer case of the kernel benchmark (kernels.INDEXER_CASES, both models) is measured with each, one after
@@ -21,8 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import triton
+
 from dsv32ref.bench.kernels import (INDEXER_CASES, bench_indexer, bench_read_floor, measure_ceilings, shapes,
                                     start_run)
+from dsv32ref.kernels.indexer_topk import scores_tiles, scores_tokens
 from dsv32ref.results import write_partial, write_result
 
 MODULE = "dsv32ref/kernels/indexer_topk.py"
@@ -39,6 +44,14 @@ PROBE = ([(m, (1, ctx), dict(tiles=t, num_stages=st), {}) for m in (_DS, _GLM)
          + [(m, (T, ctx), {}, dict(pdl=pdl)) for m in (_DS, _GLM) for T, ctx in ((16, 4096), (1, 131072))
             for pdl in (True, False)])
 READ_FLOOR_BYTES = (2 * 128 * 32768, 2 * 128 * 131072)  # one decode token's keys at 32k and 128k
+
+
+def tune_configs(z: dict, T: int, ctx: int, sms: int) -> list[dict]:
+    """--tune: the scores pass of one case at the default tile count t, and at 2t (t/2 at the most, 16), each
+    pipelined 2 and 3 deep (1 and 2 for a single tile, which has nothing to overlap)."""
+    t0 = scores_tiles(triton.cdiv(T, scores_tokens(T, z["h_i"])), ctx, 64, sms)
+    return [dict(tiles=t, num_stages=st) for t in ((8, 16) if t0 == 16 else (t0, 2 * t0))
+            for st in ((1, 2) if t == 1 else (2, 3))]
 
 
 def load_revision(rev: str):
@@ -64,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="data/indexer_ab.json")
     ap.add_argument("--probe", action="store_true", help="also the library's knobs (PROBE) and the read floor")
     ap.add_argument("--probe-only", action="store_true", help="only the probe")
+    ap.add_argument("--tune", action="store_true", help="only the scores pass of every case at a few tile counts "
+                    "and pipeline depths around the default (tune_configs)")
     args = ap.parse_args(argv)
     if (run := start_run()) is None:
         return 2
@@ -78,7 +93,17 @@ def main(argv=None) -> int:
                "implementations": [name for name, _ in impls], "results": results, "wall_s": time.time() - t_start}
         (write_result if complete else write_partial)(args.out, out)
 
-    for z in ([] if args.probe_only else (shapes(_DS), shapes(_GLM))):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for z in ((shapes(_DS), shapes(_GLM)) if args.tune else ()):
+        for ctx, T in INDEXER_CASES:
+            for kw in tune_configs(z, T, ctx, sms):
+                r = bench_indexer(z, T, ctx, ceil, torch_path=False, scores_kw=kw, scores_only=True)
+                r.update(implementation="library", probe="tune")
+                results.append(r)
+                print(f"tune {z['name']} T={T} ctx={ctx} {kw}: scores {r['ms_scores'] * 1e3:.1f} us "
+                      f"({r['scores_fraction_of_copy']:.0%} of copy) ok={r['ok']}", flush=True)
+                save()
+    for z in ([] if args.probe_only or args.tune else (shapes(_DS), shapes(_GLM))):
         for ctx, T in INDEXER_CASES:
             for i, (name, mod) in enumerate(impls):  # the lean PyTorch path once, with the first
                 r = bench_indexer(z, T, ctx, ceil, torch_path=i == 0, impl=mod)
