@@ -468,7 +468,7 @@ KERNEL_CASES = [
     (_idx(tiles=3), r"indexer_scores_paged: tiles must be a power of two, got 3"),
     (_idx(tiles=0), r"indexer_scores_paged: tiles must be a power of two, got 0"),
     (_idx(block_s=48), r"indexer_scores_paged: block_s must be a power of two, got 48"),
-    (_idx(num_stages=0), r"indexer_scores_paged: num_stages must be an int >= 1, got 0"),
+    (_idx(num_stages=0), r"indexer_scores_paged: num_stages must be None or an int >= 1, got 0"),
     (_idx(num_sms=0), r"indexer_scores_paged: num_sms must be None or an int >= 1, got 0"),
     (_idx(tokens=3), r"indexer_scores_paged: tokens must be a power of two, got 3"),
     (_idx(num_warps=6), r"indexer_scores_paged: num_warps must be a power of two, got 6"),

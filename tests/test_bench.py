@@ -47,3 +47,30 @@ def test_ab_data_covers_every_case_for_every_implementation():
     # the lean PyTorch path is timed once per case, with the first implementation, where its logits fit
     firsts = [r for r in d["results"] if r.get("implementation") == impls[0] and r["kernel"] == "indexer_topk"]
     assert all(r.get("torch_ms") or r["T"] * r["context"] * 64 * 2 > 4.3e9 for r in firsts)
+
+
+def test_scores_defaults_are_near_the_best_of_the_tune():
+    """The scores pass's default tiles and pipeline depth, at every case of the H200 tune (132 SMs): one of the
+    configurations it measured, and within 3 % of the fastest of them."""
+    import triton
+
+    from dsv32ref.bench.kernels import INDEXER_CASES, shapes
+    from dsv32ref.kernels.indexer_topk import scores_stages, scores_tiles, scores_tokens
+
+    with open(os.path.join(ROOT, "data", "indexer_tune.json")) as f:
+        d = json.load(f)
+    assert d["provenance"]["device"] == "NVIDIA H200"
+    sms = 132
+    by = {}
+    for r in d["results"]:
+        assert r["ok"] and r["probe"] == "tune", r
+        kw = r["scores_kw"]
+        by.setdefault((r["model"], r["T"], r["context"]), {})[kw["tiles"], kw["num_stages"]] = r["ms_scores"]
+    assert len(by) == 2 * len(INDEXER_CASES)
+    for (model, T, ctx), ms in by.items():
+        tokens = scores_tokens(T, shapes(model)["h_i"])
+        rows = triton.cdiv(T, tokens)
+        tiles = scores_tiles(rows, ctx, 64, sms)
+        stages = scores_stages(tiles, tokens, rows * triton.cdiv(ctx, 64 * tiles), sms)
+        assert (tiles, stages) in ms, (model, T, ctx, tiles, stages, sorted(ms))
+        assert ms[tiles, stages] <= 1.03 * min(ms.values()), (model, T, ctx, tiles, stages, ms)

@@ -7,9 +7,9 @@ Each REV's dsv32ref/kernels/indexer_topk.py is read with `git show` and imported
 indexer case of the kernel benchmark (kernels.INDEXER_CASES, both models) is measured with each, one after
 the other on the same inputs: the same key-cache copies rotating through HBM, the same ceilings, the lean
 PyTorch path timed once per case. "No slower than before" is then a same-run comparison, not one against a
-file measured another day. --probe adds the library's knobs (tiles per program and their pipeline depth, the
-tile size, tokens per program, chained launches) and what a kernel that only reads one decode token's keys takes
-(the read floor).
+file measured another day. --probe adds two of the library's knobs (tokens per program, chained launches) and
+what a kernel that only reads one decode token's keys takes (the read floor). --tune times the scores pass alone
+at tile counts and pipeline depths around the default, the run behind scores_tiles and scores_stages.
 """
 
 from __future__ import annotations
@@ -35,12 +35,8 @@ REPO = Path(__file__).resolve().parents[2]  # the checkout (git runs there, wher
 
 # the library's knobs: (model, (tokens, context), scores kwargs, top-k kwargs); no top-k kwargs = scores alone
 _DS, _GLM = "deepseek-v3.2", "glm-5.2"
-PROBE = ([(m, (1, ctx), dict(tiles=t, num_stages=st), {}) for m in (_DS, _GLM)
-          for ctx, tiles in ((32768, (1, 2, 4)), (131072, (4, 8, 16))) for t in tiles for st in (2, 3, 4)]
-         + [(m, (T, 4096), kw, {}) for m in (_DS, _GLM) for T in (1, 16)
-            for kw in (dict(num_stages=1), dict(num_stages=2), dict(block_s=32))]
-         + [(m, (T, ctx), dict(tokens=g), {}) for m in (_DS, _GLM) for T, ctx in ((64, 4096), (256, 32768), (1024, 4096))
-            for g in ((1, 2, 4) if m == _DS else (1, 2, 4, 8))]
+PROBE = ([(m, (T, ctx), dict(tokens=g), {}) for m in (_DS, _GLM) for T, ctx in ((64, 4096), (256, 32768), (1024, 4096))
+          for g in ((1, 2, 4) if m == _DS else (1, 2, 4, 8))]
          + [(m, (T, ctx), {}, dict(pdl=pdl)) for m in (_DS, _GLM) for T, ctx in ((16, 4096), (1, 131072))
             for pdl in (True, False)])
 READ_FLOOR_BYTES = (2 * 128 * 32768, 2 * 128 * 131072)  # one decode token's keys at 32k and 128k

@@ -14,11 +14,13 @@ Work per query token with S visible keys (DeepSeek-V3.2: H_I = 64, D = 128):
 
 Decode is the case the indexer exists for: one token, a long context. One program per 64 keys then makes
 thousands of tiny programs that each reload the query; a program instead walks `tiles` key tiles with the
-query held (the loads pipelined). And one program per row would select from 128k scores on one SM: few long
-rows are cut into chunks, and each radix pass runs over all chunks at once (a launch per pass; each program sums
-the chunks' histograms of the pass before to extend the prefix), then a last launch compacts. Those five
-launches are chained by programmatic dependent launch where the GPU has it (sm_90 on): each starts while the
-one before runs, loads its chunk of scores, and waits only before it reads the histograms of the pass before.
+query held (the loads pipelined; where a tile lies in one cache block, the program's block ids are read before
+its loop, so no load in the loop waits on another). And one program per row would select from 128k scores on
+one SM: few long rows are cut into chunks, and each radix pass runs over all chunks at once (a launch per pass;
+each program sums the chunks' histograms of the pass before to extend the prefix), then a last launch compacts.
+Those five launches are chained by programmatic dependent launch where the GPU has it (sm_90 on): each starts
+while the one before runs, loads its chunk of scores, and waits only before it reads the histograms of the pass
+before.
 
 Prefill is the other case: T tokens of one request read the same keys. From 256 tokens a program scores a
 group of consecutive tokens (their heads side by side on the MMA's columns), so each key tile is read once
@@ -359,14 +361,24 @@ def _check_pow2(caller: str, **values) -> None:
 
 
 def scores_tiles(rows: int, s_max: int, block_s: int, sms: int) -> int:
-    """Key tiles per program: the most (a power of two, at most 16) that still leaves 2 programs per SM for
-    `rows` token groups (the best of the H200 probe, data/indexer_probe.json: one tile at one token and 32k keys,
-    four at 128k, 8-16 with many tokens). Depends on shapes only (fixed within a captured graph)."""
+    """Key tiles per program: the most (a power of two, at most 16) that leaves more than one program per SM for
+    `rows` token groups (the H200 tune, data/indexer_tune.json: with scores_stages, within 3 % of the best of the
+    tile counts and depths it tried at every benchmarked case). Depends on shapes only (fixed within a graph)."""
     n_tiles = triton.cdiv(s_max, block_s)
     tiles = 1
-    while tiles < 16 and rows * triton.cdiv(n_tiles, 2 * tiles) >= 2 * sms:
+    while tiles < 16 and rows * triton.cdiv(n_tiles, 2 * tiles) > sms:
         tiles *= 2
     return tiles
+
+
+def scores_stages(tiles: int, tokens: int, programs: int, sms: int) -> int:
+    """How deep a program pipelines its key-tile loads: 1 for one tile (nothing to overlap); 3 where the third
+    buffer costs no residency: every program resident at once (at most two per SM), or a token group (its query's
+    shared memory already holds it to two per SM); else 2 (more programs than that queue, and a 16 KiB buffer
+    fewer keeps one more of them resident per SM). The H200 tune, data/indexer_tune.json."""
+    if tiles == 1:
+        return 1
+    return 3 if tokens > 1 or programs <= 2 * sms else 2
 
 
 def scores_tokens(T: int, H_I: int) -> int:
@@ -378,7 +390,7 @@ def scores_tokens(T: int, H_I: int) -> int:
 
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
                          scores, block_s: int = 64, num_warps: int = 4, tiles: int | None = None,
-                         num_stages: int = 2, num_sms: int | None = None, tokens: int | None = None):
+                         num_stages: int | None = None, num_sms: int | None = None, tokens: int | None = None):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
@@ -388,7 +400,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     masked, so a batch of one token per request (decode) should pass 1: its groups would share nothing and
     multiply `tokens` times the columns they use.
     tiles: key tiles of block_s keys per program (default: scores_tiles); their loads are pipelined num_stages
-    deep (2 beat 3 and 4 at every shape of the H200 probe, data/indexer_probe_stages.json).
+    deep (default: scores_stages).
     """
     T, H_I, D = _check_common(q_idx, weights, index_cache, block_table, req_indices, positions)
     check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
@@ -400,8 +412,8 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
                          f"{tokens} x {H_I} = {tokens * H_I}")
     if tiles is not None:
         _check_pow2("indexer_scores_paged", tiles=tiles)
-    if not is_int(num_stages) or num_stages < 1:
-        raise ValueError(f"indexer_scores_paged: num_stages must be an int >= 1, got {num_stages!r}")
+    if num_stages is not None and (not is_int(num_stages) or num_stages < 1):
+        raise ValueError(f"indexer_scores_paged: num_stages must be None or an int >= 1, got {num_stages!r}")
     sms = _num_sms(q_idx.device, num_sms, "indexer_scores_paged")
     if device_value_checks_on():
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
@@ -409,6 +421,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
         groups = triton.cdiv(T, tokens)
         tiles = tiles or scores_tiles(groups, scores.shape[1], block_s, sms)
         grid = (groups, triton.cdiv(scores.shape[1], block_s * tiles))
+        num_stages = num_stages or scores_stages(tiles, tokens, grid[0] * grid[1], sms)
         _indexer_scores_kernel[grid](
             q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0),
             index_cache, index_cache.stride(0), index_cache.stride(1),
