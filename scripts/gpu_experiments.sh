@@ -13,7 +13,7 @@
 #   hostcosts  the TTFT model's host costs, per-region times included (MODELS)     -> OUTDIR/host_costs_<model>.json
 #   main       the main job, `python -m dsv32ref --quick`, timed; what it writes to data/ goes to OUTDIR/main/
 #              and data/ is put back as it was                                     -> OUTDIR/main.log
-#   indexerab  the indexer of BASES (default "4cdf2a7 a241e77") beside the library's, with the probe
+#   indexerab  the indexer of BASES (default "4cdf2a7 fd85443") beside the library's, with the probe
 #              (needs the history: carry out/repo.bundle, made here by `git bundle create out/repo.bundle --all`)
 #                                                                                  -> OUTDIR/indexer_ab.json
 #   tests      every gpu-marked test                                               -> OUTDIR/pytest_gpu.txt
@@ -66,7 +66,7 @@ for step in "$@"; do
       if [ ! -d .git ] && [ -f out/repo.bundle ]; then
         rm -rf /tmp/dsv32ref-history && git clone -q out/repo.bundle /tmp/dsv32ref-history && export GIT_DIR=/tmp/dsv32ref-history/.git
       fi
-      timeout 400 python3 -m dsv32ref.bench.indexer_ab $(for b in ${BASES:-4cdf2a7 a241e77}; do echo --base "$b"; done) --probe \
+      timeout 400 python3 -m dsv32ref.bench.indexer_ab $(for b in ${BASES:-4cdf2a7 fd85443}; do echo --base "$b"; done) --probe \
         --out "$OUT/indexer_ab.json" > "$OUT/indexerab.log" 2>&1; echo "indexer_ab rc $?"
       grep "library\|floor" "$OUT/indexerab.log" | tail -40 ;;
     tests)

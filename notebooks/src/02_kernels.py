@@ -534,28 +534,46 @@ axes[0].set_ylabel("time (us), CUDA-graph replay")
 show(fig)
 
 # %% [markdown]
-# Two probe runs chose the scores pass's shape and the top-k's chunks (`data/indexer_probe.json`, and
-# `data/indexer_probe_stages.json` for the pipeline depth; their own provenance). With the keys on the
-# MMA's rows the sum over heads stays inside each warp; with the heads on the rows it crossed warps through
-# shared memory. A program walks several key tiles with the query held, and the best count leaves about four
-# programs per SM; the radix passes of the top-k run over about 32 chunks per row:
+# How a scores program walks its keys: it holds the query and walks `tiles` key tiles of 64 keys, the loads
+# pipelined `num_stages` deep; where a tile lies in one cache block (a multiple of 64 keys per block), the
+# program's block ids are read once before its loop, so no load in the loop waits on another. A tune run
+# (`python -m dsv32ref.bench.indexer_ab --tune`, `data/indexer_tune.json`, its own provenance) timed the scores pass of
+# every case at the tile count of the rule before it and its double, each at two depths. The defaults it chose
+# (`scores_tiles`, `scores_stages`): as many tiles as leave more than one program per SM, pipelined 3 deep where
+# the third 16 KiB buffer costs no residency (every program resident at once, or a token group), 2 where
+# programs queue, 1 for a single tile. At one decode token:
+
+# %%
+tune = json.load(open("../data/indexer_tune.json"))
+trows = [r for r in tune["results"] if r["T"] == 1]
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):
+    ctxs = sorted({r["context"] for r in trows if r["model"] == m})
+    for i, ctx in enumerate(ctxs):
+        sel = sorted((r for r in trows if r["model"] == m and r["context"] == ctx),
+                     key=lambda r: (r["scores_kw"]["tiles"], r["scores_kw"]["num_stages"]))
+        best = min(r["ms_scores"] for r in sel)
+        for j, r in enumerate(sel):
+            ax.bar(i + 0.2 * (j - 1.5), r["ms_scores"] / best, 0.2, color=OKABE_ITO[j])
+            ax.annotate(f"{r['scores_kw']['tiles']}x{r['scores_kw']['num_stages']}", (i + 0.2 * (j - 1.5),
+                        r["ms_scores"] / best), ha="center", xytext=(0, 2), textcoords="offset points", fontsize=7)
+    ax.axhline(1.0, color=GREY, lw=1)
+    ax.set_xticks(range(len(ctxs)), [f"{c // 1024}k" for c in ctxs])
+    ax.set_ylim(0, 1.9)
+    ax.set_xlabel("context (keys); bars: tiles x pipeline depth")
+    ax.set_ylabel("scores time / the case's fastest")
+    ax.set_title(f"indexer scores tune, one token, {m}")
+show(fig)
+display(Markdown(f"`data/indexer_tune.json`: {tune['provenance']['device']}, commit "
+                 f"{tune['provenance']['git_commit'][:12]}, {len(tune['results'])} timings, every one checked against "
+                 f"the reference: {all(r['ok'] for r in tune['results'])}."))
+
+# %% [markdown]
+# The top-k's chunks come from an earlier probe run (`data/indexer_probe.json`, its own provenance): the radix
+# passes run over about 32 chunks per row.
 
 # %%
 iprobe = json.load(open("../data/indexer_probe.json"))["results"]
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-for ax, ctx in zip(axes, (32768, 131072)):
-    for j, rows_kr in enumerate((False, True)):
-        sel = [r for r in iprobe if r["T"] == 1 and r["context"] == ctx and r["scores_kw"].get("block_s") == 64
-               and r["scores_kw"].get("num_warps") == 4 and r["scores_kw"].get("keys_as_rows") == rows_kr]
-        tiles = [r["scores_kw"]["tiles"] for r in sel]
-        ax.bar([i + 0.4 * j for i in range(len(sel))], [r["ms_scores"] * 1e3 for r in sel], 0.4,
-               color=OKABE_ITO[2 * j], label="keys on the MMA rows" if rows_kr else "heads on the MMA rows")
-    ax.set_xticks([i + 0.2 for i in range(len(tiles))], [str(t) for t in tiles])
-    ax.set_xlabel("key tiles (64 keys) per program")
-    ax.set_ylabel("scores pass (us)")
-    ax.set_title(f"indexer scores, one token, {ctx // 1024}k keys")
-    ax.legend(fontsize=8, loc="upper left")
-show(fig)
 chunks = {}
 for r in iprobe:
     if "chunk" in r["topk_kw"] and r["T"] == 1:
@@ -579,8 +597,8 @@ display(Markdown(
     f"{d128['glm-5.2']['scores_fraction_of_copy']:.0%} (GLM-5.2) of the copy bandwidth at 128k (the copy streams "
     f"2 GiB buffers). A kernel that only reads the same {f128['bytes'] / 1e6:.1f} MB, in the same rotation, takes "
     f"{f128['ms'] * 1e3:.1f} us ({f128['fraction_of_copy']:.0%}): launch, ramp and tail cost a kernel of this size "
-    f"{1 - f128['fraction_of_copy']:.0%} of the copy rate whatever it computes, and the scores pass adds to them a block-table "
-    f"read before each tile's keys and the MMAs (DeepSeek-V3.2's 64 heads, twice GLM-5.2's 32, are the slower). "
+    f"{1 - f128['fraction_of_copy']:.0%} of the copy rate whatever it computes; the scores pass adds to them the MMAs "
+    f"(DeepSeek-V3.2's 64 heads, twice GLM-5.2's 32, are the slower) and the block-table read before its loop. "
     f"The top-k is five dependent launches (four radix passes and the compaction), chained by programmatic "
     f"dependent launch: each starts while the one before runs and waits only before it reads that one's "
     f"histograms. At 128k that chain takes {chained[('deepseek-v3.2', True)]['ms_topk'] * 1e3:.1f} us, "
@@ -590,10 +608,11 @@ display(Markdown(
 # ## The indexer against the kernels of earlier commits
 # `python -m dsv32ref.bench.indexer_ab` imports `dsv32ref/kernels/indexer_topk.py` as it was at earlier commits
 # beside the library's and measures every indexer case with each in one run (same inputs, same key-cache
-# rotation, same ceilings). The first is the commit before this round of indexer work; the second its
-# previous build (keys on the MMA's rows, several tiles per program, the chunked top-k). From 256 tokens a
-# program now scores a group of tokens (4 at 64 heads, 8 at 32: 256 MMA columns), reading each key tile once
-# for all of them instead of once per token.
+# rotation, same ceilings). The first is the commit before this round of indexer work (one program per key
+# tile, heads on the MMA's rows, an unchained top-k); the second the build before the block ids left the scores
+# loop and before the tune (each key looked up its block inside the loop, every program 2 deep). From 256
+# tokens a program scores a group of tokens (4 at 64 heads, 8 at 32: 256 MMA columns), reading each key tile
+# once for all of them instead of once per token.
 
 # %%
 base_sha = ab["implementations"][0]
@@ -607,9 +626,12 @@ table(["model", "T", "context", f"{base_sha[:7]} (us)", "library (us)", "speed-u
         f"{v[base_sha]['torch_ms'] / v['library']['ms']:.2f}x" if v[base_sha].get("torch_ms") else None]
        for (m, T, ctx), v in by.items()], floatfmt=".1f")
 slower = [(k, v) for k, v in by.items() if v["library"]["ms"] > v[base_sha]["ms"]]
-display(Markdown(f"Slower than at {base_sha[:7]} in {len(slower)} of {len(by)} cases: " + "; ".join(
+display(Markdown(f"Slower than at {base_sha[:7]} in {len(slower)} of {len(by)} cases" + (": " + "; ".join(
     f"{m} T={T} {ctx // 1024}k, {v['library']['ms'] * 1e3:.1f} vs {v[base_sha]['ms'] * 1e3:.1f} us"
-    for (m, T, ctx), v in slower) + "."))
+    for (m, T, ctx), v in slower) if slower else "") + ". The speed-up runs from " + " to ".join(
+    f"{by[k][base_sha]['ms'] / by[k]['library']['ms']:.2f}x ({k[0]}, T={k[1]}, {k[2] // 1024}k)"
+    for k in (min(by, key=lambda k: by[k][base_sha]["ms"] / by[k]["library"]["ms"]),
+              max(by, key=lambda k: by[k][base_sha]["ms"] / by[k]["library"]["ms"]))) + "."))
 tok = [r for r in ab["results"] if r.get("probe") and "tokens" in r["scores_kw"]]
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
 for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):
