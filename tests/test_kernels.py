@@ -337,10 +337,10 @@ def test_sparse_mla_sweep_variants(device, dtype, tol, variant, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [128, 64, 40])
-@pytest.mark.parametrize("overlap_pv", [False, True])
-def test_sparse_mla_gluon(heads, overlap_pv, seed):
-    """The Gluon experiment (dsv32ref.bench.sparse_mla_gluon) against the reference, outputs poisoned, invalid and
-    out-of-range indices included, a head count that is not a multiple of 64."""
+@pytest.mark.parametrize("variant", [{}, dict(overlap_pv=True), dict(warp_specialized=True)])
+def test_sparse_mla_gluon(heads, variant, seed):
+    """The Gluon experiment (dsv32ref.bench.sparse_mla_gluon), each of its kernels, against the reference, outputs
+    poisoned, invalid and out-of-range indices included, a head count that is not a multiple of 64."""
     z = _sizes("cuda")
     meta, nb = _meta("cuda", [3000, 0, 200], [5, 64, 1], z["block"])
     T, f = meta.num_tokens, dict(device="cuda", dtype=torch.bfloat16)
@@ -350,7 +350,7 @@ def test_sparse_mla_gluon(heads, overlap_pv, seed):
     topk[0] = -1  # no valid key
     out = torch.full((T, heads, z["d_lat"]), float("nan"), **f)
     lse = torch.full((T, heads), float("nan"), device="cuda")
-    sparse_mla_gluon(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse, overlap_pv)
+    sparse_mla_gluon(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse, **variant)
     for b in range(meta.num_reqs):
         t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
         kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])

@@ -230,7 +230,7 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     lse = torch.empty(T, z["H"], device=DEV, dtype=torch.float32)
     if config and config.get("GLUON"):  # the Gluon experiment (bench.sparse_mla_gluon)
         run = lambda: sparse_mla_gluon(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
-                                       overlap_pv=config.get("OVERLAP_PV", False))
+                                       overlap_pv=config.get("OVERLAP_PV", False), warp_specialized=config.get("WS", False))
     elif config and set(config) - set(CONFIG_KEYS):  # a loop of the sweep's (not the library's kernel)
         run = lambda: sparse_mla_variant(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
                                          config)
@@ -478,6 +478,7 @@ SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then 
     dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
     dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
     dict(GLUON=True, OVERLAP_PV=False), dict(GLUON=True, OVERLAP_PV=True),  # written in Gluon (bench.sparse_mla_gluon)
+    dict(GLUON=True, WS=True),  # the Gluon kernel with a producer warpgroup
 ]
 INDEXER_CASES = [(ctx, T) for ctx in (4096, 32768, 131072) for T in (1, 16, 64, 256, 1024)]  # (context, tokens)
 INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs): one decode token
