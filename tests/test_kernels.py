@@ -337,10 +337,10 @@ def test_sparse_mla_sweep_variants(device, dtype, tol, variant, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [128, 64, 40])
-@pytest.mark.parametrize("variant", [{}, dict(overlap_pv=True), dict(warp_specialized=True)])
-def test_sparse_mla_gluon(heads, variant, seed):
-    """The Gluon experiment (dsv32ref.bench.sparse_mla_gluon), each of its kernels, against the reference, outputs
-    poisoned, invalid and out-of-range indices included, a head count that is not a multiple of 64."""
+@pytest.mark.parametrize("overlap_pv", [False, True])
+def test_sparse_mla_gluon(heads, overlap_pv, seed):
+    """The Gluon experiment (dsv32ref.bench.sparse_mla_gluon) against the reference, outputs poisoned, invalid and
+    out-of-range indices included, a head count that is not a multiple of 64."""
     z = _sizes("cuda")
     meta, nb = _meta("cuda", [3000, 0, 200], [5, 64, 1], z["block"])
     T, f = meta.num_tokens, dict(device="cuda", dtype=torch.bfloat16)
@@ -350,7 +350,7 @@ def test_sparse_mla_gluon(heads, variant, seed):
     topk[0] = -1  # no valid key
     out = torch.full((T, heads, z["d_lat"]), float("nan"), **f)
     lse = torch.full((T, heads), float("nan"), device="cuda")
-    sparse_mla_gluon(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse, **variant)
+    sparse_mla_gluon(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse, overlap_pv)
     for b in range(meta.num_reqs):
         t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
         kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])
@@ -359,6 +359,69 @@ def test_sparse_mla_gluon(heads, variant, seed):
         assert_close(f"out of request {b}", out[t0:t1], ref, dtype=torch.bfloat16, rtol=1, atol=1, row_dims=2)
         assert_close(f"lse of request {b}", lse[t0:t1], ref_lse, dtype=torch.float32, rtol=64, atol=64)
     assert (out[0] == 0).all() and torch.isinf(lse[0]).all()
+
+
+def test_the_hopper_kernel_runs_only_where_it_applies():
+    """sparse_mla_paged runs the Gluon kernel only on a CUDA sm_90 device, for bf16 with DeepSeek's latent widths,
+    without top-k splits and without a config; an interpreter run always takes the Triton kernel."""
+    from dsv32ref.kernels.sparse_mla import uses_hopper_kernel
+
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    assert not uses_hopper_kernel(q, 512, 64, 1, None)  # a CPU tensor
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        g = q.cuda()
+        assert uses_hopper_kernel(g, 512, 64, 1, None)
+        for args in ((g, 512, 64, 2, None), (g, 512, 64, 1, {"BLOCK_N": 32}), (g.half(), 512, 64, 1, None),
+                     (g[..., :320], 256, 64, 1, None)):
+            assert not uses_hopper_kernel(*args), args[1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 64, 40])
+@pytest.mark.parametrize("valid_first", [False, True])
+def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
+    """sm_90's warp-specialized kernel, as sparse_mla_paged runs it, against the reference and against the Triton
+    kernel (a config selects that one): outputs poisoned; invalid, out-of-range and repeated indices; a token of a
+    request outside the block table; a token with no valid key; a head count that is not a multiple of 64."""
+    from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, uses_hopper_kernel
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialized kernel is sm_90's")
+    z = _sizes("cuda")
+    meta, nb = _meta("cuda", [3000, 0, 200], [5, 64, 1], z["block"])
+    T, f = meta.num_tokens, dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(T, heads, z["d_lat"] + z["rope"], **f)
+    cache = torch.randn(nb, z["block"], z["d_lat"] + z["rope"], **f)
+    topk = torch.stack([torch.randint(-1, int(p) + 2, (z["k"],), device="cuda") for p in meta.positions]).int()
+    if valid_first:  # the valid indices first, as the indexer writes them (-1 after)
+        ok = (topk >= 0) & (topk < meta.seq_lens[meta.req_indices.long()][:, None])
+        topk = torch.where(ok, topk, -1).sort(dim=1, descending=True).values
+    topk[0] = -1  # no valid key
+    req = meta.req_indices.clone()
+    req[1] = meta.num_reqs  # a request outside the block table: attends to nothing
+    assert uses_hopper_kernel(q, z["d_lat"], z["rope"], 1, None)
+    assert not uses_hopper_kernel(q, z["d_lat"], z["rope"], 1, {"BLOCK_N": 64})
+    outs = {}
+    for name, config in (("hopper", None), ("triton", dict(DEFAULT_CONFIG))):
+        out = torch.full((T, heads, z["d_lat"]), float("nan"), **f)
+        lse = torch.full((T, heads), float("nan"), device="cuda")
+        sparse_mla_paged(q, cache, meta.block_table, req, meta.seq_lens, topk, 0.1, out, lse, config=config,
+                         valid_first=valid_first)
+        outs[name] = out, lse
+        for b in range(meta.num_reqs):
+            t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+            kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])
+            idx = torch.where(topk[t0:t1] < meta.seq_lens_cpu[b], topk[t0:t1], -1)
+            idx[(req[t0:t1] != b)] = -1
+            ref, ref_lse = sparse_mla(q[t0:t1].double(), kv.double(), idx, 0.1, z["d_lat"])
+            assert_close(f"{name}: out of request {b}", out[t0:t1], ref, dtype=torch.bfloat16, rtol=1, atol=1,
+                         row_dims=2)
+            assert_close(f"{name}: lse of request {b}", lse[t0:t1], ref_lse, dtype=torch.float32, rtol=64, atol=64)
+        for t in (0, 1):
+            assert (out[t] == 0).all() and torch.isposinf(lse[t]).all(), (name, t)
+    # the two kernels agree per element to bf16 rounding of the same fp32 sums
+    assert_close("hopper vs triton", outs["hopper"][0], outs["triton"][0].double(), dtype=torch.bfloat16, rtol=2,
+                 atol=2, row_dims=2)
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)

@@ -23,12 +23,14 @@ from triton.testing import do_bench
 from dsv32ref.checks import rel_err
 from dsv32ref.config import ModelConfig
 from dsv32ref.kernels.fused_norm_rope import _fused_norm_rope_kernel, fused_norm_rope
+from dsv32ref.kernels import grid
 from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
 from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact_kernel, _topk_hist_kernel, _topk_kernel,
                                            indexer_scores_paged, topk_from_scores)
 from dsv32ref.bench.sparse_mla_gluon import sparse_mla_gluon
 from dsv32ref.bench.sparse_mla_variants import LIBRARY, _variant_kernel, sparse_mla_variant
-from dsv32ref.kernels.sparse_mla import CONFIG_KEYS, _combine_splits_kernel, _sparse_mla_kernel, sparse_mla_paged
+from dsv32ref.kernels.sparse_mla import (CONFIG_KEYS, DEFAULT_CONFIG, _combine_splits_kernel, _sparse_mla_kernel,
+                                         num_splits, sparse_mla_paged, uses_hopper_kernel)
 from dsv32ref.provenance import provenance
 from dsv32ref.results import write_partial, write_result
 from dsv32ref.reference import apply_rope, fp8_quantize, hadamard_transform, layer_norm, rms_norm
@@ -230,14 +232,19 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     lse = torch.empty(T, z["H"], device=DEV, dtype=torch.float32)
     if config and config.get("GLUON"):  # the Gluon experiment (bench.sparse_mla_gluon)
         run = lambda: sparse_mla_gluon(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
-                                       overlap_pv=config.get("OVERLAP_PV", False), warp_specialized=config.get("WS", False))
+                                       overlap_pv=config.get("OVERLAP_PV", False))
     elif config and set(config) - set(CONFIG_KEYS):  # a loop of the sweep's (not the library's kernel)
         run = lambda: sparse_mla_variant(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
                                          config)
     else:
         run = lambda: sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
                                        config)
-    res = {"kernel": "sparse_mla", "model": z["name"], "T": T, "context": ctx, "topk": z["k"], "config": config or {},
+    gluon = bool(config and config.get("GLUON"))
+    splits = 1 if gluon else num_splits(T, -(-z["H"] // 64), grid.num_sms(q.device, None, "bench_sparse_mla"))
+    impl = ("gluon (bench)" if gluon else "sm_90 warp-specialized"
+            if uses_hopper_kernel(q, z["d_lat"], z["rope"], splits, config) else "triton")
+    res = {"kernel": "sparse_mla", "impl": impl, "model": z["name"], "T": T, "context": ctx, "topk": z["k"],
+           "config": config or {},
            "config_full": dict(config) if (config or {}).get("GLUON") else dict(LIBRARY, **(config or {})),
            "shape": "decode batch" if batch else "one request"}
     if check:
@@ -478,7 +485,7 @@ SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then 
     dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
     dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
     dict(GLUON=True, OVERLAP_PV=False), dict(GLUON=True, OVERLAP_PV=True),  # written in Gluon (bench.sparse_mla_gluon)
-    dict(GLUON=True, WS=True),  # the Gluon kernel with a producer warpgroup
+    dict(DEFAULT_CONFIG),  # the Triton kernel at the default tiles (a config selects it where {} runs sm_90's)
 ]
 INDEXER_CASES = [(ctx, T) for ctx in (4096, 32768, 131072) for T in (1, 16, 64, 256, 1024)]  # (context, tokens)
 INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs): one decode token
@@ -577,6 +584,13 @@ def main(argv=None) -> int:
                       f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
                 save()
 
+        def triton_too(T, batch):  # where sm_90's kernel ran, the Triton kernel too, beside it (probe rows)
+            if results[-1]["impl"] != "triton":
+                r = bench_sparse_mla(z, T, 32768 if T < 8192 else 65536, ceil, config=dict(DEFAULT_CONFIG),
+                                     torch_path=False, batch=batch)
+                results.append(dict(r, probe="the Triton kernel"))
+                print("  triton kernel", f"{r['ms']:.3f} ms", flush=True)
+
         if args.indexer_only:
             indexer_cases(INDEXER_CASES)
             continue
@@ -589,11 +603,14 @@ def main(argv=None) -> int:
             continue
         for T in ([1, 64, 512] if args.quick else [1, 8, 64, 128, 256, 512, 2048, 8192]):
             results.append(bench_sparse_mla(z, T, 32768 if T < 8192 else 65536, ceil, config=best))
-            print(results[-1]["kernel"], z["name"], T, f"{results[-1]['ms']:.3f} ms", flush=True)
+            print(results[-1]["kernel"], z["name"], T, results[-1]["impl"], f"{results[-1]['ms']:.3f} ms", flush=True)
+            triton_too(T, False)
             save()
         for T in ([64] if args.quick else [8, 64, 128]):  # decode batches: rows from HBM, not shared
             results.append(bench_sparse_mla(z, T, 32768, ceil, config=best, torch_path=False, batch=True))
-            print(results[-1]["kernel"], z["name"], "decode batch", T, f"{results[-1]['ms']:.3f} ms", flush=True)
+            print(results[-1]["kernel"], z["name"], "decode batch", T, results[-1]["impl"],
+                  f"{results[-1]['ms']:.3f} ms", flush=True)
+            triton_too(T, True)
             save()
         indexer_cases([(c, t) for c, t in INDEXER_CASES if c <= 32768 and t in (1, 64)] if args.quick else INDEXER_CASES)
         for T in ([1, 1024] if args.quick else [1, 64, 1024, 8192]):

@@ -12,10 +12,8 @@ PV is waited for only after the next step's QK^T was issued).
 One program per (token, 64 heads); bf16 only; no top-k splits; the top-k is resolved to cache rows by a
 first launch (the library's `_resolve_rows`).
 
-The warp-specialized kernel (`warp_specialized=True`) schedules it as FlashMLA's sparse prefill does: a producer
-warpgroup gathers each step's rows with cp.async into the stage two consumer warpgroups have freed, and
-mbarriers (one `ready`, one `free` per stage) carry the hand-offs, so the consumers issue no copy and wait on
-no copy of their own.
+The library's sm_90 kernel (dsv32ref.kernels.sparse_mla_hopper) grew from this one: the same layouts, with the
+gather moved to a producer warpgroup and barriers per stage.
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
 
 from dsv32ref.kernels.sparse_mla import _program_keys, _resolve_rows, check_inputs
 
@@ -158,126 +156,11 @@ def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, 
     gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
 
 
-# ---- warp-specialized: a producer warpgroup gathers, two consumer warpgroups compute --------------------
-
-LOAD_WARPS = gl.constexpr(4)  # the producer partition: one warpgroup
-LOAD_REGS = gl.constexpr(64)  # few registers: it only copies
-
-
-@gluon.jit
-def _ws_load(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, rows_row_ptr, t, h0, H, K,
-             q_lat, q_pe, k_lat, k_pe, q_bar, ready, free,
-             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The producer: q once, then each step's rows into a stage as soon as the consumers free it. Each of its
-    threads arrives on the stage's `ready` barrier when its own copies have landed (count: all its threads)."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
-    offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
-    q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-    h_ok = (offs_h < H)[:, None]
-    cp.async_copy_global_to_shared(q_lat, q_row + gl.arange(0, D_LAT, gl.SliceLayout(0, ld))[None, :], mask=h_ok)
-    cp.async_copy_global_to_shared(q_pe, q_row + D_LAT + gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))[None, :],
-                                   mask=h_ok)
-    cp.mbarrier_arrive(q_bar, increment_count=False)
-    for i in range(gl.cdiv(K, BLOCK_N)):
-        st = i % 2
-        mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
-        _issue_gather(cache_ptr, stride_cs, rows_row_ptr, i, K, k_lat.index(st), k_pe.index(st), D_LAT, D_ROPE,
-                      BLOCK_N, ld)
-        cp.mbarrier_arrive(ready.index(st), increment_count=False)
-
-
-@gluon.jit
-def _ws_compute(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, rows_row_ptr, out_ptr, stride_ot, stride_oh,
-                lse_ptr, stride_lt, sm_scale_log2, t, h0, H, K,
-                D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
-    """The consumers (the kernel's 8 warps): per step, wait for its stage, S = q K^T, online softmax, O += P V,
-    then free the stage. The two warpgroups split S's keys and O's columns as in the kernel above. The row sums
-    of P accumulate per element (l_acc, each thread its own keys) and are reduced once, after the loop: a reduction
-    across the warpgroups costs three CTA barriers a step, and the row max needs one already."""
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, o_l)
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    mbarrier.wait(q_bar, 0)
-    for i in range(gl.cdiv(K, BLOCK_N)):
-        st = i % 2
-        kl = k_lat.index(st)
-        offs_s = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_l))
-        valid = gl.load(rows_row_ptr + offs_s, mask=offs_s < K, other=-1) >= 0  # (loaded while the copies land)
-        mbarrier.wait(ready.index(st), (i // 2) & 1)
-        fence_async_shared()  # the copies' generic-proxy writes, visible to the wgmma's async proxy
-        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_pe, k_pe.index(st).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[:, None])
-        alpha = gl.exp2(m_i - m_safe)
-        l_acc = l_acc * alpha[:, None] + p
-        m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of P are written
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        gl.thread_barrier()  # every consumer warp is done with P and with this stage
-        mbarrier.arrive(free.index(st))
-    l_i = gl.sum(l_acc, axis=1)
-    has_key = l_i != 0
-    lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
-    l_o = gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))
-    out = acc / l_o[:, None]
-    offs_ho = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_l))
-    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, o_l))
-    gl.store(out_ptr + t * stride_ot + offs_ho[:, None] * stride_oh + offs_d[None, :], out.to(gl.bfloat16),
-             mask=(offs_ho < H)[:, None])
-    offs_hl = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
-    gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
-
-
-@gluon.jit
-def _sparse_mla_ws_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, rows_ptr, out_ptr, stride_ot,
-                          stride_oh, lse_ptr, stride_lt, sm_scale_log2, H, K,
-                          D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                          num_warps: gl.constexpr):
-    """One program per (token, 64 heads), as the kernel above, its shared memory too, with the gather moved to a
-    producer warpgroup: barriers (`ready`, `free`, one of each per stage) replace the CTA-wide waits on copies."""
-    t = gl.program_id(0)
-    h0 = gl.program_id(1) * BLOCK_H
-    lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16)
-    pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-    q_lat = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], lat_sl)
-    q_pe = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], pe_sl)
-    k_lat = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], lat_sl)
-    k_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], pe_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=LOAD_WARPS * 32)  # every producer thread, when its copies land
-    for st in gl.static_range(2):
-        mbarrier.init(ready.index(st), count=LOAD_WARPS * 32)
-        mbarrier.init(free.index(st), count=1)
-    rows_row_ptr = rows_ptr + t * K
-    gl.warp_specialize([
-        (_ws_compute, (q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, rows_row_ptr, out_ptr, stride_ot,
-                       stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, K, D_LAT, BLOCK_H, BLOCK_N, num_warps)),
-        (_ws_load, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, rows_row_ptr, t, h0, H, K, q_lat, q_pe, k_lat,
-                    k_pe, q_bar, ready, free, D_LAT, D_ROPE, BLOCK_H, BLOCK_N)),
-    ], [LOAD_WARPS], [LOAD_REGS])
-
-
 def sparse_mla_gluon(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse=None,
-                     overlap_pv: bool = False, warp_specialized: bool = False):
+                     overlap_pv: bool = False):
     """sparse_mla_paged's result (bf16, D_LAT 512, D_ROPE 64, no splits) from the Gluon kernel. overlap_pv: a
     step's PV runs while the next step's copies are awaited and its QK^T issued (else each PV is waited for
-    at once; the default: the overlap was 9 % slower on the H200, data/sparse_mla_gluon_sweep.json).
-    warp_specialized: the kernel with a producer warpgroup (_sparse_mla_ws_kernel) instead."""
+    at once; the default: the overlap was 9 % slower on the H200, data/sparse_mla_gluon_sweep.json)."""
     T, H, d_lat, d_rope, B = check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale,
                                           out, lse)
     if q.dtype != torch.bfloat16 or (d_lat, d_rope) != (512, 64):
@@ -290,12 +173,8 @@ def sparse_mla_gluon(q, latent_cache, block_table, req_indices, seq_lens, topk_i
     _resolve_rows_kernel[(T,)](req_indices, seq_lens, topk_indices, topk_indices.stride(0), block_table,
                                block_table.stride(0), rows, K, B, block_table.shape[1], latent_cache.shape[1],
                                latent_cache.stride(0) // latent_cache.stride(1), latent_cache.shape[0], num_warps=4)
-    args = (q, q.stride(0), q.stride(1), latent_cache, latent_cache.stride(1), rows, out, out.stride(0), out.stride(1),
-            lse_arg, lse_arg.stride(0), sm_scale * math.log2(math.e), H, K)
-    if warp_specialized:
-        _sparse_mla_ws_kernel[(T, triton.cdiv(H, 64))](*args, D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=64, BLOCK_N=64,
-                                                       num_warps=8)
-    else:
-        _sparse_mla_gluon_kernel[(T, triton.cdiv(H, 64))](*args, D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=64, BLOCK_N=64,
-                                                          OVERLAP_PV=overlap_pv, num_warps=8)
+    _sparse_mla_gluon_kernel[(T, triton.cdiv(H, 64))](
+        q, q.stride(0), q.stride(1), latent_cache, latent_cache.stride(1), rows, out, out.stride(0), out.stride(1),
+        lse_arg, lse_arg.stride(0), sm_scale * math.log2(math.e), H, K,
+        D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=64, BLOCK_N=64, OVERLAP_PV=overlap_pv, num_warps=8)
     return out, lse

@@ -40,7 +40,7 @@ WRAPPER_KERNELS = {
     "fused_q": ("_fused_q_kernel",),
     "indexer_scores_paged": ("_indexer_scores_kernel",),
     "topk_from_scores": ("_topk_kernel", "_topk_hist_kernel", "_topk_compact_kernel"),
-    "sparse_mla_paged": ("_sparse_mla_kernel", "_combine_splits_kernel"),
+    "sparse_mla_paged": ("_sparse_mla_kernel", "_sparse_mla_ws_kernel", "_combine_splits_kernel"),
 }
 
 

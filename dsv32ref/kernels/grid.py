@@ -33,11 +33,16 @@ def _cuda_capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA device ((9, 0): Hopper), None for any other device."""
+    return _cuda_capability(device.index) if device.type == "cuda" else None
+
+
 def pdl(device: torch.device, override: bool | None, caller: str) -> bool:
     """Whether to launch with programmatic dependent launch (sm_90 on; never under the interpreter): a kernel so
     launched may start while the kernel before it runs, and waits (griddepcontrol.wait) before it reads what
     that one wrote. `override` if given (True only where the device has it), else wherever it has it."""
-    supported = device.type == "cuda" and _cuda_capability(device.index) >= (9, 0)
+    supported = device.type == "cuda" and cuda_capability(device) >= (9, 0)
     if override is None:
         return supported
     if not isinstance(override, bool):

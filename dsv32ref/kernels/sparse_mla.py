@@ -40,7 +40,12 @@ from dsv32ref.checks import (check_keys, check_range, check_same_device, check_s
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.grid import num_sms as _num_sms
 
-__all__ = ["sparse_mla_paged", "DEFAULT_CONFIG"]
+try:  # the warp-specialized Gluon kernel that sm_90 runs (needs triton.experimental.gluon)
+    from dsv32ref.kernels import sparse_mla_hopper as _hopper
+except ImportError:  # an older triton: every device runs the Triton kernel below
+    _hopper = None
+
+__all__ = ["sparse_mla_paged", "DEFAULT_CONFIG", "uses_hopper_kernel"]
 
 
 SLOT_CHUNK = tl.constexpr(2048)  # top-k entries resolved to cache rows per step of the prologue
@@ -264,6 +269,12 @@ def num_splits(T: int, head_blocks: int, sms: int) -> int:
     return 1 << (fill.bit_length() - 1) if fill >= 2 else 1
 
 
+def uses_hopper_kernel(q: torch.Tensor, d_lat: int, d_rope: int, splits: int, config: dict | None) -> bool:
+    """Whether sparse_mla_paged runs the Gluon kernel (dsv32ref.kernels.sparse_mla_hopper): no config given,
+    Gluon importable, and that kernel's `applies`."""
+    return not config and _hopper is not None and _hopper.applies(q, d_lat, d_rope, splits)
+
+
 def sparse_mla_paged(
     q: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -291,7 +302,9 @@ def sparse_mla_paged(
     D_LAT is taken as out.shape[-1] (kv_lora_rank); both it and D_ROPE must be powers of two.
     valid_first   the valid indices of each row come first (as the indexer writes them): only the first
                   min(K, seq_len) slots are visited. Off by default (FlashMLA accepts any order).
-    config        tiles (CONFIG_KEYS) over DEFAULT_CONFIG (FP32_CONFIG for fp32 inputs).
+    config        tiles (CONFIG_KEYS) over DEFAULT_CONFIG (FP32_CONFIG for fp32 inputs). Without one, an sm_90
+                  GPU runs the warp-specialized Gluon kernel (dsv32ref.kernels.sparse_mla_hopper) where it
+                  applies (bf16, D_LAT 512, D_ROPE 64, no top-k splits); with one, always the Triton kernel.
     When T x head blocks leaves SMs idle (decode), the top-k is split across NUM_SPLITS programs (`num_splits`,
     or config["NUM_SPLITS"], a power of two) and a second launch merges the partial results; the split count
     depends only on shapes, so it is fixed within a captured graph. `num_sms`: the SMs to fill (default: the
@@ -313,6 +326,10 @@ def sparse_mla_paged(
     elif not is_int(splits) or splits < 1 or splits & (splits - 1):
         raise ValueError(f"sparse_mla_paged: NUM_SPLITS must be a power of two, got {splits!r}")
     splits = min(splits, 16, triton.next_power_of_2(triton.cdiv(K, cfg["BLOCK_N"])))
+    if uses_hopper_kernel(q, d_lat, d_rope, splits, config):
+        _hopper.sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out,
+                                  lse_arg, valid_first)
+        return out, lse
     if splits > 1:
         part_o = torch.empty(T, H, splits, d_lat, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)

@@ -1,0 +1,205 @@
+"""sparse_mla on Hopper (sm_90), warp-specialized, in Gluon: what `sparse_mla_paged` runs there. Graph-safe.
+
+The math, the semantics and the program (one token, 64 heads, the top-k walked 64 keys a step) are those of the
+Triton kernel in dsv32ref.kernels.sparse_mla; this one writes out the schedule FlashMLA's sparse prefill uses,
+which Triton's compiler does not find for that kernel:
+
+    producer   one warpgroup: q once, then for each step the 64 keys' cache rows (the top-k index through the
+               block table, as the Triton kernel resolves them) and their cp.async gather into a free stage
+    consumers  two warpgroups: per step wait for the stage, S = q K^T, online softmax, O += P V, free the stage;
+               they split S's 64 keys (32 each) and O's 512 columns (256 each)
+    hand-offs  mbarriers, one `ready` (every producer thread arrives when its copies land) and one `free` per
+               stage, instead of CTA-wide waits on copies; the consumers issue no copy
+
+    shared memory (bf16): q 64 x 576 (72 KiB) + 2 stages of K 64 x 576 (144 KiB) + P 64 x 64 (8 KiB) = 224 KiB
+
+Per step: 72 KiB gathered, 4.7 MFLOP in QK^T and 4.2 MFLOP in PV (64 heads). The row sums of P accumulate per
+element and are reduced once after the loop: a reduction across the warpgroups costs three CTA barriers a step,
+and the row max already needs one. Its times beside the Triton kernel's, on the H200: data/kernels.json
+(notebook 02).
+
+Scope: bf16, D_LAT 512, D_ROPE 64, no top-k splits, triton 3.6 (Gluon's API is young). `applies` says when;
+everything else runs the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from dsv32ref.kernels.grid import cuda_capability
+
+__all__ = ["applies", "sparse_mla_hopper"]
+
+BLOCK_H = gl.constexpr(64)  # heads per program
+BLOCK_N = gl.constexpr(64)  # keys per step
+LOAD_WARPS = gl.constexpr(4)  # the producer partition: one warpgroup
+LOAD_REGS = gl.constexpr(64)  # few registers: it only resolves rows and copies
+
+
+def applies(q: torch.Tensor, d_lat: int, d_rope: int, splits: int) -> bool:
+    """Whether sparse_mla_paged runs this kernel: a CUDA tensor on an sm_90 device, bf16, DeepSeek's latent
+    widths, no top-k splits (few programs: the split Triton kernel fills the GPU better), triton 3.6."""
+    return (q.device.type == "cuda" and q.dtype == torch.bfloat16 and (d_lat, d_rope) == (512, 64) and splits == 1
+            and triton.__version__.startswith("3.6.") and cuda_capability(q.device) == (9, 0))
+
+
+@gluon.jit
+def _step_rows(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
+               layout: gl.constexpr):
+    """Step i's BLOCK_N top-k slots (of the first k_end) -> their cache rows (in units of the cache's row
+    stride), -1 where the index is outside [0, seq_len) or its block id outside [0, num_blocks): never read.
+    (BLOCK_N,) in `layout`."""
+    offs = i * BLOCK_N + gl.arange(0, BLOCK_N, layout)
+    idx = gl.load(idx_row_ptr + offs, mask=offs < k_end, other=-1)
+    ok = (idx >= 0) & (idx < seq_len)
+    pos = gl.where(ok, idx, 0)
+    blk = gl.load(bt_row_ptr + pos // block_size, mask=ok, other=0)
+    ok = ok & (blk >= 0) & (blk < num_blocks)
+    return gl.where(ok, blk * rows_per_block + pos % block_size, -1)
+
+
+@gluon.jit
+def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
+                    seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, q_bar, ready, free,
+                    D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """The producer: q once, then each step's rows, resolved while it waits for the consumers to free the stage."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
+    offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
+    q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    h_ok = (offs_h < H)[:, None]
+    offs_lat = gl.arange(0, D_LAT, gl.SliceLayout(0, ld))
+    offs_pe = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))
+    cp.async_copy_global_to_shared(q_lat, q_row + offs_lat[None, :], mask=h_ok)
+    cp.async_copy_global_to_shared(q_pe, q_row + D_LAT + offs_pe[None, :], mask=h_ok)
+    cp.mbarrier_arrive(q_bar, increment_count=False)
+    for i in range(gl.cdiv(k_end, BLOCK_N)):
+        st = i % 2
+        row = _step_rows(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
+                         gl.SliceLayout(1, ld))
+        base = cache_ptr + row.to(gl.int64)[:, None] * stride_cs
+        ok = (row >= 0)[:, None]  # an invalid row is not read: its stage rows are zero-filled
+        mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
+        cp.async_copy_global_to_shared(k_lat.index(st), base + offs_lat[None, :], mask=ok)
+        cp.async_copy_global_to_shared(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok)
+        cp.mbarrier_arrive(ready.index(st), increment_count=False)
+
+
+@gluon.jit
+def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx_row_ptr, bt_row_ptr, out_ptr,
+                       stride_ot, stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, seq_len, block_size,
+                       rows_per_block, num_blocks, D_LAT: gl.constexpr):
+    """The consumers (the kernel's 8 warps), then O / l and the natural-log logsumexp (+inf where no key was
+    valid; NaN where a score was NaN or +inf, as in the reference)."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, o_l)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    mbarrier.wait(q_bar, 0)
+    for i in range(gl.cdiv(k_end, BLOCK_N)):
+        st = i % 2
+        kl = k_lat.index(st)
+        valid = _step_rows(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
+                           gl.SliceLayout(0, s_l)) >= 0  # (resolved again here, while the copies land)
+        mbarrier.wait(ready.index(st), (i // 2) & 1)
+        fence_async_shared()  # the copies' generic-proxy writes, visible to the wgmma's async proxy
+        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_pe, k_pe.index(st).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # (BLOCK_H, BLOCK_N)
+        s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no valid key yet
+        p = gl.exp2(s - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
+        l_acc = l_acc * alpha[:, None] + p
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()  # both warpgroups' halves of P are written
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        gl.thread_barrier()  # every consumer warp is done with P and with this stage
+        mbarrier.arrive(free.index(st))
+    l_i = gl.sum(l_acc, axis=1)
+    has_key = l_i != 0
+    lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
+    out = acc / gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))[:, None]
+    offs_ho = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_l))
+    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, o_l))
+    gl.store(out_ptr + t * stride_ot + offs_ho[:, None] * stride_oh + offs_d[None, :], out.to(gl.bfloat16),
+             mask=(offs_ho < H)[:, None])
+    offs_hl = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
+    gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
+
+
+@gluon.jit
+def _sparse_mla_ws_kernel(
+    q_ptr, stride_qt, stride_qh,  # q [T, H, D_LAT + D_ROPE] bf16
+    cache_ptr, stride_cs,  # latent cache rows (stride_cs: one token's row)
+    block_table_ptr, stride_bt, req_ptr, seq_lens_ptr,  # [B, max_blocks], [T], [B]
+    idx_ptr, stride_it,  # top-k [T, K] int32
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,  # out [T, H, D_LAT] bf16, lse [T, H] fp32
+    sm_scale_log2, H, K, block_size, rows_per_block, B, max_blocks, num_blocks,
+    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, VALID_FIRST: gl.constexpr, num_warps: gl.constexpr,
+):
+    t = gl.program_id(0)
+    h0 = gl.program_id(1) * BLOCK_H
+    # A request index outside [0, B) attends to nothing; a sequence longer than its block-table row (or
+    # negative) is cut to what the row can address.
+    req = gl.load(req_ptr + t)
+    req_ok = (req >= 0) & (req < B)
+    seq_len = gl.load(seq_lens_ptr + gl.where(req_ok, req, 0))
+    seq_len = gl.where(req_ok, gl.maximum(gl.minimum(seq_len, max_blocks * block_size), 0), 0)
+    # With VALID_FIRST the caller promises the valid indices come first: at most seq_len slots need visiting.
+    k_end = gl.minimum(K, seq_len) if VALID_FIRST else K
+    idx_row_ptr = idx_ptr + t * stride_it
+    bt_row_ptr = block_table_ptr + gl.where(req_ok, req, 0) * stride_bt
+    lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16)
+    pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], lat_sl)
+    q_pe = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], pe_sl)
+    k_lat = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], lat_sl)
+    k_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], pe_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=LOAD_WARPS * 32)  # every producer thread, when its copies land
+    for st in gl.static_range(2):
+        mbarrier.init(ready.index(st), count=LOAD_WARPS * 32)
+        mbarrier.init(free.index(st), count=1)  # one arrive: the consumers, after their barrier
+    gl.warp_specialize([
+        (_compute_partition, (q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx_row_ptr, bt_row_ptr, out_ptr,
+                              stride_ot, stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, seq_len, block_size,
+                              rows_per_block, num_blocks, D_LAT)),
+        (_load_partition, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
+                           k_end, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, q_bar, ready,
+                           free, D_LAT, D_ROPE)),
+    ], [LOAD_WARPS], [LOAD_REGS])
+
+
+def sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse,
+                      valid_first: bool = False):
+    """The launch (inputs checked by sparse_mla_paged, `applies` true): one program per (token, 64 heads);
+    valid_first as sparse_mla_paged's."""
+    T, H = q.shape[:2]
+    nb, bs = latent_cache.shape[:2]
+    _sparse_mla_ws_kernel[(T, triton.cdiv(H, 64))](
+        q, q.stride(0), q.stride(1), latent_cache, latent_cache.stride(1),
+        block_table, block_table.stride(0), req_indices, seq_lens, topk_indices, topk_indices.stride(0),
+        out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        sm_scale * math.log2(math.e), H, topk_indices.shape[1], bs,
+        latent_cache.stride(0) // latent_cache.stride(1), seq_lens.shape[0], block_table.shape[1], nb,
+        D_LAT=out.shape[-1], D_ROPE=q.shape[-1] - out.shape[-1], VALID_FIRST=valid_first, num_warps=8)
+    return out, lse
