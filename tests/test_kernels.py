@@ -392,10 +392,14 @@ def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
     T, f = meta.num_tokens, dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(T, heads, z["d_lat"] + z["rope"], **f)
     cache = torch.randn(nb, z["block"], z["d_lat"] + z["rope"], **f)
-    topk = torch.stack([torch.randint(-1, int(p) + 2, (z["k"],), device="cuda") for p in meta.positions]).int()
-    if valid_first:  # the valid indices first, as the indexer writes them (-1 after)
-        ok = (topk >= 0) & (topk < meta.seq_lens[meta.req_indices.long()][:, None])
-        topk = torch.where(ok, topk, -1).sort(dim=1, descending=True).values
+    if valid_first:  # as the indexer writes them: distinct visible positions first, then -1 or out of range
+        topk = torch.full((T, z["k"]), -1, dtype=torch.int32, device="cuda")
+        for t, p in enumerate(meta.positions.tolist()):
+            sel = torch.randperm(p + 1, device="cuda")[: z["k"] - 3].int()
+            topk[t, : len(sel)] = sel
+            topk[t, len(sel): len(sel) + 2] = torch.tensor([p + 5, 10 ** 6], dtype=torch.int32)
+    else:  # anything: repeats, -1, past the sequence
+        topk = torch.stack([torch.randint(-1, int(p) + 2, (z["k"],), device="cuda") for p in meta.positions]).int()
     topk[0] = -1  # no valid key
     req = meta.req_indices.clone()
     req[1] = meta.num_reqs  # a request outside the block table: attends to nothing

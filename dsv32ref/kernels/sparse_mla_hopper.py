@@ -104,12 +104,16 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx
     l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
     acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, o_l)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    # which keys are valid, resolved again here (two dependent loads), one step ahead: they land during a step
+    row_next = _step_rows(idx_row_ptr, bt_row_ptr, 0, k_end, seq_len, block_size, rows_per_block, num_blocks,
+                          gl.SliceLayout(0, s_l))
     mbarrier.wait(q_bar, 0)
     for i in range(gl.cdiv(k_end, BLOCK_N)):
         st = i % 2
         kl = k_lat.index(st)
-        valid = _step_rows(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
-                           gl.SliceLayout(0, s_l)) >= 0  # (resolved again here, while the copies land)
+        valid = row_next >= 0
+        row_next = _step_rows(idx_row_ptr, bt_row_ptr, i + 1, k_end, seq_len, block_size, rows_per_block,
+                              num_blocks, gl.SliceLayout(0, s_l))
         mbarrier.wait(ready.index(st), (i // 2) & 1)
         fence_async_shared()  # the copies' generic-proxy writes, visible to the wgmma's async proxy
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
