@@ -175,6 +175,10 @@ print("top-k split 4 ways + combine       :", ok[4])
 # %%
 with open("../data/kernels.json") as fh:
     data = json.load(fh)
+# where sm_90's warp-specialized kernel ran, the run timed the Triton kernel beside it: those rows apart
+triton_k = {(r["model"], r["shape"], r["T"]): r for r in data["results"]
+            if r.get("probe") == "the Triton kernel"}
+data["results"] = [r for r in data["results"] if not r.get("probe")]
 ab = json.load(open("../data/indexer_ab.json"))  # the indexer: this library's beside earlier commits', one run
 ab_cases = [r for r in ab["results"] if r["kernel"] == "indexer_topk" and not r.get("probe")]
 lean = {(r["model"], r["T"], r["context"]): r["torch_ms"] for r in ab_cases if r.get("torch_ms")}  # timed once a case
@@ -191,7 +195,7 @@ print(f"every case matched its reference: {all(r['ok'] for r in data['results'])
 LABELS = {"ms": "ms", "torch_ms": "torch ms", "ms_topk": "top-k ms", "ms_scores": "scores ms",
           "scores_fraction_of_copy": "scores of copy", "fraction_of_bound": "of bound",
           "fraction_of_compute": "of compute", "fraction_of_memory": "of HBM", "achieved_TFLOPs": "TFLOP/s",
-          "achieved_GBps": "GB/s", "context": "context", "T": "T", "bound": "bound", "shape": "shape"}
+          "achieved_GBps": "GB/s", "context": "context", "T": "T", "bound": "bound", "shape": "shape", "impl": "kernel"}
 
 
 def kernel_table(kernel, cols):
@@ -204,11 +208,11 @@ def kernel_table(kernel, cols):
     table(["model"] + [LABELS[c] for c in cols], [[r["model"]] + [fmt(c, r.get(c)) for c in cols] for r in rows])
 
 
-kernel_table("sparse_mla", ["shape", "T", "ms", "torch_ms", "bound", "fraction_of_bound", "fraction_of_compute",
-                            "fraction_of_memory", "achieved_TFLOPs"])
+kernel_table("sparse_mla", ["shape", "T", "impl", "ms", "torch_ms", "bound", "fraction_of_bound",
+                            "fraction_of_compute", "achieved_TFLOPs"])
 
 # %%
-# the indexer's rows come from data/indexer_ab.json (the current kernels; kernels.json's are an earlier build)
+# the indexer's rows come from data/indexer_ab.json (the A/B run; kernels.json holds the same build's)
 table(["model"] + [LABELS[c] for c in ("T", "context", "ms", "ms_scores", "ms_topk", "scores_fraction_of_copy")]
       + ["lean PyTorch (ms)"],
       [[r["model"], r["T"], r["context"], f"{r['ms']:.4g}", f"{r['ms_scores']:.4g}", f"{r['ms_topk']:.4g}",
@@ -257,7 +261,9 @@ for ax, model in zip(axes, ("deepseek-v3.2", "glm-5.2")):
     rows = [r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == model]
     for shape, style in (("one request", "o-"), ("decode batch", "d-")):
         sel = [r for r in rows if r["shape"] == shape]
-        ax.plot([r["T"] for r in sel], [r["ms"] for r in sel], style, label=f"Triton sparse_mla ({shape})")
+        ax.plot([r["T"] for r in sel], [r["ms"] for r in sel], style, label=f"sparse_mla_paged ({shape})")
+    tk = sorted((r for k, r in triton_k.items() if k[0] == model and k[1] == "one request"), key=lambda r: r["T"])
+    ax.plot([r["T"] for r in tk], [r["ms"] for r in tk], "x:", label="the Triton kernel alone (one request)")
     tr = [r for r in rows if r.get("torch_ms")]
     ax.plot([r["T"] for r in tr], [r["torch_ms"] for r in tr], "s--", label="PyTorch gather + matmul (one request)")
     one = [r for r in rows if r["shape"] == "one request"]
@@ -460,8 +466,41 @@ display(Markdown(
     f"memory in bf16), and every step runs its "
     f"phases one after another (wait for the gather, QKᵀ, a softmax whose row maxima cross the warpgroups through "
     f"shared memory, P to shared memory, PV) with no second program or warpgroup to fill the tensor cores "
-    f"meanwhile. FlashMLA's sparse prefill kernel gives the gathers to a producer warpgroup and lets the two "
-    f"consumer warpgroups run apart; that is the next step for this kernel, not built here."))
+    f"meanwhile. FlashMLA's sparse prefill kernel gives the gathers to a producer warpgroup; the next section "
+    f"builds that."))
+
+# %% [markdown]
+# ## A producer warpgroup: what sm_90 runs
+# `dsv32ref.kernels.sparse_mla_hopper` is the Gluon kernel above with FlashMLA's schedule: a producer warpgroup
+# resolves each step's rows and gathers them with cp.async into the stage the two consumer warpgroups freed;
+# one `ready` and one `free` mbarrier per stage carry the hand-offs, and the row sums of P are reduced once
+# after the loop instead of across the warpgroups every step. `sparse_mla_paged` runs it on sm_90 for bf16 with
+# DeepSeek's latent widths wherever the top-k is not split (one launch, as before); a config, fp16/fp32, other
+# widths or a split run the Triton kernel. The kernel benchmark timed the Triton kernel beside it in each case:
+
+# %%
+rows = []
+for m in ("deepseek-v3.2", "glm-5.2"):
+    for r in data["results"]:
+        tr = triton_k.get((r["model"], r.get("shape"), r["T"]))
+        if r["kernel"] == "sparse_mla" and r["model"] == m and tr:
+            rows.append([m, r["shape"], r["T"], r["ms"] * 1e3, tr["ms"] * 1e3, f"{tr['ms'] / r['ms']:.2f}x",
+                         f"{r['fraction_of_compute']:.1%}", f"{tr['fraction_of_compute']:.1%}"])
+table(["model", "shape", "T", "sm_90 kernel (us)", "Triton kernel (us)", "speed-up", "sm_90 of GEMM",
+       "Triton of GEMM"], rows, floatfmt=".1f")
+ws = json.load(open("../data/sparse_mla_ws_compare.json"))
+ws_rows = {(r["model"], r["shape"], r["T"], json.dumps(r["config"], sort_keys=True)): r for r in ws["results"]}
+two = ws_rows[("deepseek-v3.2", "one request", 512, json.dumps({"GLUON": True, "WS": True}, sort_keys=True))]
+one = next(r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == "deepseek-v3.2"
+           and r["shape"] == "one request" and r["T"] == 512)
+display(Markdown(
+    f"At DeepSeek-V3.2's shape and 512 query tokens the sm_90 kernel runs at {one['fraction_of_compute']:.1%} of the "
+    f"GEMM rate of its run, below half of it. An earlier build of the same schedule (`data/sparse_mla_ws_compare.json`, "
+    f"commit {ws['provenance']['git_commit'][:7]}) resolved the rows in a launch of its own into a workspace, so that "
+    f"each step of both partitions read one contiguous row of int32: {two['ms'] * 1e3:.0f} us, "
+    f"{two['fraction_of_compute']:.1%} of that run's GEMM rate, against {one['ms'] * 1e3:.0f} us here. Resolving "
+    f"inside the kernel (two dependent loads in the producer, again in the consumers for the validity mask) costs "
+    f"that difference; not yet isolated."))
 
 # %% [markdown]
 # ## Splitting the top-k when the programs do not fill the GPU
@@ -689,15 +728,15 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 #   indexer query; it runs at a lower fraction of the copy bandwidth (the butterflies' shuffles).
 # - `indexer_topk` beats the lean PyTorch path (contiguous keys, bf16 einsum, `torch.topk`) in the cases
 #   counted above: it never writes the [T, H_I, S] logits. At one decode token it is faster by the ratios
-#   printed above. What holds it back there: the scores pass runs below the read-only floor (a block-table
-#   read before each tile, the MMAs), and the floor itself is far from the copy rate at tens of megabytes;
+#   printed above. What holds it back there: the scores pass runs below the read-only floor (the MMAs, the
+#   block ids read before its loop), and the floor itself is far from the copy rate at tens of megabytes;
 #   the top-k is five dependent launches. From 256 tokens a program scores a group of tokens, so each key
 #   tile is read once for the group.
 # - `sparse_mla` at 64 query tokens and more runs at the fractions printed above: of the bf16
 #   tensor-core rate, and for a decode batch of GLM-5.2 (memory-bound: every row a distinct HBM read) of
 #   the copy bandwidth. Decode with one or eight tokens is latency-bound: a few steps per program, plus
-#   the prologue and the merge. The same schedule in Gluon, with the query held in shared memory, is faster
-#   (table above) but still below half of the GEMM rate; a producer warpgroup for the gathers is what
-#   FlashMLA adds.
+#   the prologue and the merge. On sm_90 a warp-specialized Gluon kernel (a producer warpgroup for the
+#   gathers, as FlashMLA's) runs wherever the top-k is not split, faster than the Triton kernel in every such
+#   case (table above); with its rows resolved inside the kernel it is still below half of the GEMM rate.
 # - Beside the PR: it measured whole requests through vLLM's kernels on TP4; this notebook measures our
 #   kernels alone on one GPU, each checked against the PyTorch reference in every benchmarked case.
