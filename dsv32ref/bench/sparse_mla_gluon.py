@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from dsv32ref.kernels.sparse_mla import _program_keys, _resolve_rows, check_inputs
+from dsv32ref.kernels.sparse_mla_hopper import _finish, _shared_buffers, _softmax_step
 
 __all__ = ["sparse_mla_gluon"]
 
@@ -71,14 +72,7 @@ def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, 
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16)
-    pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-    q_lat = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], lat_sl)
-    q_pe = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], pe_sl)
-    k_lat = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], lat_sl)
-    k_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], pe_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+    q_lat, q_pe, k_lat, k_pe, p_smem = _shared_buffers(D_LAT, D_ROPE)
 
     # q once: 64 heads x 576
     offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
@@ -126,11 +120,7 @@ def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, 
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         offs_s = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_l))
         valid = gl.load(rows_row_ptr + offs_s, mask=offs_s < K, other=-1) >= 0
-        s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[:, None])
-        alpha = gl.exp2(m_i - m_safe)
+        p, m_new, alpha = _softmax_step(s, valid, m_i, sm_scale_log2)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
@@ -143,17 +133,7 @@ def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, 
             gl.thread_barrier()  # every warp is done with stage st and P before they are written again
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     cp.wait_group(0)
-
-    has_key = l_i != 0
-    lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
-    l_o = gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))
-    out = acc / l_o[:, None]
-    offs_ho = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_l))
-    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, o_l))
-    gl.store(out_ptr + t * stride_ot + offs_ho[:, None] * stride_oh + offs_d[None, :], out.to(gl.bfloat16),
-             mask=(offs_ho < H)[:, None])
-    offs_hl = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
-    gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
+    _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, D_LAT, s_l, o_l)
 
 
 def sparse_mla_gluon(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse=None,

@@ -67,6 +67,46 @@ def _step_rows(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_
 
 
 @gluon.jit
+def _shared_buffers(D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """The program's shared memory in MMA-ready layouts: q (64 x 576), two stages of K (64 x 576), P (64 x 64)."""
+    lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16)
+    pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], lat_sl)
+    q_pe = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], pe_sl)
+    k_lat = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], lat_sl)
+    k_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], pe_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+    return q_lat, q_pe, k_lat, k_pe, p_smem
+
+
+@gluon.jit
+def _softmax_step(s, valid, m_i, sm_scale_log2):
+    """One step of the online softmax on raw scores s (BLOCK_H, BLOCK_N) -> (p, the new running max, the rescale
+    of the old terms); base 2, invalid keys -inf."""
+    s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no valid key yet
+    return gl.exp2(s - m_safe[:, None]), m_new, gl.exp2(m_i - m_safe)
+
+
+@gluon.jit
+def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, D_LAT: gl.constexpr,
+            s_l: gl.constexpr, o_l: gl.constexpr):
+    """O / l and the natural-log logsumexp (+inf where no key was valid; NaN where a score was NaN or +inf, as in
+    the reference), stored for the program's heads."""
+    has_key = l_i != 0
+    lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
+    out = acc / gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))[:, None]
+    offs_ho = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_l))
+    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, o_l))
+    gl.store(out_ptr + t * stride_ot + offs_ho[:, None] * stride_oh + offs_d[None, :], out.to(gl.bfloat16),
+             mask=(offs_ho < H)[:, None])
+    offs_hl = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
+    gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
+
+
+@gluon.jit
 def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
                     seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, q_bar, ready, free,
                     D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
@@ -96,8 +136,7 @@ def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_p
 def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx_row_ptr, bt_row_ptr, out_ptr,
                        stride_ot, stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, seq_len, block_size,
                        rows_per_block, num_blocks, D_LAT: gl.constexpr):
-    """The consumers (the kernel's 8 warps), then O / l and the natural-log logsumexp (+inf where no key was
-    valid; NaN where a score was NaN or +inf, as in the reference)."""
+    """The consumers (the kernel's 8 warps), then the epilogue (_finish)."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
@@ -119,11 +158,7 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_pe, k_pe.index(st).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # (BLOCK_H, BLOCK_N)
-        s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no valid key yet
-        p = gl.exp2(s - m_safe[:, None])
-        alpha = gl.exp2(m_i - m_safe)
+        p, m_new, alpha = _softmax_step(s, valid, m_i, sm_scale_log2)
         l_acc = l_acc * alpha[:, None] + p
         m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
@@ -134,16 +169,8 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()  # every consumer warp is done with P and with this stage
         mbarrier.arrive(free.index(st))
-    l_i = gl.sum(l_acc, axis=1)
-    has_key = l_i != 0
-    lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
-    out = acc / gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))[:, None]
-    offs_ho = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_l))
-    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, o_l))
-    gl.store(out_ptr + t * stride_ot + offs_ho[:, None] * stride_oh + offs_d[None, :], out.to(gl.bfloat16),
-             mask=(offs_ho < H)[:, None])
-    offs_hl = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
-    gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
+    _finish(acc, m_i, gl.sum(l_acc, axis=1), out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, D_LAT,
+            s_l, o_l)
 
 
 @gluon.jit
@@ -168,14 +195,7 @@ def _sparse_mla_ws_kernel(
     k_end = gl.minimum(K, seq_len) if VALID_FIRST else K
     idx_row_ptr = idx_ptr + t * stride_it
     bt_row_ptr = block_table_ptr + gl.where(req_ok, req, 0) * stride_bt
-    lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16)
-    pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-    q_lat = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_LAT], lat_sl)
-    q_pe = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], pe_sl)
-    k_lat = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT], lat_sl)
-    k_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE], pe_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+    q_lat, q_pe, k_lat, k_pe, p_smem = _shared_buffers(D_LAT, D_ROPE)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
