@@ -7,8 +7,12 @@
         the chained QK^T the two other ways to resolve key addresses (in the loop, one step ahead);
         DeepSeek-V3.2 sizes
 
+        and sm_90's warp-specialized Gluon kernel (dsv32ref.kernels.sparse_mla_hopper): the consumers' loop and
+        the producer's
+
 Uses the ptxas and cuobjdump that ship with triton. The loop is the backward branch whose body holds the
-most HGMMA instructions; the counts are of instructions in that body (one step of the loop):
+most HGMMA instructions (the producer's: the most LDGSTS); the counts are of instructions in that body (one
+step of the loop):
 LDG = global loads into registers (indices, block-table entries), LDGSTS = cp.async copies (the gather),
 HGMMA = warpgroup MMAs, BAR = CTA barriers. ptxas also reports registers and spills.
 """
@@ -28,9 +32,11 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from dsv32ref.bench.sparse_mla_variants import LIBRARY, _variant_kernel
 from dsv32ref.kernels.sparse_mla import _sparse_mla_kernel
+from dsv32ref.kernels.sparse_mla_hopper import _sparse_mla_ws_kernel
 from dsv32ref.provenance import provenance
 
 POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_table_ptr": "*i32", "req_ptr": "*i32",
@@ -53,8 +59,19 @@ def compile_sm90(config: dict, variant: bool = False):
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
-def loop_counts(config: dict, variant: bool = False) -> dict:
-    kernel = compile_sm90(config, variant)
+def compile_hopper_sm90():
+    """sm_90's warp-specialized kernel at DeepSeek-V3.2 sizes, as sparse_mla_paged launches it."""
+    const = dict(D_LAT=512, D_ROPE=64, VALID_FIRST=False, num_warps=8)
+    params = list(inspect.signature(_sparse_mla_ws_kernel.fn).parameters)
+    sig = {p: "constexpr" if p in const else POINTERS.get(p, "fp32" if p == "sm_scale_log2" else "i32") for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p] not in ("constexpr", "fp32")}
+    src = GluonASTSource(_sparse_mla_ws_kernel, sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+
+
+def loop_counts(config: dict, variant: bool = False, kernel=None, loop: str = "HGMMA") -> dict:
+    """Registers, spills and one step's instructions of the loop whose body holds the most `loop` instructions."""
+    kernel = kernel or compile_sm90(config, variant)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -74,19 +91,19 @@ def loop_counts(config: dict, variant: bool = False) -> dict:
         t = re.search(r"0x([0-9a-f]+)", rest)
         if op.startswith("BRA") and t and int(t.group(1), 16) < addr:
             body = [o for a, o, _ in instrs if int(t.group(1), 16) <= a <= addr]
-            loops.append((sum(o.startswith("HGMMA") for o in body), body))
+            loops.append((sum(o.startswith(loop) for o in body), body))
     body = max(loops, key=lambda x: x[0])[1]
     kinds = collections.Counter(o.split(".")[0] for o in body)
     regs = re.search(r"Used (\d+) registers", report)
     spill = re.search(r"(\d+) bytes spill stores", report)
-    return {"kernel": _variant_kernel.__name__ if variant else _sparse_mla_kernel.__name__,
-            "config": dict(LIBRARY, **config), "registers": int(regs.group(1)), "spill_store_bytes": int(spill.group(1)),
+    name = kernel.name if config is None else _variant_kernel.__name__ if variant else _sparse_mla_kernel.__name__
+    return {"kernel": name, "config": None if config is None else dict(LIBRARY, **config), "registers": int(regs.group(1)), "spill_store_bytes": int(spill.group(1)),
             "shared_bytes": kernel.metadata.shared, "loop_instructions": len(body),
-            "per_step": {k: kinds[k] for k in ("LDG", "LDGSTS", "LDS", "STS", "HGMMA", "BAR", "MUFU")}}
+            "per_step": {k: kinds[k] for k in ("LDG", "LDGSTS", "LDS", "STS", "HGMMA", "BAR", "MUFU", "IMAD")}}
 
 
 VARIANTS = {  # name: (config over the library's, compiled from the variants module)
-    "SLOTS, split QK^T, rows one step ahead (default)": ({}, False),
+    "SLOTS, split QK^T, rows one step ahead (the Triton kernel)": ({}, False),
     "SLOTS, split QK^T (SPLIT_QK)": ({"PREFETCH": False}, True),
     "SLOTS, chained QK^T": ({"SPLIT_QK": False, "PREFETCH": False}, True),
     "in the loop, chained QK^T": ({"SLOTS": False, "PREFETCH": False, "SPLIT_QK": False}, True),
@@ -100,8 +117,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     prov = provenance()  # before --out is opened: rewriting a tracked file would mark the tree dirty
     rows = {}
-    for name, (cfg, variant) in VARIANTS.items():
-        rows[name] = r = loop_counts(cfg, variant)
+    hopper = compile_hopper_sm90()
+    runs = [(name, lambda cfg=cfg, variant=variant: loop_counts(cfg, variant)) for name, (cfg, variant) in VARIANTS.items()]
+    runs += [("sm_90 warp-specialized: the consumers' loop", lambda: loop_counts(None, kernel=hopper)),
+             ("sm_90 warp-specialized: the producer's loop", lambda: loop_counts(None, kernel=hopper, loop="LDGSTS"))]
+    for name, run in runs:
+        rows[name] = r = run()
         print(f"{name:<46} regs {r['registers']}, spills {r['spill_store_bytes']} B, shared {r['shared_bytes']} B, "
               f"{r['loop_instructions']} instructions per step: " + ", ".join(f"{k} {v}" for k, v in r["per_step"].items()))
     if args.out:

@@ -396,7 +396,7 @@ table(["variant", "registers", "spilled (B)", "LDG / step", "cp.async / step", "
 V = sass["variants"]
 loop, slots = V["in the loop, chained QK^T"], V["SLOTS, chained QK^T"]
 ahead, chained = V["one step ahead, chained QK^T"], V["SLOTS, chained QK^T"]
-split = V["SLOTS, split QK^T, rows one step ahead (default)"]
+split = V["SLOTS, split QK^T, rows one step ahead (the Triton kernel)"]
 display(Markdown(
     f"With addresses resolved in the loop, each thread loads an index and then a block-table entry for each of "
     f"its rows: {loop['per_step']['LDG']} global loads to registers per step against {slots['per_step']['LDG']} "
@@ -489,6 +489,8 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 table(["model", "shape", "T", "sm_90 kernel (us)", "Triton kernel (us)", "speed-up", "sm_90 of GEMM",
        "Triton of GEMM"], rows, floatfmt=".1f")
 ws = json.load(open("../data/sparse_mla_ws_compare.json"))
+cons = V["sm_90 warp-specialized: the consumers' loop"]
+prod = V["sm_90 warp-specialized: the producer's loop"]
 ws_rows = {(r["model"], r["shape"], r["T"], json.dumps(r["config"], sort_keys=True)): r for r in ws["results"]}
 two = ws_rows[("deepseek-v3.2", "one request", 512, json.dumps({"GLUON": True, "WS": True}, sort_keys=True))]
 one = next(r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == "deepseek-v3.2"
@@ -500,7 +502,13 @@ display(Markdown(
     f"each step of both partitions read one contiguous row of int32: {two['ms'] * 1e3:.0f} us, "
     f"{two['fraction_of_compute']:.1%} of that run's GEMM rate, against {one['ms'] * 1e3:.0f} us here. Resolving "
     f"inside the kernel (two dependent loads in the producer, again in the consumers for the validity mask) costs "
-    f"that difference; not yet isolated."))
+    f"that difference, by these runs. Compiled offline (`data/sparse_mla_sass.json`, the table above) the consumers' "
+    f"loop issues {cons['loop_instructions']} instructions a step, {cons['per_step']['IMAD']} of them integer "
+    f"multiply-adds (the division and modulo by the runtime block size among them), and "
+    f"{cons['per_step']['LDG']} global loads into registers, beside {cons['per_step']['HGMMA']} warpgroup MMAs; "
+    f"the producer's loop {prod['loop_instructions']}. A block size fixed at compile time, or the producer handing "
+    f"the consumers each step's validity through shared memory, would take that work off the consumers; "
+    f"neither is measured yet."))
 
 # %% [markdown]
 # ## Splitting the top-k when the programs do not fill the GPU
