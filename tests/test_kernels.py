@@ -364,16 +364,16 @@ def test_sparse_mla_gluon(heads, overlap_pv, seed):
 def test_the_hopper_kernel_runs_only_where_it_applies():
     """sparse_mla_paged runs the Gluon kernel only on a CUDA sm_90 device, for bf16 with DeepSeek's latent widths,
     without top-k splits and without a config; an interpreter run always takes the Triton kernel."""
-    from dsv32ref.kernels.sparse_mla import uses_hopper_kernel
+    from dsv32ref.kernels.sparse_mla import launch_plan
 
-    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
-    assert not uses_hopper_kernel(q, 512, 64, 1, None)  # a CPU tensor
+    q = torch.zeros(256, 64, 576, dtype=torch.bfloat16)  # 256 programs: no top-k splits on 132 SMs
+    assert launch_plan(q, 512, 2048, None, 132)[2:] == (1, False)  # a CPU tensor
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         g = q.cuda()
-        assert uses_hopper_kernel(g, 512, 64, 1, None)
-        for args in ((g, 512, 64, 2, None), (g, 512, 64, 1, {"BLOCK_N": 32}), (g.half(), 512, 64, 1, None),
-                     (g[..., :320], 256, 64, 1, None)):
-            assert not uses_hopper_kernel(*args), args[1:]
+        assert launch_plan(g, 512, 2048, None, 132)[2:] == (1, True)
+        for args in ((g[:1], 512, 2048, None), (g, 512, 2048, {"BLOCK_N": 32}), (g.half(), 512, 2048, None),
+                     (g[..., :320], 256, 2048, None)):  # splits; a config; fp16; other latent widths
+            assert not launch_plan(*args, 132)[3], args[1:]
 
 
 @pytest.mark.gpu
@@ -383,7 +383,7 @@ def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
     """sm_90's warp-specialized kernel, as sparse_mla_paged runs it, against the reference and against the Triton
     kernel (a config selects that one): outputs poisoned; invalid, out-of-range and repeated indices; a token of a
     request outside the block table; a token with no valid key; a head count that is not a multiple of 64."""
-    from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, uses_hopper_kernel
+    from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, launch_plan
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized kernel is sm_90's")
@@ -403,8 +403,8 @@ def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
     topk[0] = -1  # no valid key
     req = meta.req_indices.clone()
     req[1] = meta.num_reqs  # a request outside the block table: attends to nothing
-    assert uses_hopper_kernel(q, z["d_lat"], z["rope"], 1, None)
-    assert not uses_hopper_kernel(q, z["d_lat"], z["rope"], 1, {"BLOCK_N": 64})
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert launch_plan(q, z["d_lat"], z["k"], None, sms)[3]  # T x head blocks fill the SMs: no splits
     outs = {}
     for name, config in (("hopper", None), ("triton", dict(DEFAULT_CONFIG))):
         out = torch.full((T, heads, z["d_lat"]), float("nan"), **f)

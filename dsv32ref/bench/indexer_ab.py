@@ -27,6 +27,7 @@ import triton
 
 from dsv32ref.bench.kernels import (INDEXER_CASES, bench_indexer, bench_read_floor, measure_ceilings, shapes,
                                     start_run)
+from dsv32ref.kernels import grid
 from dsv32ref.kernels.indexer_topk import scores_tiles, scores_tokens
 from dsv32ref.results import write_partial, write_result
 
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
                "implementations": [name for name, _ in impls], "results": results, "wall_s": time.time() - t_start}
         (write_result if complete else write_partial)(args.out, out)
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = grid.num_sms(torch.device("cuda"), None, "indexer_ab")
     for z in ((shapes(_DS), shapes(_GLM)) if args.tune else ()):
         for ctx, T in INDEXER_CASES:
             for kw in tune_configs(z, T, ctx, sms):

@@ -30,7 +30,7 @@ from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact
 from dsv32ref.bench.sparse_mla_gluon import sparse_mla_gluon
 from dsv32ref.bench.sparse_mla_variants import LIBRARY, _variant_kernel, sparse_mla_variant
 from dsv32ref.kernels.sparse_mla import (CONFIG_KEYS, DEFAULT_CONFIG, _combine_splits_kernel, _sparse_mla_kernel,
-                                         num_splits, sparse_mla_paged, uses_hopper_kernel)
+                                         launch_plan, sparse_mla_paged)
 from dsv32ref.provenance import provenance
 from dsv32ref.results import write_partial, write_result
 from dsv32ref.reference import apply_rope, fp8_quantize, hadamard_transform, layer_norm, rms_norm
@@ -239,10 +239,11 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     else:
         run = lambda: sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
                                        config)
-    gluon = bool(config and config.get("GLUON"))
-    splits = 1 if gluon else num_splits(T, -(-z["H"] // 64), grid.num_sms(q.device, None, "bench_sparse_mla"))
-    impl = ("gluon (bench)" if gluon else "sm_90 warp-specialized"
-            if uses_hopper_kernel(q, z["d_lat"], z["rope"], splits, config) else "triton")
+    if config and set(config) - set(CONFIG_KEYS):  # the Gluon experiment or a loop of the sweep's
+        impl = "gluon (bench)" if config.get("GLUON") else "triton"
+    else:  # what the library's launcher picks
+        hopper = launch_plan(q, z["d_lat"], z["k"], config, grid.num_sms(q.device, None, "bench_sparse_mla"))[3]
+        impl = "sm_90 warp-specialized" if hopper else "triton"
     res = {"kernel": "sparse_mla", "impl": impl, "model": z["name"], "T": T, "context": ctx, "topk": z["k"],
            "config": config or {},
            "config_full": dict(config) if (config or {}).get("GLUON") else dict(LIBRARY, **(config or {})),
@@ -584,10 +585,9 @@ def main(argv=None) -> int:
                       f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
                 save()
 
-        def triton_too(T, batch):  # where sm_90's kernel ran, the Triton kernel too, beside it (probe rows)
+        def triton_too(T, ctx, batch):  # where sm_90's kernel ran, the Triton kernel too, beside it (probe rows)
             if results[-1]["impl"] != "triton":
-                r = bench_sparse_mla(z, T, 32768 if T < 8192 else 65536, ceil, config=dict(DEFAULT_CONFIG),
-                                     torch_path=False, batch=batch)
+                r = bench_sparse_mla(z, T, ctx, ceil, config=dict(DEFAULT_CONFIG), torch_path=False, batch=batch)
                 results.append(dict(r, probe="the Triton kernel"))
                 print("  triton kernel", f"{r['ms']:.3f} ms", flush=True)
 
@@ -604,13 +604,13 @@ def main(argv=None) -> int:
         for T in ([1, 64, 512] if args.quick else [1, 8, 64, 128, 256, 512, 2048, 8192]):
             results.append(bench_sparse_mla(z, T, 32768 if T < 8192 else 65536, ceil, config=best))
             print(results[-1]["kernel"], z["name"], T, results[-1]["impl"], f"{results[-1]['ms']:.3f} ms", flush=True)
-            triton_too(T, False)
+            triton_too(T, 32768 if T < 8192 else 65536, False)
             save()
         for T in ([64] if args.quick else [8, 64, 128]):  # decode batches: rows from HBM, not shared
             results.append(bench_sparse_mla(z, T, 32768, ceil, config=best, torch_path=False, batch=True))
             print(results[-1]["kernel"], z["name"], "decode batch", T, results[-1]["impl"],
                   f"{results[-1]['ms']:.3f} ms", flush=True)
-            triton_too(T, True)
+            triton_too(T, 32768, True)
             save()
         indexer_cases([(c, t) for c, t in INDEXER_CASES if c <= 32768 and t in (1, 64)] if args.quick else INDEXER_CASES)
         for T in ([1, 1024] if args.quick else [1, 64, 1024, 8192]):

@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from dsv32ref.kernels.sparse_mla import _program_keys, _resolve_rows, check_inputs
-from dsv32ref.kernels.sparse_mla_hopper import _finish, _shared_buffers, _softmax_step
+from dsv32ref.kernels.sparse_mla_hopper import _finish, _issue_pv, _shared_buffers, _softmax_step
 
 __all__ = ["sparse_mla_gluon"]
 
@@ -123,11 +123,7 @@ def _sparse_mla_gluon_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, 
         p, m_new, alpha = _softmax_step(s, valid, m_i, sm_scale_log2)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of P are written
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+        acc = _issue_pv(p, alpha, p_smem, kl, acc, o_l)
         if not OVERLAP_PV:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             gl.thread_barrier()  # every warp is done with stage st and P before they are written again

@@ -45,7 +45,7 @@ try:  # the warp-specialized Gluon kernel that sm_90 runs (needs triton.experime
 except ImportError:  # an older triton: every device runs the Triton kernel below
     _hopper = None
 
-__all__ = ["sparse_mla_paged", "DEFAULT_CONFIG", "uses_hopper_kernel"]
+__all__ = ["sparse_mla_paged", "DEFAULT_CONFIG", "launch_plan"]
 
 
 SLOT_CHUNK = tl.constexpr(2048)  # top-k entries resolved to cache rows per step of the prologue
@@ -269,10 +269,21 @@ def num_splits(T: int, head_blocks: int, sms: int) -> int:
     return 1 << (fill.bit_length() - 1) if fill >= 2 else 1
 
 
-def uses_hopper_kernel(q: torch.Tensor, d_lat: int, d_rope: int, splits: int, config: dict | None) -> bool:
-    """Whether sparse_mla_paged runs the Gluon kernel (dsv32ref.kernels.sparse_mla_hopper): no config given,
-    Gluon importable, and that kernel's `applies`."""
-    return not config and _hopper is not None and _hopper.applies(q, d_lat, d_rope, splits)
+def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: int) -> tuple[dict, int, int, bool]:
+    """What sparse_mla_paged launches for q [T, H, D_LAT + D_ROPE] (T >= 1) and K top-k slots -> (tiles, heads
+    per program, top-k splits, whether the warp-specialized Gluon kernel runs: no config, Gluon importable, and
+    dsv32ref.kernels.sparse_mla_hopper's `applies`). Shapes only, so it is fixed within a captured graph."""
+    cfg = dict(FP32_CONFIG if q.dtype == torch.float32 else DEFAULT_CONFIG, **(config or {}))
+    T, H = q.shape[:2]
+    block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(H)))
+    splits = cfg.get("NUM_SPLITS")
+    if splits is None:
+        splits = num_splits(T, triton.cdiv(H, block_h), sms)
+    elif not is_int(splits) or splits < 1 or splits & (splits - 1):
+        raise ValueError(f"sparse_mla_paged: NUM_SPLITS must be a power of two, got {splits!r}")
+    splits = min(splits, 16, triton.next_power_of_2(triton.cdiv(K, cfg["BLOCK_N"])))
+    hopper = not config and _hopper is not None and _hopper.applies(q, d_lat, q.shape[-1] - d_lat, splits)
+    return cfg, block_h, splits, hopper
 
 
 def sparse_mla_paged(
@@ -313,20 +324,14 @@ def sparse_mla_paged(
     check_keys("sparse_mla_paged: config", config, CONFIG_KEYS)
     T, H, d_lat, d_rope, B = check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices,
                                           sm_scale, out, lse)
-    cfg = dict(FP32_CONFIG if q.dtype == torch.float32 else DEFAULT_CONFIG, **(config or {}))
     sms = _num_sms(q.device, num_sms, "sparse_mla_paged")
     if T == 0:
         return out, lse
-    block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(H)))
+    K = topk_indices.shape[1]
+    cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms)
+    head_blocks = triton.cdiv(H, block_h)
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
-    head_blocks, K = triton.cdiv(H, block_h), topk_indices.shape[1]
-    splits = cfg.get("NUM_SPLITS")
-    if splits is None:
-        splits = num_splits(T, head_blocks, sms)
-    elif not is_int(splits) or splits < 1 or splits & (splits - 1):
-        raise ValueError(f"sparse_mla_paged: NUM_SPLITS must be a power of two, got {splits!r}")
-    splits = min(splits, 16, triton.next_power_of_2(triton.cdiv(K, cfg["BLOCK_N"])))
-    if uses_hopper_kernel(q, d_lat, d_rope, splits, config):
+    if hopper:
         _hopper.sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out,
                                   lse_arg, valid_first)
         return out, lse

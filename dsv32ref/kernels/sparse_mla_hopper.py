@@ -52,7 +52,7 @@ def applies(q: torch.Tensor, d_lat: int, d_rope: int, splits: int) -> bool:
 
 
 @gluon.jit
-def _step_rows(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
+def _resolve_step(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
                layout: gl.constexpr):
     """Step i's BLOCK_N top-k slots (of the first k_end) -> their cache rows (in units of the cache's row
     stride), -1 where the index is outside [0, seq_len) or its block id outside [0, num_blocks): never read.
@@ -91,6 +91,16 @@ def _softmax_step(s, valid, m_i, sm_scale_log2):
 
 
 @gluon.jit
+def _issue_pv(p, alpha, p_smem, kl, acc, o_l: gl.constexpr):
+    """P to shared memory (both warpgroups' halves, then a barrier), O rescaled, O += P V issued (not waited)."""
+    p_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # both warpgroups' halves of P are written
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    return warpgroup_mma(p_smem, kl, acc, is_async=True)
+
+
+@gluon.jit
 def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, D_LAT: gl.constexpr,
             s_l: gl.constexpr, o_l: gl.constexpr):
     """O / l and the natural-log logsumexp (+inf where no key was valid; NaN where a score was NaN or +inf, as in
@@ -122,7 +132,7 @@ def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_p
     cp.mbarrier_arrive(q_bar, increment_count=False)
     for i in range(gl.cdiv(k_end, BLOCK_N)):
         st = i % 2
-        row = _step_rows(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
+        row = _resolve_step(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
                          gl.SliceLayout(1, ld))
         base = cache_ptr + row.to(gl.int64)[:, None] * stride_cs
         ok = (row >= 0)[:, None]  # an invalid row is not read: its stage rows are zero-filled
@@ -144,14 +154,14 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx
     acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, o_l)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
     # which keys are valid, resolved again here (two dependent loads), one step ahead: they land during a step
-    row_next = _step_rows(idx_row_ptr, bt_row_ptr, 0, k_end, seq_len, block_size, rows_per_block, num_blocks,
+    row_next = _resolve_step(idx_row_ptr, bt_row_ptr, 0, k_end, seq_len, block_size, rows_per_block, num_blocks,
                           gl.SliceLayout(0, s_l))
     mbarrier.wait(q_bar, 0)
     for i in range(gl.cdiv(k_end, BLOCK_N)):
         st = i % 2
         kl = k_lat.index(st)
         valid = row_next >= 0
-        row_next = _step_rows(idx_row_ptr, bt_row_ptr, i + 1, k_end, seq_len, block_size, rows_per_block,
+        row_next = _resolve_step(idx_row_ptr, bt_row_ptr, i + 1, k_end, seq_len, block_size, rows_per_block,
                               num_blocks, gl.SliceLayout(0, s_l))
         mbarrier.wait(ready.index(st), (i // 2) & 1)
         fence_async_shared()  # the copies' generic-proxy writes, visible to the wgmma's async proxy
@@ -161,11 +171,7 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx
         p, m_new, alpha = _softmax_step(s, valid, m_i, sm_scale_log2)
         l_acc = l_acc * alpha[:, None] + p
         m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of P are written
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+        acc = _issue_pv(p, alpha, p_smem, kl, acc, o_l)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()  # every consumer warp is done with P and with this stage
         mbarrier.arrive(free.index(st))
