@@ -382,7 +382,8 @@ def test_the_hopper_kernel_runs_only_where_it_applies():
 def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
     """sm_90's warp-specialized kernel, as sparse_mla_paged runs it, against the reference and against the Triton
     kernel (a config selects that one): outputs poisoned; invalid, out-of-range and repeated indices; a token of a
-    request outside the block table; a token with no valid key; a head count that is not a multiple of 64."""
+    request outside the block table; a token with no valid key; block ids outside the cache (the producer zero-fills
+    those rows and flags them invalid: they must not count); a head count that is not a multiple of 64."""
     from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, launch_plan
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -403,20 +404,25 @@ def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
     topk[0] = -1  # no valid key
     req = meta.req_indices.clone()
     req[1] = meta.num_reqs  # a request outside the block table: attends to nothing
+    bt = meta.block_table.clone()
+    bt[0, 3], bt[0, 7] = -1, nb + 7  # request 0's keys 192..255 and 448..511 are in no block of the cache
+    bad = torch.zeros(meta.num_reqs, bt.shape[1] * z["block"], dtype=torch.bool, device="cuda")
+    bad[0, 3 * z["block"]: 4 * z["block"]] = bad[0, 7 * z["block"]: 8 * z["block"]] = True
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert launch_plan(q, z["d_lat"], z["k"], None, sms)[3]  # T x head blocks fill the SMs: no splits
     outs = {}
     for name, config in (("hopper", None), ("triton", dict(DEFAULT_CONFIG))):
         out = torch.full((T, heads, z["d_lat"]), float("nan"), **f)
         lse = torch.full((T, heads), float("nan"), device="cuda")
-        sparse_mla_paged(q, cache, meta.block_table, req, meta.seq_lens, topk, 0.1, out, lse, config=config,
+        sparse_mla_paged(q, cache, bt, req, meta.seq_lens, topk, 0.1, out, lse, config=config,
                          valid_first=valid_first)
         outs[name] = out, lse
         for b in range(meta.num_reqs):
             t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-            kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])
+            kv = gather_tokens(cache, bt[b].clamp(0, nb - 1), meta.seq_lens_cpu[b])
             idx = torch.where(topk[t0:t1] < meta.seq_lens_cpu[b], topk[t0:t1], -1)
             idx[(req[t0:t1] != b)] = -1
+            idx[bad[b][idx.clamp_min(0).long()] & (idx >= 0)] = -1
             ref, ref_lse = sparse_mla(q[t0:t1].double(), kv.double(), idx, 0.1, z["d_lat"])
             assert_close(f"{name}: out of request {b}", out[t0:t1], ref, dtype=torch.bfloat16, rtol=1, atol=1,
                          row_dims=2)

@@ -5,13 +5,18 @@ Triton kernel in dsv32ref.kernels.sparse_mla; this one writes out the schedule F
 which Triton's compiler does not find for that kernel:
 
     producer   one warpgroup: q once, then for each step the 64 keys' cache rows (the top-k index through the
-               block table, as the Triton kernel resolves them) and their cp.async gather into a free stage
-    consumers  two warpgroups: per step wait for the stage, S = q K^T, online softmax, O += P V, free the stage;
-               they split S's 64 keys (32 each) and O's 512 columns (256 each)
-    hand-offs  mbarriers, one `ready` (every producer thread arrives when its copies land) and one `free` per
-               stage, instead of CTA-wide waits on copies; the consumers issue no copy
+               block table, as the Triton kernel resolves them), their cp.async gather into a free stage, and
+               the stage's 64 validity flags (1 byte each) stored beside it
+    consumers  two warpgroups: per step wait for the stage, read its flags, S = q K^T, online softmax,
+               O += P V, free the stage; they split S's 64 keys (32 each) and O's 512 columns (256 each), and
+               load nothing from global memory in the loop
+    hand-offs  mbarriers, one `ready` and one `free` per stage, instead of CTA-wide waits on copies. `ready`
+               completes when every producer thread's copies have landed (cp.async arrives) and one producer
+               thread has arrived after the warpgroup's barrier (a release: the flags' plain stores are
+               visible to the consumers' acquiring wait); the consumers issue no copy
 
-    shared memory (bf16): q 64 x 576 (72 KiB) + 2 stages of K 64 x 576 (144 KiB) + P 64 x 64 (8 KiB) = 224 KiB
+    shared memory (bf16): q 64 x 576 (72 KiB) + 2 stages of K 64 x 576 (144 KiB) + P 64 x 64 (8 KiB) = 224 KiB,
+    and 2 x 64 B of flags
 
 Per step: 72 KiB gathered, 4.7 MFLOP in QK^T and 4.2 MFLOP in PV (64 heads). The row sums of P accumulate per
 element and are reduced once after the loop: a reduction across the warpgroups costs three CTA barriers a step,
@@ -42,6 +47,7 @@ BLOCK_H = gl.constexpr(64)  # heads per program
 BLOCK_N = gl.constexpr(64)  # keys per step
 LOAD_WARPS = gl.constexpr(4)  # the producer partition: one warpgroup
 LOAD_REGS = gl.constexpr(64)  # few registers: it only resolves rows and copies
+FLAGS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
 
 def applies(q: torch.Tensor, d_lat: int, d_rope: int, splits: int) -> bool:
@@ -118,9 +124,10 @@ def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t,
 
 @gluon.jit
 def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
-                    seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, q_bar, ready, free,
-                    D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
-    """The producer: q once, then each step's rows, resolved while it waits for the consumers to free the stage."""
+                    seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem, q_bar, ready,
+                    free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """The producer: q once, then each step's rows, resolved while it waits for the consumers to free the stage;
+    which of them are valid goes to the stage's flags, so the consumers resolve nothing."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
     offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
     q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
@@ -133,19 +140,21 @@ def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_p
     for i in range(gl.cdiv(k_end, BLOCK_N)):
         st = i % 2
         row = _resolve_step(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
-                         gl.SliceLayout(1, ld))
+                            gl.SliceLayout(1, ld))
         base = cache_ptr + row.to(gl.int64)[:, None] * stride_cs
-        ok = (row >= 0)[:, None]  # an invalid row is not read: its stage rows are zero-filled
+        ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
         mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
-        cp.async_copy_global_to_shared(k_lat.index(st), base + offs_lat[None, :], mask=ok)
-        cp.async_copy_global_to_shared(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok)
-        cp.mbarrier_arrive(ready.index(st), increment_count=False)
+        valid_smem.index(st).store(ok.to(gl.int8))
+        cp.async_copy_global_to_shared(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
+        cp.async_copy_global_to_shared(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
+        cp.mbarrier_arrive(ready.index(st), increment_count=False)  # when this thread's copies land
+        gl.thread_barrier()  # the producer warpgroup's flags are all stored ...
+        mbarrier.arrive(ready.index(st))  # ... and released to the consumers by one thread's arrive
 
 
 @gluon.jit
-def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx_row_ptr, bt_row_ptr, out_ptr,
-                       stride_ot, stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, seq_len, block_size,
-                       rows_per_block, num_blocks, D_LAT: gl.constexpr):
+def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, ready, free, out_ptr, stride_ot,
+                       stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, D_LAT: gl.constexpr):
     """The consumers (the kernel's 8 warps), then the epilogue (_finish)."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
@@ -153,17 +162,12 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx
     l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
     acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, o_l)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    # which keys are valid, resolved again here (two dependent loads), one step ahead: they land during a step
-    row_next = _resolve_step(idx_row_ptr, bt_row_ptr, 0, k_end, seq_len, block_size, rows_per_block, num_blocks,
-                          gl.SliceLayout(0, s_l))
     mbarrier.wait(q_bar, 0)
     for i in range(gl.cdiv(k_end, BLOCK_N)):
         st = i % 2
         kl = k_lat.index(st)
-        valid = row_next >= 0
-        row_next = _resolve_step(idx_row_ptr, bt_row_ptr, i + 1, k_end, seq_len, block_size, rows_per_block,
-                              num_blocks, gl.SliceLayout(0, s_l))
         mbarrier.wait(ready.index(st), (i // 2) & 1)
+        valid = valid_smem.index(st).load(gl.SliceLayout(0, s_l)) != 0  # (BLOCK_N,): the producer's flags
         fence_async_shared()  # the copies' generic-proxy writes, visible to the wgmma's async proxy
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_pe, k_pe.index(st).permute((1, 0)), s, is_async=True)
@@ -203,19 +207,19 @@ def _sparse_mla_ws_kernel(
     bt_row_ptr = block_table_ptr + gl.where(req_ok, req, 0) * stride_bt
     q_lat, q_pe, k_lat, k_pe, p_smem = _shared_buffers(D_LAT, D_ROPE)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    valid_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], FLAGS_LAYOUT)  # per stage: which rows are valid
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=LOAD_WARPS * 32)  # every producer thread, when its copies land
     for st in gl.static_range(2):
-        mbarrier.init(ready.index(st), count=LOAD_WARPS * 32)
+        mbarrier.init(ready.index(st), count=LOAD_WARPS * 32 + 1)  # the copies, and the flags' release
         mbarrier.init(free.index(st), count=1)  # one arrive: the consumers, after their barrier
     gl.warp_specialize([
-        (_compute_partition, (q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, free, idx_row_ptr, bt_row_ptr, out_ptr,
-                              stride_ot, stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, seq_len, block_size,
-                              rows_per_block, num_blocks, D_LAT)),
+        (_compute_partition, (q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, ready, free, out_ptr, stride_ot,
+                              stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, D_LAT)),
         (_load_partition, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
-                           k_end, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, q_bar, ready,
-                           free, D_LAT, D_ROPE)),
+                           k_end, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem,
+                           q_bar, ready, free, D_LAT, D_ROPE)),
     ], [LOAD_WARPS], [LOAD_REGS])
 
 
