@@ -472,11 +472,13 @@ display(Markdown(
 # %% [markdown]
 # ## A producer warpgroup: what sm_90 runs
 # `dsv32ref.kernels.sparse_mla_hopper` is the Gluon kernel above with FlashMLA's schedule: a producer warpgroup
-# resolves each step's rows and gathers them with cp.async into the stage the two consumer warpgroups freed;
-# one `ready` and one `free` mbarrier per stage carry the hand-offs, and the row sums of P are reduced once
-# after the loop instead of across the warpgroups every step. `sparse_mla_paged` runs it on sm_90 for bf16 with
-# DeepSeek's latent widths wherever the top-k is not split (one launch, as before); a config, fp16/fp32, other
-# widths or a split run the Triton kernel. The kernel benchmark timed the Triton kernel beside it in each case:
+# resolves each step's rows, gathers them with cp.async into the stage the two consumer warpgroups freed, and
+# stores the stage's 64 validity flags beside it; one `ready` and one `free` mbarrier per stage carry the
+# hand-offs, and the row sums of P are reduced once after the loop instead of across the warpgroups every step.
+# The consumers read the flags from shared memory and load nothing from global memory in their loop.
+# `sparse_mla_paged` runs it on sm_90 for bf16 with DeepSeek's latent widths wherever the top-k is not split (one
+# launch, as before); a config, fp16/fp32, other widths or a split run the Triton kernel. The kernel benchmark
+# timed the Triton kernel beside it in each case:
 
 # %%
 rows = []
@@ -488,27 +490,38 @@ for m in ("deepseek-v3.2", "glm-5.2"):
                          f"{r['fraction_of_compute']:.1%}", f"{tr['fraction_of_compute']:.1%}"])
 table(["model", "shape", "T", "sm_90 kernel (us)", "Triton kernel (us)", "speed-up", "sm_90 of GEMM",
        "Triton of GEMM"], rows, floatfmt=".1f")
+from dsv32ref.experiments.ledger import ASSUMED_SMS  # noqa: E402
+
 ws = json.load(open("../data/sparse_mla_ws_compare.json"))
 cons = V["sm_90 warp-specialized: the consumers' loop"]
 prod = V["sm_90 warp-specialized: the producer's loop"]
 ws_rows = {(r["model"], r["shape"], r["T"], json.dumps(r["config"], sort_keys=True)): r for r in ws["results"]}
 two = ws_rows[("deepseek-v3.2", "one request", 512, json.dumps({"GLUON": True, "WS": True}, sort_keys=True))]
-one = next(r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == "deepseek-v3.2"
-           and r["shape"] == "one request" and r["T"] == 512)
+one = {m: next(r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == m
+               and r["shape"] == "one request" and r["T"] == 512) for m in ("deepseek-v3.2", "glm-5.2")}
+per_step = 2 * 64 * 64 * (576 + 512)  # FLOPs of one step of one program: QK^T and PV, 64 heads x 64 keys
+k_roof = data["ceilings"]["bf16_gemm_TFLOPs"]
+step_us = per_step / (k_roof * 1e12 / ASSUMED_SMS) * 1e6  # at the run's GEMM rate shared by the SMs
+r512 = one["deepseek-v3.2"]
+heads = ModelConfig.preset("deepseek-v3.2").num_attention_heads
+steps = r512["T"] * (heads // 64) * (r512["topk"] // 64)  # programs (tokens x blocks of 64 heads) x steps each
+took_us = r512["ms"] * 1e3 * ASSUMED_SMS / steps  # what a step took, the steps spread over the SMs
 display(Markdown(
-    f"At DeepSeek-V3.2's shape and 512 query tokens the sm_90 kernel runs at {one['fraction_of_compute']:.1%} of the "
-    f"GEMM rate of its run, below half of it. An earlier build of the same schedule (`data/sparse_mla_ws_compare.json`, "
-    f"commit {ws['provenance']['git_commit'][:7]}) resolved the rows in a launch of its own into a workspace, so that "
-    f"each step of both partitions read one contiguous row of int32: {two['ms'] * 1e3:.0f} us, "
-    f"{two['fraction_of_compute']:.1%} of that run's GEMM rate, against {one['ms'] * 1e3:.0f} us here. Resolving "
-    f"inside the kernel (two dependent loads in the producer, again in the consumers for the validity mask) costs "
-    f"that difference, by these runs. Compiled offline (`data/sparse_mla_sass.json`, the table above) the consumers' "
-    f"loop issues {cons['loop_instructions']} instructions a step, {cons['per_step']['IMAD']} of them integer "
-    f"multiply-adds (the division and modulo by the runtime block size among them), and "
-    f"{cons['per_step']['LDG']} global loads into registers, beside {cons['per_step']['HGMMA']} warpgroup MMAs; "
-    f"the producer's loop {prod['loop_instructions']}. A block size fixed at compile time, or the producer handing "
-    f"the consumers each step's validity through shared memory, would take that work off the consumers; "
-    f"neither is measured yet."))
+    f"At 512 query tokens the sm_90 kernel runs at {one['deepseek-v3.2']['fraction_of_compute']:.1%} of the GEMM "
+    f"rate of its run at DeepSeek-V3.2's shape and {one['glm-5.2']['fraction_of_compute']:.1%} at GLM-5.2's. "
+    f"An earlier build of the same schedule (`data/sparse_mla_ws_compare.json`, commit "
+    f"{ws['provenance']['git_commit'][:7]}) resolved the rows in a launch of its own into a workspace: "
+    f"{two['ms'] * 1e3:.0f} us at DeepSeek-V3.2's shape, {two['fraction_of_compute']:.1%} of that run's GEMM rate, "
+    f"against {one['deepseek-v3.2']['ms'] * 1e3:.0f} us here in one launch. Compiled offline "
+    f"(`data/sparse_mla_sass.json`, the table above) the consumers' loop issues {cons['loop_instructions']} "
+    f"instructions a step: {cons['per_step']['HGMMA']} warpgroup MMAs, {cons['per_step']['LDG']} global loads, "
+    f"{cons['per_step']['IMAD']} integer multiply-adds, {cons['per_step']['BAR']} CTA barriers; the producer's "
+    f"{prod['loop_instructions']}, its {prod['per_step']['LDGSTS']} cp.async copies among them. What is left is the "
+    f"schedule: one program per SM, and in it both consumer warpgroups run the same phase at the same time (wait, "
+    f"QKᵀ, a softmax whose row maxima cross the warpgroups through shared memory, P to shared memory, PV), so the "
+    f"tensor cores idle through each softmax. A step's two MMAs ({per_step / 1e6:.1f} MFLOP) would take {step_us:.2f} us "
+    f"at the GEMM rate; at 512 tokens a step took {took_us:.2f} us ({steps} steps over {ASSUMED_SMS} SMs). FlashMLA's kernel has each consumer warpgroup compute S for a different key "
+    f"block, so one warpgroup's softmax runs under the other's MMAs."))
 
 # %% [markdown]
 # ## Splitting the top-k when the programs do not fill the GPU
@@ -517,8 +530,6 @@ display(Markdown(
 # program in one wave.
 
 # %%
-from dsv32ref.experiments.ledger import ASSUMED_SMS  # noqa: E402
-
 block_h = split["config"]["BLOCK_H"]
 progs = {m: 64 * (ModelConfig.preset(m).num_attention_heads // block_h) for m in ("deepseek-v3.2", "glm-5.2")}
 display(Markdown("At 64 query tokens, with " + f"{block_h} heads per program: " + ", ".join(
@@ -745,6 +756,6 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 #   the copy bandwidth. Decode with one or eight tokens is latency-bound: a few steps per program, plus
 #   the prologue and the merge. On sm_90 a warp-specialized Gluon kernel (a producer warpgroup for the
 #   gathers, as FlashMLA's) runs wherever the top-k is not split, faster than the Triton kernel in every such
-#   case (table above); with its rows resolved inside the kernel it is still below half of the GEMM rate.
+#   case (table above), at the fractions of the GEMM rate printed there.
 # - Beside the PR: it measured whole requests through vLLM's kernels on TP4; this notebook measures our
 #   kernels alone on one GPU, each checked against the PyTorch reference in every benchmarked case.
