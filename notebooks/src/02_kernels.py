@@ -499,12 +499,13 @@ ws_rows = {(r["model"], r["shape"], r["T"], json.dumps(r["config"], sort_keys=Tr
 two = ws_rows[("deepseek-v3.2", "one request", 512, json.dumps({"GLUON": True, "WS": True}, sort_keys=True))]
 one = {m: next(r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == m
                and r["shape"] == "one request" and r["T"] == 512) for m in ("deepseek-v3.2", "glm-5.2")}
-per_step = 2 * 64 * 64 * (576 + 512)  # FLOPs of one step of one program: QK^T and PV, 64 heads x 64 keys
-k_roof = data["ceilings"]["bf16_gemm_TFLOPs"]
-step_us = per_step / (k_roof * 1e12 / ASSUMED_SMS) * 1e6  # at the run's GEMM rate shared by the SMs
 r512 = one["deepseek-v3.2"]
 heads = ModelConfig.preset("deepseek-v3.2").num_attention_heads
-steps = r512["T"] * (heads // 64) * (r512["topk"] // 64)  # programs (tokens x blocks of 64 heads) x steps each
+block = 64  # sparse_mla_hopper's BLOCK_H and BLOCK_N: a program's heads, a step's keys
+steps = r512["T"] * (heads // block) * (r512["topk"] // block)  # programs (tokens x head blocks) x steps each
+per_step = r512["flops"] / steps  # the benchmark's FLOP count (QK^T and PV) of one step of one program
+k_roof = data["ceilings"]["bf16_gemm_TFLOPs"]
+step_us = per_step / (k_roof * 1e12 / ASSUMED_SMS) * 1e6  # at the run's GEMM rate shared by the SMs
 took_us = r512["ms"] * 1e3 * ASSUMED_SMS / steps  # what a step took, the steps spread over the SMs
 display(Markdown(
     f"At 512 query tokens the sm_90 kernel runs at {one['deepseek-v3.2']['fraction_of_compute']:.1%} of the GEMM "
@@ -519,9 +520,10 @@ display(Markdown(
     f"{prod['loop_instructions']}, its {prod['per_step']['LDGSTS']} cp.async copies among them. What is left is the "
     f"schedule: one program per SM, and in it both consumer warpgroups run the same phase at the same time (wait, "
     f"QKᵀ, a softmax whose row maxima cross the warpgroups through shared memory, P to shared memory, PV), so the "
-    f"tensor cores idle through each softmax. A step's two MMAs ({per_step / 1e6:.1f} MFLOP) would take {step_us:.2f} us "
-    f"at the GEMM rate; at 512 tokens a step took {took_us:.2f} us ({steps} steps over {ASSUMED_SMS} SMs). FlashMLA's kernel has each consumer warpgroup compute S for a different key "
-    f"block, so one warpgroup's softmax runs under the other's MMAs."))
+    f"tensor cores idle through each softmax. A step's two MMAs ({per_step / 1e6:.1f} MFLOP) would take "
+    f"{step_us:.2f} us at the GEMM rate; at 512 tokens a step took {took_us:.2f} us ({steps} steps over "
+    f"{ASSUMED_SMS} SMs). FlashMLA's kernel has each consumer warpgroup compute S for a different key block, so "
+    f"one warpgroup's softmax runs under the other's MMAs."))
 
 # %% [markdown]
 # ## Splitting the top-k when the programs do not fill the GPU
