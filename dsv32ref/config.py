@@ -14,25 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv32ref.checks import check_scale, is_int
+from dsv32ref.hf_config import indexer_types_from_schedule, parse
 
-__all__ = ["ModelConfig", "PRESETS", "indexer_types_from_schedule"]
+__all__ = ["ModelConfig", "PRESETS", "REDUCED_MOE", "indexer_types_from_schedule", "reduced_moe"]
 
 _INDEXER_TYPES = ("full", "shared")
-
-
-
-
-def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
-    """IndexShare schedule (GLM-5.2): layer i runs its own indexer iff max(i - offset + 1, 0) % freq == 0.
-
-    The other layers ("shared") reuse the top-k of the closest earlier "full" layer.
-    """
-    for name, v, low in (("index_topk_freq", freq, 1), ("index_skip_topk_offset", offset, 0)):
-        if not is_int(v) or v < low:
-            raise ValueError(f"config: {name} must be an int >= {low}, got {v!r}")
-    return tuple(
-        "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)
-    )
 
 
 @dataclass(frozen=True)
@@ -83,90 +69,13 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.model_type: expected 'deepseek_v32' or 'glm_moe_dsa', got {self.model_type!r}"
             )
-        positive = [
-            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-            "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
-            "index_topk", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
-        ]
-        for name in positive:
-            value = getattr(self, name)
-            if not is_int(value) or value <= 0:
-                raise ValueError(f"ModelConfig.{name}: expected a positive int, got {value!r}")
-        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise ValueError(
-                f"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers="
-                f"{self.num_hidden_layers}, got {self.first_k_dense_replace}"
-            )
-        if self.n_shared_experts < 0:
-            raise ValueError(f"ModelConfig.n_shared_experts: expected >= 0, got {self.n_shared_experts}")
-        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
-            raise ValueError(
-                f"ModelConfig.qk_rope_head_dim: expected an even size <= index_head_dim="
-                f"{self.index_head_dim}, got {self.qk_rope_head_dim}"
-            )
-        if self.n_routed_experts % self.n_group:
-            raise ValueError(
-                f"ModelConfig.n_group: n_routed_experts={self.n_routed_experts} is not divisible by "
-                f"n_group={self.n_group}"
-            )
-        if self.topk_group > self.n_group:
-            raise ValueError(f"ModelConfig.topk_group: {self.topk_group} > n_group={self.n_group}")
-        per_group = self.n_routed_experts // self.n_group
-        if self.n_group > 1 and per_group < 2:
-            raise ValueError("ModelConfig.n_group: the group score sums the top-2 experts of a group")
-        if self.num_experts_per_tok > self.topk_group * per_group:
-            raise ValueError(
-                f"ModelConfig.num_experts_per_tok: {self.num_experts_per_tok} experts cannot be chosen "
-                f"from topk_group={self.topk_group} groups of {per_group}"
-            )
-        for name in ("rope_theta", "routed_scaling_factor", "rms_norm_eps"):
-            check_scale(f"ModelConfig.{name}", getattr(self, name))
-        for name in ("max_position_embeddings",):
-            value = getattr(self, name)
-            if not is_int(value) or value <= 0:
-                raise ValueError(f"ModelConfig.{name}: expected a positive int, got {value!r}")
-        if not is_int(self.num_nextn_predict_layers) or self.num_nextn_predict_layers < 0:
-            raise ValueError(f"ModelConfig.num_nextn_predict_layers: expected an int >= 0, got "
-                             f"{self.num_nextn_predict_layers!r}")
-        for name in ("indexer_rope_interleave", "norm_topk_prob"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ModelConfig.{name}: expected a bool, got {getattr(self, name)!r}")
+        _check_sizes(self)
+        _check_router(self)
         if self.rope_scaling is not None:
-            rs = self.rope_scaling
-            if not isinstance(rs, dict):
-                raise ValueError(f"ModelConfig.rope_scaling: expected None or a dict, got {rs!r}")
-            kind = rs.get("type", rs.get("rope_type", "yarn"))
-            if kind != "yarn":
-                raise ValueError(f"ModelConfig.rope_scaling.type: expected 'yarn' (or no rope_scaling), got {kind!r}")
-            required = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
-            missing = [k for k in required if k not in rs]
-            if missing:
-                raise ValueError(f"ModelConfig.rope_scaling: YaRN needs {missing}, got {rs}")
-            for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
-                check_scale(f"ModelConfig.rope_scaling.{key}", rs[key])
-            for key in ("mscale", "mscale_all_dim"):
-                if key in rs and rs[key] is not None:
-                    v = rs[key]
-                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                        raise ValueError(f"ModelConfig.rope_scaling.{key}: expected a finite number >= 0, got {v!r}")
-            if rs["factor"] < 1:
-                raise ValueError(f"ModelConfig.rope_scaling.factor: expected >= 1, got {rs}")
-            if rs["beta_fast"] < rs["beta_slow"]:
-                raise ValueError(f"ModelConfig.rope_scaling: beta_fast ({rs['beta_fast']}) must be >= beta_slow "
-                                 f"({rs['beta_slow']})")
+            _check_yarn(self.rope_scaling)
         if self.indexer_types is not None:
             object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
-            if len(self.indexer_types) != self.num_hidden_layers:
-                raise ValueError(
-                    f"ModelConfig.indexer_types: expected {self.num_hidden_layers} entries, got "
-                    f"{len(self.indexer_types)}"
-                )
-            bad = sorted(set(self.indexer_types) - set(_INDEXER_TYPES))
-            if bad:
-                raise ValueError(f"ModelConfig.indexer_types: unknown entries {bad}; expected {_INDEXER_TYPES}")
-            if self.indexer_types[0] != "full":
-                raise ValueError("ModelConfig.indexer_types: layer 0 must be 'full' (nothing to share from)")
+            _check_indexer_types(self)
 
     # ---- derived sizes -------------------------------------------------------------------------------
     @property
@@ -245,9 +154,89 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict, name: str = "hf") -> "ModelConfig":
-        from dsv32ref import hf_config  # the key-by-key mapping lives in its own module
+        return cls(name=name, **parse(raw))  # the key-by-key mapping lives in dsv32ref.hf_config
 
-        return cls(name=name, **hf_config.parse(raw))
+
+
+_POSITIVE = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok", "n_group",
+    "topk_group", "max_position_embeddings",
+)
+
+
+def _check_sizes(c: ModelConfig) -> None:
+    for name in _POSITIVE:
+        value = getattr(c, name)
+        if not is_int(value) or value <= 0:
+            raise ValueError(f"ModelConfig.{name}: expected a positive int, got {value!r}")
+    if not is_int(c.first_k_dense_replace) or not 0 <= c.first_k_dense_replace <= c.num_hidden_layers:
+        raise ValueError(f"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers={c.num_hidden_layers}, "
+                         f"got {c.first_k_dense_replace!r}")
+    if c.qk_rope_head_dim % 2 or c.qk_rope_head_dim > c.index_head_dim:
+        raise ValueError(f"ModelConfig.qk_rope_head_dim: expected an even size <= index_head_dim={c.index_head_dim}, "
+                         f"got {c.qk_rope_head_dim}")
+    if not is_int(c.num_nextn_predict_layers) or c.num_nextn_predict_layers < 0:
+        raise ValueError(f"ModelConfig.num_nextn_predict_layers: expected an int >= 0, got "
+                         f"{c.num_nextn_predict_layers!r}")
+    for name in ("rope_theta", "rms_norm_eps"):
+        check_scale(f"ModelConfig.{name}", getattr(c, name))
+    for name in ("indexer_rope_interleave", "norm_topk_prob"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(f"ModelConfig.{name}: expected a bool, got {getattr(c, name)!r}")
+
+
+def _check_router(c: ModelConfig) -> None:
+    """The DeepSeek-V3 router's constants: groups divide the experts, top-k fits in the kept groups."""
+    if not is_int(c.n_shared_experts) or c.n_shared_experts < 0:
+        raise ValueError(f"ModelConfig.n_shared_experts: expected an int >= 0, got {c.n_shared_experts!r}")
+    if c.n_routed_experts % c.n_group:
+        raise ValueError(f"ModelConfig.n_group: n_routed_experts={c.n_routed_experts} is not divisible by "
+                         f"n_group={c.n_group}")
+    if c.topk_group > c.n_group:
+        raise ValueError(f"ModelConfig.topk_group: {c.topk_group} > n_group={c.n_group}")
+    per_group = c.n_routed_experts // c.n_group
+    if c.n_group > 1 and per_group < 2:
+        raise ValueError("ModelConfig.n_group: the group score sums the top-2 experts of a group")
+    if c.num_experts_per_tok > c.topk_group * per_group:
+        raise ValueError(f"ModelConfig.num_experts_per_tok: {c.num_experts_per_tok} experts cannot be chosen from "
+                         f"topk_group={c.topk_group} groups of {per_group}")
+    check_scale("ModelConfig.routed_scaling_factor", c.routed_scaling_factor)
+
+
+def _check_yarn(rs) -> None:
+    if not isinstance(rs, dict):
+        raise ValueError(f"ModelConfig.rope_scaling: expected None or a dict, got {rs!r}")
+    kind = rs.get("type", rs.get("rope_type", "yarn"))
+    if kind != "yarn":
+        raise ValueError(f"ModelConfig.rope_scaling.type: expected 'yarn' (or no rope_scaling), got {kind!r}")
+    required = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+    missing = [k for k in required if k not in rs]
+    if missing:
+        raise ValueError(f"ModelConfig.rope_scaling: YaRN needs {missing}, got {rs}")
+    for key in required:
+        check_scale(f"ModelConfig.rope_scaling.{key}", rs[key])
+    for key in ("mscale", "mscale_all_dim"):
+        v = rs.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            raise ValueError(f"ModelConfig.rope_scaling.{key}: expected a finite number >= 0, got {v!r}")
+    if rs["factor"] < 1:
+        raise ValueError(f"ModelConfig.rope_scaling.factor: expected >= 1, got {rs}")
+    if rs["beta_fast"] < rs["beta_slow"]:
+        raise ValueError(f"ModelConfig.rope_scaling: beta_fast ({rs['beta_fast']}) must be >= beta_slow "
+                         f"({rs['beta_slow']})")
+
+
+def _check_indexer_types(c: ModelConfig) -> None:
+    if len(c.indexer_types) != c.num_hidden_layers:
+        raise ValueError(f"ModelConfig.indexer_types: expected {c.num_hidden_layers} entries, got "
+                         f"{len(c.indexer_types)}")
+    bad = sorted(set(c.indexer_types) - set(_INDEXER_TYPES))
+    if bad:
+        raise ValueError(f"ModelConfig.indexer_types: unknown entries {bad}; expected {_INDEXER_TYPES}")
+    if c.indexer_types[0] != "full":
+        raise ValueError("ModelConfig.indexer_types: layer 0 must be 'full' (nothing to share from)")
 
 
 def _deepseek_v32() -> ModelConfig:
@@ -308,3 +297,15 @@ PRESETS["tiny-glm-5.2"] = _tiny(
     "tiny-glm-5.2", PRESETS["glm-5.2"], num_hidden_layers=8, first_k_dense_replace=1,
     rope_theta=1e4, indexer_types=indexer_types_from_schedule(8, 2, 2),
 )
+
+
+REDUCED_MOE = ("MoE reduced to 4 routed experts (top-2) + 1 shared expert, moe_intermediate_size unchanged, computed "
+               "densely (every routed expert on every token, weighted by the router) so a step has no host sync; the "
+               "router keeps the DeepSeek-V3 formula. Everything else (embedding, every attention layer at full width, "
+               "indexers, dense MLPs of the first layers, lm_head) is at full size.")
+
+
+def reduced_moe(name: str) -> ModelConfig:
+    """The experiments' model: preset `name` with its MoE reduced as REDUCED_MOE says, so that the whole stack
+    of a full-size model fits one H200 and a step has no host sync."""
+    return ModelConfig.preset(name).replace(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv32ref.config import indexer_types_from_schedule
+from dsv32ref.checks import is_int
 
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -46,6 +46,19 @@ _IGNORED = {
 }
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim")
+
+
+def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
+    """IndexShare schedule (GLM-5.2, config.json's index_topk_freq and index_skip_topk_offset): layer i runs its own indexer iff max(i - offset + 1, 0) % freq == 0.
+
+    The other layers ("shared") reuse the top-k of the closest earlier "full" layer.
+    """
+    for name, v, low in (("index_topk_freq", freq, 1), ("index_skip_topk_offset", offset, 0)):
+        if not is_int(v) or v < low:
+            raise ValueError(f"config: {name} must be an int >= {low}, got {v!r}")
+    return tuple(
+        "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)
+    )
 
 
 def parse(raw: dict) -> dict[str, Any]:

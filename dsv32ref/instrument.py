@@ -8,16 +8,20 @@ marks one (`dsv32ref::<name>` in a torch.profiler trace, and a thread-local stac
 an engine step opens hundreds. So both markers are off by default and return one shared no-op context
 manager; `measuring()` turns them on for the requests a ledger profiles. TTFT is timed with them off, and
 the TTFT experiment measures what they cost either way (`dsv32ref ttft --instrument-ab`).
+
+`timing_regions()` turns the named regions into host timers instead (no profiler range): each region's host
+time per entry, collected into a dict, for the TTFT model's per-launcher costs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import torch
 
-__all__ = ["measuring", "is_measuring", "region", "current_region", "eager_range"]
+__all__ = ["measuring", "is_measuring", "region", "current_region", "eager_range", "timing_regions"]
 
 _local = threading.local()
 
@@ -38,6 +42,8 @@ _NULL = _Off()
 
 class _State:
     on = False  # process-wide, like the profiler itself
+    mode = None  # None (off), "profile" (measuring) or "timer" (timing_regions): the one check a region makes
+    times: dict | None = None
 
 
 _state = _State()
@@ -50,11 +56,12 @@ def is_measuring() -> bool:
 @contextlib.contextmanager
 def measuring(on: bool = True):
     """Open the named regions and eager ranges inside this block (for a profiled request or a CPU ledger)."""
-    old, _state.on = _state.on, on
+    old = _state.on, _state.mode
+    _state.on, _state.mode = on, "profile" if on else None
     try:
         yield
     finally:
-        _state.on = old
+        _state.on, _state.mode = old
 
 
 class _Region:
@@ -80,9 +87,38 @@ class _Region:
         return False
 
 
+class _TimedRegion:
+    __slots__ = ("name", "_t0")
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self._t0 = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc):
+        _state.times.setdefault(self.name, []).append((time.perf_counter_ns() - self._t0) / 1e3)
+        return False
+
+
+@contextlib.contextmanager
+def timing_regions():
+    """Inside this block every named region records its host time: yields {name: [microseconds per entry]}."""
+    old = _state.on, _state.mode, _state.times
+    _state.on, _state.mode, _state.times = False, "timer", {}
+    try:
+        yield _state.times
+    finally:
+        _state.on, _state.mode, _state.times = old
+
+
 def region(name: str):
-    """`with region("attention"): ...`: a named region while measuring, else a shared no-op."""
-    return _Region(name) if _state.on else _NULL
+    """`with region("attention"): ...`: a named region while measuring, a host timer inside timing_regions(),
+    else a shared no-op."""
+    if _state.mode is None:
+        return _NULL
+    return _Region(name) if _state.mode == "profile" else _TimedRegion(name)
 
 
 def current_region() -> str:

@@ -16,6 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dsv32ref.config import reduced_moe
+from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, TensorParallel, build_model, shard
+from dsv32ref.graphs import CUDAGraphMode
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -40,14 +44,9 @@ def spawn(fn, world_size: int, *args, backend: str | None = None) -> None:
 
 
 def _demo(rank: int, world_size: int, model: str, boundary: str, prompt_len: int) -> None:
-    from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, build_model
-    from dsv32ref.engine.model import TensorParallel
-    from dsv32ref.experiments.ttft import reduced_config
-    from dsv32ref.graphs import CUDAGraphMode
-
-    config = reduced_config(model)
+    config = reduced_moe(model)
     device = f"cuda:{rank}" if dist.get_backend() == "nccl" else "cpu"
-    m = build_model(config, boundary, device, torch.bfloat16, seed=0).shard(TensorParallel(rank, world_size))
+    m = shard(build_model(config, boundary, device, torch.bfloat16, seed=0), TensorParallel(rank, world_size))
     eng = LLMEngine(config, EngineConfig(boundary=boundary, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=512,
                                          max_num_seqs=16, max_num_batched_tokens=16, capture_sizes=[1, 2, 4, 8, 16]),
                     device=device, model=m)

@@ -32,6 +32,7 @@ import torch
 
 from dsv32ref.cache import gather_tokens
 from dsv32ref.checks import check_tensor
+from dsv32ref.reference.sparse_attention import sparse_mla
 
 __all__ = ["Comparison", "compare", "assert_close", "eps", "PagedSparseMLAInputs", "paged_sparse_mla_inputs",
            "reference_sparse_mla_paged"]
@@ -232,8 +233,6 @@ def reference_sparse_mla_paged(x: PagedSparseMLAInputs, dtype: torch.dtype = tor
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle on paged inputs: each request's visible rows read through its block-table row, then
     dsv32ref.reference.sparse_mla in `dtype` (float64 by default) -> (out [T, H, d_lat], lse [T, H]), on the CPU."""
-    from dsv32ref.reference.sparse_attention import sparse_mla
-
     check_tensor("x.q", x.q, shape=(None, None, None))
     q = x.q.detach().cpu().to(dtype)
     cache = x.latent_cache.detach().cpu().to(dtype)

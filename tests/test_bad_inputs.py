@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv32ref import AttentionMetadata, ModelConfig, PagedKVCache, load_pretrained, save_pretrained
 from dsv32ref.cache import gather_tokens, write_tokens
-from dsv32ref.engine import EngineConfig, EngineModel, LLMEngine, StepInput
+from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 from dsv32ref.reference import apply_rope, fp8_quantize, indexer_scores, rms_norm, sparse_mla, topk_indices
@@ -40,7 +40,7 @@ CONFIG_CASES = [
     (dict(index_topk=0), r"ModelConfig.index_topk: expected a positive int, got 0"),
     (dict(first_k_dense_replace=-1), r"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers"),
     (dict(first_k_dense_replace=99), r"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers"),
-    (dict(n_shared_experts=-1), r"ModelConfig.n_shared_experts: expected >= 0, got -1"),
+    (dict(n_shared_experts=-1), r"ModelConfig.n_shared_experts: expected an int >= 0, got -1"),
     (dict(qk_rope_head_dim=7), r"ModelConfig.qk_rope_head_dim: expected an even size"),
     (dict(qk_rope_head_dim=64), r"ModelConfig.qk_rope_head_dim: expected an even size <= index_head_dim"),
     (dict(n_group=3), r"ModelConfig.n_group: n_routed_experts=8 is not divisible by n_group=3"),
@@ -629,7 +629,7 @@ def test_kernels_never_access_out_of_bounds_and_the_debug_mode_names_the_value()
 # ---- engine ------------------------------------------------------------------------------------------
 
 ENGINE_CONFIG_CASES = [
-    (dict(boundary="medium"), r"EngineConfig.boundary: expected one of"),
+    (dict(boundary="medium"), r"boundary: expected one of \('wide', .*got 'medium'"),
     (dict(mode="full"), r"EngineConfig.mode: expected a CUDAGraphMode .*, got str 'full'"),
     (dict(max_model_len=0), r"EngineConfig.max_model_len: expected >= 1, got 0"),
     (dict(max_num_seqs=0), r"EngineConfig.max_num_seqs: expected >= 1, got 0"),
@@ -679,7 +679,7 @@ def cpu_engine():
     ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
     ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=16, max_num_seqs=2,
                       max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
-    return LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=EngineModel.from_reference(ref, "narrow"))
+    return LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
 
 
 @CPU
@@ -703,7 +703,7 @@ def test_engine_rejects_requests_it_cannot_run(cpu_engine):
         with pytest.raises(ValueError, match=match):
             call()
     toks, _ = eng.generate([1, 2, 3], 2)  # still usable afterwards, and no block leaked
-    assert len(toks) == 2 and len(eng.allocator.free) == eng.kv_cache.num_blocks
+    assert len(toks) == 2 and len(eng.allocator.free) == eng.runner.kv_cache.num_blocks
 
 
 @CPU
@@ -714,8 +714,8 @@ def test_uniform_decode_padded_past_max_num_seqs(seed):
     ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
     ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=16, max_num_seqs=3,
                       max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
-    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=EngineModel.from_reference(ref, "narrow"))
-    assert eng.scores.shape[0] == 4
+    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
+    assert eng.runner.batch.scores.shape[0] == 4
     eng.capture()
     toks, how = eng.step(StepInput([(0, [1, 2], 0), (1, [3, 4, 5], 0), (2, [6], 0)]))
     toks, how = eng.step(StepInput([(0, [toks[0]], 2), (1, [toks[1]], 3), (2, [toks[2]], 1)]))
@@ -742,16 +742,30 @@ def test_comparator_arguments():
         compare("x", a, a.numpy())
 
 
-@pytest.mark.parametrize("kw,match", [(dict(n_requests=0), r"ttft.run: n_requests must be an int >= 1, got 0"),
-                                      (dict(warmup=-1), r"ttft.run: warmup must be an int >= 0, got -1"),
-                                      (dict(prompt_len=0), r"ttft.run: prompt_len must be an int >= 1, got 0"),
-                                      (dict(variants=["narow"]), r"ttft.run: unknown variant\(s\) \['narow'\]"),
-                                      (dict(instrument_ab=["wide", "x"]), r"unknown variant\(s\) \['x'\]")])
+@pytest.mark.parametrize("kw,match", [
+    (dict(requests=0), r"TTFTProtocol.requests: expected an int >= 1, got 0"),
+    (dict(warmup=-1), r"TTFTProtocol.warmup: expected an int >= 0, got -1"),
+    (dict(prompt_len=0), r"TTFTProtocol.prompt_len: expected an int >= 1, got 0"),
+    (dict(variants=("narow",)), r"TTFTProtocol.variants: unknown boundaries \['narow'\]"),
+    (dict(variants=()), r"TTFTProtocol.variants: unknown boundaries \[\]"),
+    (dict(instrument_ab=("wide", "x")), r"TTFTProtocol.instrument_ab: unknown boundaries \['x'\]")])
 def test_ttft_experiment_arguments(kw, match):
-    from dsv32ref.experiments.ttft import run
+    from dsv32ref.experiments.ttft import TTFTProtocol
 
     with pytest.raises(ValueError, match=match):
-        run(device="cpu", **kw)
+        TTFTProtocol(**kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(prompt_lens=()), r"RegimeProtocol.prompt_lens: expected a non-empty list of ints >= 1, got \(\)"),
+    (dict(batches=(0,)), r"RegimeProtocol.batches: expected a non-empty list of ints >= 1, got \(0,\)"),
+    (dict(decode_steps=0), r"RegimeProtocol.decode_steps: expected an int >= 1, got 0"),
+    (dict(variants=("x",)), r"RegimeProtocol.variants: unknown variant\(s\) \['x'\]")])
+def test_regime_experiment_arguments(kw, match):
+    from dsv32ref.experiments.regimes import RegimeProtocol
+
+    with pytest.raises(ValueError, match=match):
+        RegimeProtocol(**kw)
 
 
 @pytest.mark.gpu
@@ -763,8 +777,8 @@ def test_start_up_with_no_capture_size_in_a_phase():
     ref = tiny_model("tiny-glm-5.2", dtype=torch.float32, **widths).to("cuda", torch.bfloat16)  # compiled dots: K >= 16
     ec = EngineConfig(boundary="narrow", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
                       block_size=16, capture_sizes=[8, 64])
-    eng = LLMEngine(ref.config, ec, device="cuda", dtype=torch.bfloat16, model=EngineModel.from_reference(ref, "narrow"))
-    assert set(eng.memory["graph_estimate_detail"]) == {"PIECEWISE"}
+    eng = LLMEngine(ref.config, ec, device="cuda", dtype=torch.bfloat16, model=from_reference(ref, "narrow"))
+    assert set(eng.runner.memory["graph_estimate_detail"]) == {"PIECEWISE"}
     eng.capture()
     toks, how = eng.step(StepInput([(0, [1, 2, 3], 0)]))
     assert how == "PIECEWISE" and len(toks) == 1

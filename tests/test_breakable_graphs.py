@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv32ref.graphs import (BreakableCapture, CaptureError, CUDAGraphMode, GraphRunner, default_capture_sizes,
-                             eager_break, eager_breaks_enabled, graph_split, weak_alias)
+                             eager_break, eager_breaks_enabled, maybe_execute_in_parallel, weak_alias)
 
 
 class FakeGraph:
@@ -103,46 +103,39 @@ def test_full_mode_captures_eager_regions():
     assert cap.graph.pattern == "G"
 
 
-def _split_model(x, out):
-    x = x + 1
-    graph_split()
-    attend(x, out)
-    graph_split()  # right after an eager region: a segment of its own, then the split
-    x = out + 1
-    graph_split()
-    return x + 1
-
-
-@pytest.mark.parametrize("full", [False, True])
-def test_graph_split_starts_a_segment_without_an_eager_region(full):
-    """A split ends the open segment (replayed once, as before an eager region, so the segments after it see
-    real inputs) and begins the next; FULL mode keeps the splits and captures the eager region."""
-    log.clear()
+def test_timed_replay_times_each_entry_and_replays_the_same_work():
+    """replay_timed() runs what replay() runs, in order, and returns one host time per entry (microseconds)."""
     out = torch.zeros(2)
-    with eager_breaks_enabled(not full):
-        with BreakableCapture(FakeBackend(log)) as cap:
-            _split_model(torch.ones(2), out)
-    assert cap.graph.pattern == ("G G G G" if full else "G G E G G G")
-    assert cap.graph.num_graphs == 4 + (not full)
+    with BreakableCapture(FakeBackend(log)) as cap:
+        model(torch.ones(2), out)
     log.clear()
     cap.graph.replay()
-    assert log == (["G1", "G2", "G3", "G4"] if full else ["G1", "G2", "E", "G3", "G4", "G5"])
-
-
-def test_graph_split_outside_a_capture_or_inside_an_eager_region_does_nothing():
+    plain = list(log)
     log.clear()
-    out = torch.zeros(2)
-    assert torch.equal(_split_model(torch.ones(2), out), torch.full((2,), 6.0))
-    assert log == ["E"]
+    times = cap.graph.replay_timed()
+    assert log == plain and len(times) == len(cap.graph.entries) and all(t >= 0 for t in times)
+    assert cap.graph.eager_names() == ["attend"] * 3 and cap.segments_begun == 4  # three layers
 
-    @eager_break
-    def region(x):
-        graph_split()  # inside an eager region no segment is open
-        return x
 
-    with BreakableCapture(FakeBackend(log)) as cap:
-        region(out)
-    assert cap.graph.pattern == "G E G"
+def test_runner_forces_a_mode_for_a_block_and_restores_it():
+    runner = GraphRunner(lambda size, full: torch.zeros(size), CUDAGraphMode.FULL_AND_PIECEWISE, [4],
+                         lambda: FakeBackend([]), warmup=False)
+    runner.capture_all()
+    with runner.using_mode(CUDAGraphMode.NONE):
+        assert runner.lookup(4, True)[0] == "NONE"
+    with runner.using_mode(CUDAGraphMode.PIECEWISE):
+        assert runner.lookup(4, True)[0] == "PIECEWISE"
+    assert runner.lookup(4, True)[0] == "FULL" and runner.mode is CUDAGraphMode.FULL_AND_PIECEWISE
+    with pytest.raises(ValueError, match="using_mode: expected a CUDAGraphMode, got 'none'"):
+        with runner.using_mode("none"):
+            pass
+
+
+def test_parallel_helper_without_a_side_stream_runs_both_in_order():
+    calls = []
+    assert maybe_execute_in_parallel(lambda: calls.append(0) or "a", lambda: calls.append(1) or "b",
+                                     None, None) == ("a", "b")
+    assert calls == [0, 1]
 
 
 def test_nested_capture_is_an_error():

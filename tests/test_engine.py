@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsv32ref.engine import BOUNDARIES, EngineConfig, EngineModel, LLMEngine, StepInput
+from dsv32ref.engine import BOUNDARIES, EngineConfig, EngineModel, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.testing import assert_close
 from helpers import tiny_model
@@ -15,7 +15,7 @@ def _engine(ref, boundary, device="cpu", mode=CUDAGraphMode.NONE):
     ec = EngineConfig(boundary=boundary, mode=mode, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                       block_size=4, capture_sizes=[1, 2, 4, 8, 16, 32])
     return LLMEngine(ref.config, ec, device=device, dtype=ref.lm_head.weight.dtype,
-                     model=EngineModel.from_reference(ref, boundary))
+                     model=from_reference(ref, boundary))
 
 
 def _gpu_config(preset: str, **overrides):
@@ -66,7 +66,13 @@ def test_engine_config_validation():
     with pytest.raises(ValueError, match="at most max_num_seqs x max_model_len = 128 tokens fit in one step, got 256"):
         EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=256)
     with pytest.raises(ValueError, match="boundary: expected one of"):
-        EngineModel(tiny_model("tiny-glm-5.2").config).set_boundary("medium")
+        EngineModel(tiny_model("tiny-glm-5.2").config, "medium")
+    with pytest.raises(ValueError, match="boundary: expected one of"):
+        EngineConfig(boundary="medium")
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    with pytest.raises(ValueError, match="model: built for boundary 'narrow', the engine runs 'wide'"):
+        LLMEngine(ref.config, EngineConfig(boundary="wide", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8,
+                                           num_blocks=4), device="cpu", model=from_reference(ref, "narrow"))
 
 
 def test_dummy_prefill_context_stays_within_max_model_len():
@@ -76,9 +82,9 @@ def test_dummy_prefill_context_stays_within_max_model_len():
     ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
     ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=64, max_num_seqs=8,
                       max_num_batched_tokens=512, block_size=16, num_blocks=16)
-    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=EngineModel.from_reference(ref, "narrow"))
+    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
     for size in (1, 64, 72, 512):
-        ctx = eng._dummy_context(size, uniform=False)
+        ctx = eng.runner.batch.dummy(eng.runner.kv_cache, size, uniform=False)
         lens = ctx.seq_lens_cpu
         assert sum(lens) == size and max(lens) <= 64 and len(lens) == -(-size // 64)
         assert ctx.query_start_loc_cpu == [sum(lens[:i]) for i in range(len(lens) + 1)]
@@ -129,16 +135,17 @@ def test_failed_capture_releases_graphs_and_falls_back_to_eager(monkeypatch, see
     from dsv32ref import init_dummy_weights
 
     init_dummy_weights(ref, 0)
-    eng = _engine(ref.eval(), "narrow_copy", mode=CUDAGraphMode.FULL_AND_PIECEWISE)
-    eng.runner.capture_sizes = [4, 8]
-    real_forward = eng.runner.forward
+    ec = EngineConfig(boundary="narrow_copy", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8,
+                      block_size=4, capture_sizes=[4, 8])
+    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref.eval(), "narrow_copy"))
+    real_forward = eng.runner.graphs.forward
 
     def failing(size, full):
         if full and size == 4:
             raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB")
         return real_forward(size, full)
 
-    eng.runner.forward = failing
+    monkeypatch.setattr(eng.runner.graphs, "forward", failing)
     from dsv32ref.graphs import CaptureError
 
     with pytest.raises(CaptureError) as e:
@@ -146,7 +153,7 @@ def test_failed_capture_releases_graphs_and_falls_back_to_eager(monkeypatch, see
     msg = str(e.value)
     assert "FULL capture of size 4 failed: RuntimeError: CUDA out of memory" in msg
     assert "memory ledger at the failure: " in msg and "kv_cache" in msg and "runs eagerly" in msg
-    assert eng.runner.piecewise == {} and eng.runner.full == {} and eng.runner.mode is CUDAGraphMode.NONE
+    assert eng.runner.graphs.piecewise == {} and eng.runner.graphs.full == {} and eng.runner.graphs.mode is CUDAGraphMode.NONE
     toks, how = eng.step(StepInput([(0, [3, 4, 5], 0)]))
     assert how == "NONE" and len(toks) == 1
 
@@ -157,13 +164,13 @@ def test_ttft_experiment_control_flow_on_cpu(tmp_path):
     captured, interleaved requests, ledger per arm, same tokens everywhere. (Timings on a CPU mean nothing; the GPU run records them.)"""
     import json
 
-    from dsv32ref.experiments.ttft import run
+    from dsv32ref.experiments.ttft import TTFTProtocol, run
 
     cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
                                                     n_routed_experts=4, num_experts_per_tok=2)
-    res = run("glm-5.2", variants=["narrow", "none"], skip_topk=("narrow",), n_requests=2, warmup=1, device="cpu",
-              config=cfg, out=str(tmp_path / "t.json"),
-              capture_sizes=[8])  # the 8-token prompt's size: PIECEWISE and FULL captures, fewer of them
+    p = TTFTProtocol(variants=("narrow", "none"), skip_topk=("narrow",), requests=2, warmup=1,
+                     capture_sizes=(8,))  # the 8-token prompt's size: PIECEWISE and FULL captures, fewer of them
+    res = run(p, device="cpu", config=cfg, out=str(tmp_path / "t.json"))
     assert set(res["variants"]) == {"narrow", "none", "narrow+skip"} and res["same_tokens_across_variants"]
     assert res["variants"]["narrow+skip"]["skip_short_topk"] and not res["variants"]["narrow"]["skip_short_topk"]
     for v, r in res["variants"].items():
@@ -185,8 +192,8 @@ def test_ttft_instrument_ab_and_an_interrupted_run_keeps_the_complete_result(tmp
     cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
                                                     n_routed_experts=4, num_experts_per_tok=2)
     out = tmp_path / "t.json"
-    res = ttft.run("glm-5.2", variants=["wide", "narrow"], n_requests=2, warmup=1, device="cpu", config=cfg,
-                   out=str(out), instrument_ab=("wide", "narrow"), capture_sizes=[8])
+    res = ttft.run(ttft.TTFTProtocol(variants=("wide", "narrow"), requests=2, warmup=1, instrument_ab=("wide", "narrow"),
+                                     capture_sizes=(8,)), device="cpu", config=cfg, out=str(out))
     ab = res["instrument"]["variants"]
     assert set(ab) == {"wide", "narrow"} and len(ab["wide"]["ttft_ms_with_ranges"]) == 2
     assert res["instrument"]["region_cost_ns"]["off"] < res["instrument"]["region_cost_ns"]["on"]
@@ -204,8 +211,8 @@ def test_ttft_instrument_ab_and_an_interrupted_run_keeps_the_complete_result(tmp
 
     monkeypatch.setattr(ledger, "measure", flaky)
     with pytest.raises(KeyboardInterrupt):
-        ttft.run("glm-5.2", variants=["wide", "narrow", "narrow_out"], n_requests=1, warmup=0, device="cpu",
-                 config=cfg, out=str(out), mode="none")
+        ttft.run(ttft.TTFTProtocol(variants=("wide", "narrow", "narrow_out"), requests=1, warmup=0, mode="none"),
+                 device="cpu", config=cfg, out=str(out))
     assert out.read_text() == complete
     partial = json.loads((tmp_path / "t.partial.json").read_text())
     assert partial["partial"] is True and set(partial["variants"]) == {"wide", "narrow"}
@@ -218,13 +225,13 @@ def test_capture_memory_experiment_control_flow_on_cpu(tmp_path):
     PIECEWISE largest first then FULL, and leaves a log per capture with its static buffers, which match
     the memory model."""
     from dsv32ref.experiments.memory_model import predict
-    from dsv32ref.experiments.capture_memory import run
+    from dsv32ref.experiments.capture_memory import Settings, run
 
     cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
                                                     n_routed_experts=4, num_experts_per_tok=2)
     runs = [{"boundary": b} for b in ("narrow", "narrow_copy", "narrow_copy_shared", "narrow_out")]
-    res = run("glm-5.2", runs=runs, device="cpu", config=cfg, capture_sizes=[1, 2, 4], max_num_seqs=2,
-              max_model_len=32, max_num_batched_tokens=4, out=str(tmp_path / "m.json"))
+    res = run("glm-5.2", runs=runs, device="cpu", config=cfg, out=str(tmp_path / "m.json"),
+              settings=Settings(capture_sizes=(1, 2, 4), max_num_seqs=2, max_model_len=32, max_num_batched_tokens=4))
     for r in res["runs"]:
         assert r["failed"] is None
         assert [(c["phase"], c["size"]) for c in r["capture_log"]] == [
@@ -277,14 +284,21 @@ def test_capture_outcome_walks_the_capture_order():
 
 def test_shared_copy_buffer_is_checked():
     ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
-    m = EngineModel.from_reference(ref, "narrow_copy_shared")
-    m.reserve_copy_buffer(4)
+    m = from_reference(ref, "narrow_copy_shared")
+    outputs = m.static_outputs
+    with pytest.raises(ValueError, match=r"narrow_copy_shared: the shared copy buffer holds None but a step of 5"):
+        outputs.target(0, torch.zeros(5, 8))
+    outputs.reserve(4, m.embed_tokens)
     a = m.layers[0].self_attn
-    assert all(layer.self_attn.shared_out is a.shared_out for layer in m.layers)
-
+    assert all(layer.self_attn.outputs is outputs for layer in m.layers)
+    assert outputs.target(0, torch.zeros(3, 8)).data_ptr() == outputs.target(1, torch.zeros(3, 8)).data_ptr()
     with pytest.raises(ValueError, match=r"narrow_copy_shared: the shared copy buffer holds \[4, "):
-        a._copy_target(torch.zeros(5, 8))
-    assert m.release_static_buffers(include_shared=True) == 4 * a.H * a.kv_lora * 4 and a.shared_out is None
+        outputs.target(0, torch.zeros(5, 8))
+    assert outputs.nbytes() == 4 * a.H * a.kv_lora * 4 and outputs.release() == 0  # the shared buffer stays
+    per_size = from_reference(ref, "narrow_copy").static_outputs
+    b = per_size.target(0, torch.zeros(3, 8))
+    assert per_size.target(0, torch.zeros(3, 8)) is b and per_size.target(1, torch.zeros(3, 8)) is not b
+    assert per_size.release() == 2 * 3 * a.H * a.kv_lora * 4 and per_size.nbytes() == 0
 
 
 @pytest.mark.gpu
@@ -302,7 +316,7 @@ def test_capture_out_of_memory_on_gpu_is_reported_and_recoverable():
     def engine(boundary):
         ec = EngineConfig(boundary=boundary, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=512,
                           block_size=16, num_blocks=16)
-        return LLMEngine(cfg, ec, device="cuda", dtype=torch.bfloat16, model=EngineModel.from_reference(ref, boundary))
+        return LLMEngine(cfg, ec, device="cuda", dtype=torch.bfloat16, model=from_reference(ref, boundary))
 
     prompt = [3, 4, 5, 6, 7]
     eng = engine("narrow")
@@ -329,8 +343,8 @@ def test_capture_out_of_memory_on_gpu_is_reported_and_recoverable():
     msg = str(e.value)
     assert "PIECEWISE capture of size" in msg and "OutOfMemoryError" in msg, msg
     assert "memory ledger at the failure: " in msg and "static_buffers" in msg and "narrow_copy_shared" in msg
-    assert eng.runner.piecewise == {} and eng.runner.full == {} and eng.runner.mode is CUDAGraphMode.NONE
-    assert eng.model.static_buffer_bytes() == 0
+    assert eng.runner.graphs.piecewise == {} and eng.runner.graphs.full == {} and eng.runner.graphs.mode is CUDAGraphMode.NONE
+    assert eng.model.static_outputs.nbytes() == 0
     import gc
 
     gc.collect()

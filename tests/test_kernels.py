@@ -11,8 +11,6 @@ from dsv32ref.cache import gather_tokens
 from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
 from dsv32ref.kernels.fused_q import fused_q
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged, indexer_topk_paged, topk_from_scores
-from dsv32ref.bench.sparse_mla_gluon import sparse_mla_gluon
-from dsv32ref.bench.sparse_mla_variants import sparse_mla_variant
 from dsv32ref.kernels.sparse_mla import FP32_CONFIG, sparse_mla_paged
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
                                 sparse_mla, topk_indices)
@@ -304,70 +302,32 @@ def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, tile, seed):
     assert (out[1] == 0).all()
 
 
-@pytest.mark.parametrize("device,dtype,tol", CASES)
-@pytest.mark.parametrize("variant", [
-    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=True),
-    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
-    dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),
-    dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False),
-], ids=["split-qk", "chained-held-q", "ahead", "in-loop"])
-def test_sparse_mla_sweep_variants(device, dtype, tol, variant, seed):
-    """The sweep's other loops (dsv32ref.bench.sparse_mla_variants) compute what the library does."""
-    z = _sizes(device)
-    meta, nb = _meta(device, *_shape_for(device, ([9, 0], [2, 4]), ([3000, 0], [5, 64])), z["block"])
-    T, f = meta.num_tokens, dict(device=device, dtype=dtype)
-    q = torch.randn(T, 3 if device == "cpu" else z["H"], z["d_lat"] + z["rope"], **f)
-    cache = torch.randn(nb, z["block"], z["d_lat"] + z["rope"], **f)
-    topk = torch.stack([torch.randint(-1, int(p) + 2, (z["k"],), device=device) for p in meta.positions]).int()
-    out = torch.full((T, q.shape[1], z["d_lat"]), float("nan"), **f)
-    lse = torch.full((T, q.shape[1]), float("nan"), device=device)
-    # fp32 tiles take twice the shared memory: the library's fp32 tiles on a GPU
-    tiles = dict(BLOCK_H=16, BLOCK_N=4, num_warps=4, num_stages=1) if device == "cpu" else \
-        FP32_CONFIG if dtype == torch.float32 else {}
-    sparse_mla_variant(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse,
-                       config=dict(variant, **tiles))
-    for b in range(meta.num_reqs):
-        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-        kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])
-        idx = torch.where(topk[t0:t1] < meta.seq_lens_cpu[b], topk[t0:t1], -1)
-        ref, ref_lse = sparse_mla(q[t0:t1].double(), kv.double(), idx, 0.1, z["d_lat"])
-        assert_close(f"out of request {b}", out[t0:t1], ref, dtype=dtype, rtol=tol, atol=tol, row_dims=2)
-        assert_close(f"lse of request {b}", lse[t0:t1], ref_lse, dtype=torch.float32, rtol=64, atol=64)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [128, 64, 40])
-@pytest.mark.parametrize("overlap_pv", [False, True])
-def test_sparse_mla_gluon(heads, overlap_pv, seed):
-    """The Gluon experiment (dsv32ref.bench.sparse_mla_gluon) against the reference, outputs poisoned, invalid and
-    out-of-range indices included, a head count that is not a multiple of 64."""
-    z = _sizes("cuda")
-    meta, nb = _meta("cuda", [3000, 0, 200], [5, 64, 1], z["block"])
-    T, f = meta.num_tokens, dict(device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(T, heads, z["d_lat"] + z["rope"], **f)
-    cache = torch.randn(nb, z["block"], z["d_lat"] + z["rope"], **f)
-    topk = torch.stack([torch.randint(-1, int(p) + 2, (z["k"],), device="cuda") for p in meta.positions]).int()
-    topk[0] = -1  # no valid key
-    out = torch.full((T, heads, z["d_lat"]), float("nan"), **f)
-    lse = torch.full((T, heads), float("nan"), device="cuda")
-    sparse_mla_gluon(q, cache, meta.block_table, meta.req_indices, meta.seq_lens, topk, 0.1, out, lse, overlap_pv)
-    for b in range(meta.num_reqs):
-        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-        kv = gather_tokens(cache, meta.block_table[b], meta.seq_lens_cpu[b])
-        idx = torch.where(topk[t0:t1] < meta.seq_lens_cpu[b], topk[t0:t1], -1)
-        ref, ref_lse = sparse_mla(q[t0:t1].double(), kv.double(), idx, 0.1, z["d_lat"])
-        assert_close(f"out of request {b}", out[t0:t1], ref, dtype=torch.bfloat16, rtol=1, atol=1, row_dims=2)
-        assert_close(f"lse of request {b}", lse[t0:t1], ref_lse, dtype=torch.float32, rtol=64, atol=64)
-    assert (out[0] == 0).all() and torch.isinf(lse[0]).all()
-
-
-def test_the_hopper_kernel_runs_only_where_it_applies():
+def test_the_hopper_kernel_runs_only_where_it_applies(monkeypatch):
     """sparse_mla_paged runs the Gluon kernel only on a CUDA sm_90 device, for bf16 with DeepSeek's latent widths,
-    without top-k splits and without a config; an interpreter run always takes the Triton kernel."""
-    from dsv32ref.kernels.sparse_mla import launch_plan
+    without top-k splits and without a config, under a triton it was built for; an interpreter run always takes
+    the Triton kernel. Each refusal says why."""
+    import triton
+
+    from dsv32ref.kernels import sparse_mla_hopper
+    from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
 
     q = torch.zeros(256, 64, 576, dtype=torch.bfloat16)  # 256 programs: no top-k splits on 132 SMs
     assert launch_plan(q, 512, 2048, None, 132)[2:] == (1, False)  # a CPU tensor
+    assert kernel_choice(q, 512, 1, None) == ("triton", "not a CUDA tensor")
+    assert kernel_choice(q, 512, 1, {"BLOCK_N": 32}) == ("triton", "a tile config was given")
+    from types import SimpleNamespace
+
+    def fake(dtype=torch.bfloat16):  # what why_not reads of a CUDA tensor, without a GPU
+        return SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dtype)
+
+    why = sparse_mla_hopper.why_not
+    assert why(q, 512, 64, 1) == "not a CUDA tensor"
+    assert why(fake(torch.float16), 512, 64, 1) == "torch.float16 (the sm_90 kernel is bf16)"
+    assert why(fake(), 256, 64, 1) == "latent widths 256 + 64 (the sm_90 kernel is 512 + 64)"
+    assert why(fake(), 512, 64, 4).startswith("4 top-k splits")
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert why(fake(), 512, 64, 1) == "triton 3.9.0 (the sm_90 kernel is built for 3.6, 3.7, 3.8)"
+    monkeypatch.undo()
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         g = q.cuda()
         assert launch_plan(g, 512, 2048, None, 132)[2:] == (1, True)

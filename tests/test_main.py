@@ -1,7 +1,17 @@
+"""The command line: the main job's summary, the reproduction's table (the PR, the recorded run, this machine),
+where runs write, and every subcommand answering on a machine without a GPU."""
+
+import json
+import os
+import shutil
+
 import pytest
 import torch
 
-from dsv32ref.__main__ import main
+from dsv32ref.__main__ import main, run_dir
+from dsv32ref.experiments import reproduce
+
+CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the commands run the experiments themselves")
 
 
 def test_main_job_runs_and_passes_its_checks(capsys):
@@ -10,52 +20,71 @@ def test_main_job_runs_and_passes_its_checks(capsys):
     assert "deepseek-v3.2        total 671.878B, softmax scale 0.135234" in out
     assert "glm-5.2              total 743.377B" in out and "21/78 layers run their indexer" in out
     assert "FAIL" not in out and "all checks passed" in out
+    recorded = out[out.index("Recorded in data/"):out.index("all checks passed")].strip().splitlines()
+    assert len(recorded) <= 4, recorded  # what data/ holds, in a few lines
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the command runs the reproduction itself")
+@CPU
+@pytest.mark.parametrize("cmd", ["reproduce", "ttft", "capture", "regimes", "timeline", "hostcosts", "kernels"])
+def test_gpu_subcommands_say_what_they_need_on_a_cpu(cmd, capsys):
+    assert main([cmd]) == 2
+    out = capsys.readouterr()
+    assert "CUDA GPU" in out.out + out.err
+
+
+@CPU
 def test_reproduce_on_a_cpu_prints_the_recorded_table_beside_the_pr(capsys):
     """Without a GPU, `dsv32ref reproduce` says so and prints the PR's figures beside the recorded run's."""
-    import json
-
-    from dsv32ref.experiments.reproduce import table
-
     assert main(["reproduce"]) == 2
     out = capsys.readouterr().out
-    assert "reproduce needs a CUDA GPU" in out and "PR (TP4)" in out
-    rows = {r["what"]: r for r in table()}
+    assert "PR" in out and "recorded" in out and "this machine" in out
+    rows = {r["what"]: r for r in reproduce.table()}
     seeds = json.load(open("data/seeds.json"))
     run = json.load(open("data/ttft_glm-5.2.json"))
     r = rows["wide TTFT mean (ms)"]
-    assert r["pr"] == seeds["ttft"]["wide"]["mean_ms"] and r["ours"] == run["variants"]["wide"]["mean_ms"]
-    assert abs(r["ratio"] - r["ours"] / r["pr"]) < 1e-12
-    assert rows["direct launches removed by narrowing"]["pr"] == 333
-    assert rows["none TTFT mean (ms)"]["pr"] is None
+    assert r["pr"] == seeds["ttft"]["wide"]["mean_ms"] and r["recorded"] == run["variants"]["wide"]["mean_ms"]
+    assert r["live"] is None and rows["direct launches removed by narrowing"]["pr"] == 333
+    assert rows["none TTFT mean (ms)"]["pr"] is None and rows["narrow_copy start-up, estimate on"]["recorded"]
 
 
-def test_reproduce_runs_each_experiment_of_its_preset(monkeypatch, tmp_path, capsys):
-    """The wiring of `dsv32ref reproduce` (the GPU runs themselves are recorded in data/): which experiments
-    each preset runs, with which arguments and outputs, then the table from what they wrote."""
-    import shutil
-
-    from dsv32ref.experiments import capture_memory, regimes, reproduce, ttft
-
+def test_reproduce_runs_each_command_in_a_process_of_its_own(monkeypatch, tmp_path, capsys):
+    """The wiring of the main job on a GPU: each preset's commands, each with its output in the run's folder;
+    then the table reads that folder beside data/ (here a stand-in run that copies data/'s files)."""
     calls = []
-    for name in ("seeds.json", "ttft_glm-5.2.json", "capture_memory_glm-5.2_h16.json"):
-        shutil.copy(f"data/{name}", tmp_path / name)
-    monkeypatch.setattr(ttft, "run", lambda model, **kw: calls.append(("ttft", model, kw)))
-    monkeypatch.setattr(capture_memory, "run_plan", lambda model, **kw: calls.append(("capture", model, kw)))
-    monkeypatch.setattr(capture_memory, "run", lambda model, runs, **kw: calls.append(("capture", model,
-                                                                                      {**kw, "runs": runs})))
-    monkeypatch.setattr(regimes, "run", lambda model, **kw: calls.append(("regimes", model, kw)))
-    rows = reproduce.run("quick", data_dir=str(tmp_path))
-    assert [c[:2] for c in calls] == [("ttft", "glm-5.2"), ("capture", "glm-5.2")]
-    assert calls[0][2]["n_requests"] == 64 and calls[1][2]["heads_per_rank"] == 16
-    assert calls[1][2]["runs"] == reproduce.QUICK_CAPTURE and rows and "PR (TP4)" in capsys.readouterr().out
-    assert calls[1][2]["out"].endswith("capture_memory_glm-5.2_h16_quick.json")
+
+    def fake(args):
+        calls.append(args)
+        out = args[args.index("--out") + 1]
+        assert os.path.dirname(out) == str(tmp_path)
+        shutil.copy(os.path.join("data", os.path.basename(out)), out)
+
+    monkeypatch.setattr(reproduce, "run_command", fake)
+    rows = reproduce.run("quick", str(tmp_path))
+    assert [c[0] for c in calls] == ["ttft", "capture"]
+    assert calls[0][calls[0].index("--requests") + 1] == "64" and "quick" in calls[1]
+    assert all(r["live"] == r["recorded"] for r in rows)  # the stand-in run is the recorded one
+    assert "this machine" in capsys.readouterr().out
     calls.clear()
-    reproduce.run("full", data_dir=str(tmp_path))
-    assert [c[:2] for c in calls] == [("ttft", "glm-5.2"), ("ttft", "deepseek-v3.2"), ("capture", "glm-5.2"),
-                                      ("regimes", "glm-5.2")]
-    assert calls[0][2]["n_requests"] == 256 and calls[0][2]["instrument_ab"] and calls[0][2]["skip_topk"]
+    reproduce.run("full", str(tmp_path))
+    assert [c[0] for c in calls] == ["ttft", "ttft", "capture", "regimes", "timeline", "ledger", "ledger"]
+    assert all("--instrument-ab" in c for c in calls[:2])
+    assert calls[-1][calls[-1].index("--measured") + 1] == os.path.join(str(tmp_path), "ttft_deepseek-v3.2.json")
     with pytest.raises(ValueError, match="preset must be one of"):
-        reproduce.run("medium")
+        reproduce.run("medium", str(tmp_path))
+
+
+def test_runs_write_to_a_folder_of_their_own_unless_asked_to_record(monkeypatch, tmp_path):
+    """A live run never writes into data/ unless --record: the predicted ledger of a two-layer structure."""
+    from dsv32ref.experiments import ledger
+
+    base = ledger.structure_config("glm-5.2").replace(num_hidden_layers=2, indexer_types=("full", "shared"),
+                                                      first_k_dense_replace=1)
+    monkeypatch.setattr(ledger, "structure_config", lambda preset: base)
+    monkeypatch.chdir(tmp_path)
+    assert run_dir().startswith(os.path.join("runs", "20")) and run_dir().endswith("Z")
+    assert main(["ledger", "--predict", "--measured", "none.json"]) == 0
+    (written,) = list((tmp_path / "runs").rglob("ledger_predicted_glm-5.2.json"))
+    assert json.loads(written.read_text())["variants"]["narrow"]["graph_launches"] == 3
+    assert not (tmp_path / "data").exists()
+    assert main(["ledger", "--predict", "--measured", "none.json", "--record"]) == 0
+    assert (tmp_path / "data" / "ledger_predicted_glm-5.2.json").exists()

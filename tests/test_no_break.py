@@ -4,7 +4,7 @@ graphs (CPU, interpreter) and, with the gpu marker, on CUDA graphs."""
 import pytest
 import torch
 
-from dsv32ref.engine import EngineConfig, EngineModel, LLMEngine, StepInput
+from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.engine.model import causal_topk
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.testing import assert_close
@@ -27,7 +27,7 @@ def _engine(ref, boundary, mode=CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes=
     ec = EngineConfig(boundary=boundary, mode=mode, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                       block_size=4, capture_sizes=list(capture_sizes), **kw)
     return LLMEngine(ref.config, ec, device=device, dtype=ref.lm_head.weight.dtype,
-                     model=EngineModel.from_reference(ref, boundary))
+                     model=from_reference(ref, boundary))
 
 
 def _run(eng, prompts, decode_steps=2):
@@ -65,8 +65,8 @@ def test_none_replays_prefill_in_a_full_graph_and_equals_the_other_variants(seed
         eng = _engine(ref, boundary)
         eng.capture()
         if boundary == "none":
-            assert sorted(eng.runner.full) == [2, 16] and not eng.runner.piecewise  # no PIECEWISE graphs
-            assert eng.memory["scores_workspace"] == eng.ec.max_step_tokens * 64 * 4
+            assert sorted(eng.runner.graphs.full) == [2, 16] and not eng.runner.graphs.piecewise  # no PIECEWISE graphs
+            assert eng.runner.memory["scores_workspace"] == eng.ec.max_step_tokens * 64 * 4
         got[boundary] = _run(eng, prompts)
     assert got["none"][2] == ["FULL", "FULL", "FULL"]
     assert got["narrow"][2] == ["PIECEWISE", "FULL", "FULL"]
@@ -120,7 +120,7 @@ def test_short_prefill_skips_the_indexer_only_when_every_key_fits(boundary, seed
     assert _indexer_launches(on, step) == 0
     assert _indexer_launches(off, StepInput([(7, short[0], 0), (8, short[1], 0)])) > 0
     long = StepInput([(9, torch.randint(0, V, (K + 1,)).tolist(), 0)])
-    ctx = on.forward_context(on.prepare(long))
+    ctx = on.runner.forward_context(on.stage(long))
     assert not ctx.skip_topk and _indexer_launches(on, StepInput([(10, long.requests[0][1], 0)])) > 0
 
 
@@ -145,34 +145,6 @@ def test_short_prefill_skip_is_never_baked_into_a_graph(seed):
 def test_engine_switches_are_validated():
     with pytest.raises(ValueError, match="EngineConfig.skip_short_topk: expected a bool, got 1"):
         EngineConfig(skip_short_topk=1)
-    with pytest.raises(ValueError, match="EngineConfig.split_graphs: expected a bool, got 'yes'"):
-        EngineConfig(split_graphs="yes")
-
-
-def test_split_layers_grow_by_the_ratio():
-    from dsv32ref.engine.engine import split_layers
-
-    assert split_layers(78) == [1, 4, 16, 64] and split_layers(61) == [1, 4, 16]
-    assert split_layers(2) == [1] and split_layers(1) == [] and split_layers(16, ratio=2) == [1, 2, 4, 8]
-
-
-@CPU
-def test_split_graphs_add_segments_and_change_nothing_else(seed):
-    """EngineConfig.split_graphs on "none": the FULL graph starts a new segment before layer 1 (the two-layer
-    model's only split); the replayed prefill and decode give bitwise the same logits and tokens as one graph.
-    (PIECEWISE captures split the same way: tests/test_breakable_graphs.py.)"""
-    ref = _small_ref(seed=seed)
-    V = ref.config.vocab_size
-    prompts = [torch.randint(0, V, (3,)).tolist(), torch.randint(0, V, (2,)).tolist()]
-    got = {}
-    for split in (False, True):
-        eng = _engine(ref, "none", capture_sizes=(8,), split_graphs=split)
-        eng.capture()
-        assert eng.runner.full[8].graph.pattern == ("G G" if split else "G")
-        got[split] = _run(eng, prompts, decode_steps=1)
-    assert got[True][1] == got[False][1] and got[True][2] == got[False][2] == ["FULL", "FULL"]
-    for i, (a, b) in enumerate(zip(got[True][0], got[False][0])):
-        assert torch.equal(a, b), f"step {i}"
 
 
 @CPU
@@ -180,15 +152,12 @@ def test_ledger_predicts_one_graph_launch_for_none():
     """The whole forward is one graph segment; nothing in the forward is launched directly."""
     from dsv32ref.experiments.ledger import predict_all
 
-    res = predict_all("glm-5.2", variants=["none", "narrow", "none+split"])["variants"]
+    res = predict_all("glm-5.2", variants=["none", "narrow"])["variants"]
     assert res["none"]["graph_launches"] == 1 and res["none"]["direct"].get("attention", 0) == 0
     assert sum(res["none"]["direct"].values()) == res["none"]["direct"].get("other", 0)
     assert res["narrow"]["graph_launches"] > 1
     assert res["narrow"]["eager_regions"] == res["narrow"]["graph_launches"] - 1
-    # split: GLM-5.2 has 78 layers, new segments before layers 1, 4, 16 and 64; the same kernels, no region
-    assert res["none+split"]["graph_launches"] == 5 and res["none+split"]["eager_regions"] == 0
-    assert res["none+split"]["in_graph"] == res["none"]["in_graph"]
-    assert res["none+split"]["direct"] == res["none"]["direct"]
+    assert res["narrow"]["graph_launches"] == 78 + 1  # one eager region per layer
 
 
 @pytest.mark.gpu
@@ -221,22 +190,22 @@ def test_none_on_cuda_graphs_matches_eager(preset):
 
 
 @CPU
-def test_region_host_times_wrap_the_replay_and_leave_it_as_it_was(seed):
-    """host_costs.region_host_us times each entry of the PIECEWISE graph in replay order, one eager region per
-    layer, and puts the entries back: the next replay is the same objects and gives the same logits."""
+def test_region_host_times_come_from_a_timed_replay_that_changes_nothing(seed):
+    """host_costs.region_host_us times each entry of the PIECEWISE graph in replay order (the model runner's
+    timed replay), one eager region per layer; the graph is left as it was and gives the same logits."""
     from dsv32ref.experiments.host_costs import region_host_us
 
     ref = _small_ref(seed=seed)
     eng = _engine(ref, "narrow", capture_sizes=(8,))
     eng.capture()
     prompt = torch.randint(0, ref.config.vocab_size, (8,)).tolist()
-    entries = list(eng.runner.piecewise[8].graph.entries)
+    entries = list(eng.runner.graphs.piecewise[8].graph.entries)
     eng.generate(prompt, 1)
     before = eng.last_logits.clone()
     r = region_host_us(eng, prompt, requests=2)
     assert r["runs_as"] == "PIECEWISE" and len(r["eager_us"]) == 2 and len(r["graph_us"]) == 3
     assert all(t > 0 for t in r["eager_us"] + r["graph_us"])
-    assert [e[1] for e in eng.runner.piecewise[8].graph.entries] == [e[1] for e in entries]
+    assert eng.runner.graphs.piecewise[8].graph.entries == entries
     eng.generate(prompt, 1)
     assert torch.equal(eng.last_logits, before)
     none = _engine(ref, "none", capture_sizes=(8,))
@@ -251,12 +220,13 @@ def test_ttft_model_is_a_pipeline_of_layers():
 
     costs = {"in_graph_gap_us": 0.0, "graph_node_us": 0.0, "eager_region_us": 0.0, "graph_launch_us": 10.0,
              "stage_us": 100.0, "sync_us": 20.0, "aten_launch_us": 5.0, "gemm_launch_us": 15.0, "memcpy_us": 7.0,
-             "wrapper_us": {"sparse_mla_paged": 200.0}}
+             "wrapper_us": {"attention": 200.0}}
     assert launch_cost_us("aten::bmm", costs) == 15.0 and launch_cost_us("aten::add", costs) == 5.0
     assert launch_cost_us("aten::copy_ (memcpy)", costs) == 7.0
     assert launch_cost_us("triton::_sparse_mla_kernel", costs) == 200.0
     assert launch_cost_us("triton::_combine_splits_kernel", costs) == 0.0
-    ledger = {"layers": [{"direct": {}, "graph": 10}, {"direct": {}, "graph": 10}], "graph_launches": 3, "ops": {}}
+    ledger = {"layers": [{"direct": {}, "graph": 10}, {"direct": {}, "graph": 10}], "graph_launches": 3,
+              "eager_regions": 2, "ops": {}}
     regions = {"eager_us": [2990.0, 490.0], "graph_us": [10.0, 10.0, 10.0]}
     p = predict(ledger, costs, floor_ms=2.0, regions=regions)
     assert p["host_source"] == "measured regions" and p["host_bound_layers"] == 1
@@ -267,10 +237,9 @@ def test_ttft_model_is_a_pipeline_of_layers():
     assert q["host_source"] == "launches" and abs(q["forward_ms"] - 2.0) < 1e-9
 
 
-def test_ttft_model_prices_split_segments_as_launches_not_regions():
-    """A split forward (three segments, no eager region): the other two launches are host work spread over the
-    layers, no eager-region cost is charged; split or not, the first launch is charged the first layer's
-    kernels only (the GPU starts while the host submits the rest)."""
+def test_ttft_model_charges_the_first_layers_nodes_to_the_first_launch():
+    """One graph, no eager region: the first launch is charged the first layer's kernels only (the GPU starts
+    while the host submits the rest), no eager-region cost is charged."""
     from dsv32ref.experiments.ttft_model import predict
 
     costs = {"in_graph_gap_us": 0.0, "graph_node_us": 1.0, "eager_region_us": 50.0, "graph_launch_us": 10.0,
@@ -278,10 +247,8 @@ def test_ttft_model_prices_split_segments_as_launches_not_regions():
              "wrapper_us": {}}
     layers = [{"direct": {}, "graph": 100}, {"direct": {}, "graph": 300}]
     one = predict({"layers": layers, "graph_launches": 1, "eager_regions": 0, "ops": {}}, costs, floor_ms=2.0)
-    split = predict({"layers": layers, "graph_launches": 3, "eager_regions": 0, "ops": {}}, costs, floor_ms=2.0)
-    for p in (one, split):
-        assert abs(p["fixed"]["first_launch_ms"] - 0.11) < 1e-12  # 10 us + the first layer's 100 nodes
-    assert split["eager_regions"] == 0 and split["forward_ms"] == one["forward_ms"] == 2.0  # GPU-bound layers
+    assert abs(one["fixed"]["first_launch_ms"] - 0.11) < 1e-12  # 10 us + the first layer's 100 nodes
+    assert one["eager_regions"] == 0 and one["forward_ms"] == 2.0  # GPU-bound layers
 
 
 def test_timeline_merges_busy_stretches_and_keeps_the_gaps_it_hides():

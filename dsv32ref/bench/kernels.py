@@ -27,9 +27,7 @@ from dsv32ref.kernels import grid
 from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
 from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact_kernel, _topk_hist_kernel, _topk_kernel,
                                            indexer_scores_paged, topk_from_scores)
-from dsv32ref.bench.sparse_mla_gluon import sparse_mla_gluon
-from dsv32ref.bench.sparse_mla_variants import LIBRARY, _variant_kernel, sparse_mla_variant
-from dsv32ref.kernels.sparse_mla import (CONFIG_KEYS, DEFAULT_CONFIG, _combine_splits_kernel, _sparse_mla_kernel,
+from dsv32ref.kernels.sparse_mla import (DEFAULT_CONFIG, _combine_splits_kernel, _sparse_mla_kernel, kernel_choice,
                                          launch_plan, sparse_mla_paged)
 from dsv32ref.provenance import provenance
 from dsv32ref.results import write_partial, write_result
@@ -218,7 +216,8 @@ def ref_sparse_mla_chunked(q, cache, r, topk, scale, d_lat, chunk=128):
 
 
 def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, sort_indices=False, batch=False):
-    """batch: T decode requests (decode_batch) instead of the last T tokens of one request."""
+    """T tokens at the end of a ctx-token request (batch: T decode requests, decode_batch). `config`: tiles of
+    the Triton kernel over its defaults (None: what the library picks; the result says which kernel and why)."""
     r = decode_batch(T, ctx) if batch else one_request(ctx, T)
     D = z["d_lat"] + z["rope"]
     cache = torch.randn(r["nblocks"], BLOCK_SIZE, D, device=DEV, dtype=BF16)
@@ -230,23 +229,12 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     scale = z["config"].softmax_scale
     out = torch.empty(T, z["H"], z["d_lat"], device=DEV, dtype=BF16)
     lse = torch.empty(T, z["H"], device=DEV, dtype=torch.float32)
-    if config and config.get("GLUON"):  # the Gluon experiment (bench.sparse_mla_gluon)
-        run = lambda: sparse_mla_gluon(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
-                                       overlap_pv=config.get("OVERLAP_PV", False))
-    elif config and set(config) - set(CONFIG_KEYS):  # a loop of the sweep's (not the library's kernel)
-        run = lambda: sparse_mla_variant(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
-                                         config)
-    else:
-        run = lambda: sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
-                                       config)
-    if config and set(config) - set(CONFIG_KEYS):  # the Gluon experiment or a loop of the sweep's
-        impl = "gluon (bench)" if config.get("GLUON") else "triton"
-    else:  # what the library's launcher picks
-        hopper = launch_plan(q, z["d_lat"], z["k"], config, grid.num_sms(q.device, None, "bench_sparse_mla"))[3]
-        impl = "sm_90 warp-specialized" if hopper else "triton"
-    res = {"kernel": "sparse_mla", "impl": impl, "model": z["name"], "T": T, "context": ctx, "topk": z["k"],
-           "config": config or {},
-           "config_full": dict(config) if (config or {}).get("GLUON") else dict(LIBRARY, **(config or {})),
+    run = lambda: sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
+                                   config)
+    cfg, _, splits, _ = launch_plan(q, z["d_lat"], z["k"], config, grid.num_sms(q.device, None, "bench_sparse_mla"))
+    impl, why = kernel_choice(q, z["d_lat"], splits, config)
+    res = {"kernel": "sparse_mla", "impl": impl, "why": why, "model": z["name"], "T": T, "context": ctx,
+           "topk": z["k"], "config": config or {}, "config_full": cfg, "splits": splits,
            "shape": "decode batch" if batch else "one request"}
     if check:
         out.fill_(float("nan"))
@@ -296,13 +284,11 @@ def lean_indexer_topk(q, w, keys, positions, scale, k):
     return torch.topk(scores, min(k, keys.shape[0]), dim=-1).indices
 
 
-def bench_indexer(z, T, ctx, ceil, torch_path=True, scores_kw=None, topk_kw=None, scores_only=False, impl=None):
+def bench_indexer(z, T, ctx, ceil, torch_path=True, scores_kw=None, topk_kw=None, scores_only=False):
     """T query tokens at the end of a ctx-token request. COPIES copies of the key cache rotate (Rotation): the
     keys come from HBM. The scores pass is reported against the copy bandwidth of the same run, the top-k
-    against its own bytes (the scores read once, the indices written). impl: a module with
-    indexer_scores_paged and topk_from_scores (default: the library's; an A/B run passes an earlier one)."""
-    scores_fn = impl.indexer_scores_paged if impl is not None else indexer_scores_paged
-    topk_fn = impl.topk_from_scores if impl is not None else topk_from_scores
+    against its own bytes (the scores read once, the indices written)."""
+    scores_fn, topk_fn = indexer_scores_paged, topk_from_scores
     r = one_request(ctx, T)
     icaches = [torch.randn(r["nblocks"], BLOCK_SIZE, z["d_i"], device=DEV, dtype=BF16) for _ in range(COPIES)]
     q = torch.randn(T, z["h_i"], z["d_i"], device=DEV, dtype=BF16)
@@ -455,7 +441,7 @@ def bench_fused_q(z, T, ceil, fp8=False):
 
 def resource_report() -> list[dict]:
     rows = []
-    for fn in (_sparse_mla_kernel, _variant_kernel, _combine_splits_kernel, _indexer_scores_kernel, _topk_kernel,
+    for fn in (_sparse_mla_kernel, _combine_splits_kernel, _indexer_scores_kernel, _topk_kernel,
                _topk_hist_kernel, _topk_compact_kernel, _fused_norm_rope_kernel, _fused_q_kernel):
         caches = getattr(fn, "device_caches", {})
         for entry in caches.values():
@@ -478,15 +464,9 @@ def resource_report() -> list[dict]:
     return rows
 
 
-SPARSE_CONFIGS = [  # the library's kernel at its default and other tiles, then the sweep's other loops
-    {}, dict(BLOCK_N=32, num_stages=3), dict(BLOCK_N=32, num_stages=4), dict(BLOCK_N=16, num_stages=6),
-    dict(num_warps=16), dict(num_stages=1),
-    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=True),  # split QK^T, rows not loaded ahead
-    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=True, PREFETCH=True, SPLIT_QK=False),  # chained
-    dict(SLOTS=True, PREFETCH=False, SPLIT_QK=False, Q_RELOAD=False),
-    dict(SLOTS=False, PREFETCH=False, SPLIT_QK=False), dict(SLOTS=False, PREFETCH=True, SPLIT_QK=False),  # in the loop
-    dict(GLUON=True, OVERLAP_PV=False), dict(GLUON=True, OVERLAP_PV=True),  # written in Gluon (bench.sparse_mla_gluon)
-    dict(DEFAULT_CONFIG),  # the Triton kernel at the default tiles (a config selects it where {} runs sm_90's)
+SPARSE_CONFIGS = [  # the library's pick, then the Triton kernel at its default and other tiles
+    {}, dict(DEFAULT_CONFIG), dict(BLOCK_N=32, num_stages=3), dict(BLOCK_N=32, num_stages=4),
+    dict(BLOCK_N=16, num_stages=6), dict(num_warps=16), dict(num_stages=1),
 ]
 INDEXER_CASES = [(ctx, T) for ctx in (4096, 32768, 131072) for T in (1, 16, 64, 256, 1024)]  # (context, tokens)
 INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs): one decode token
@@ -496,7 +476,148 @@ INDEXER_PROBE = (  # ((tokens, context), scores kwargs or top-k kwargs): one dec
     + [((1, 32768), dict(chunk=ch, num_warps=w)) for ch in (1024, 2048) for w in (4, 8, 16)])
 
 
-def main(argv=None) -> int:
+class Run:
+    """One benchmark run: its ceilings, its results, and a partial file after every case."""
+
+    def __init__(self, out: str, prov: dict, t_start: float):
+        self.out, self.prov, self.t_start = out, prov, t_start
+        self.ceil = measure_ceilings()
+        self.ceil_runs = [dict(self.ceil, when="start")]
+        self.results, self.sweep = [], []
+        print(f"ceilings: copy {self.ceil['copy_GBps']:.0f} GB/s, bf16 GEMM {self.ceil['bf16_gemm_TFLOPs']:.0f} "
+              f"TFLOP/s", flush=True)
+
+    def add(self, r: dict, line: str = "") -> dict:
+        self.results.append(r)
+        if line:
+            print(line, flush=True)
+        self.save()
+        return r
+
+    def save(self, complete: bool = False) -> None:
+        out = {"provenance": self.prov, "ceilings": self.ceil, "ceilings_measured": self.ceil_runs,
+               "sparse_mla_tile_sweep": self.sweep, "results": self.results, "resources": resource_report(),
+               "wall_s": time.time() - self.t_start}
+        (write_result if complete else write_partial)(self.out, out)
+
+    def finish(self) -> int:
+        """The ceilings again (the GEMM rate moves with clocks and temperature: every case is held to the higher
+        of the two, the conservative roof), the fractions recomputed, the result written."""
+        end = measure_ceilings()
+        self.ceil_runs.append(dict(end, when="end"))
+        self.ceil = dict(self.ceil, copy_GBps=max(self.ceil["copy_GBps"], end["copy_GBps"]),
+                         bf16_gemm_TFLOPs=max(self.ceil["bf16_gemm_TFLOPs"], end["bf16_gemm_TFLOPs"]))
+        for r in self.results + self.sweep:
+            if "flops" in r and "ms" in r:
+                r.update(roofline(r["flops"], r["bytes"], r["ms"], self.ceil))
+            for part in ("scores", "topk"):
+                if f"{part}_GBps" in r:
+                    r[f"{part}_fraction_of_copy"] = r[f"{part}_GBps"] / self.ceil["copy_GBps"]
+        self.save(complete=True)
+        print(f"ceilings at the end: copy {end['copy_GBps']:.0f} GB/s, bf16 GEMM {end['bf16_gemm_TFLOPs']:.0f} "
+              f"TFLOP/s; fractions against the higher", flush=True)
+        return 0 if all(r.get("ok", True) for r in self.results) else 1
+
+
+def _sparse_line(r: dict) -> str:
+    return (f"sparse_mla {r['model']} {r['shape']} T={r['T']}: {r['impl']} ({r['why']}), {r['ms']:.3f} ms, "
+            f"{r['fraction_of_compute']:.0%} of the GEMM rate, ok={r.get('ok')}")
+
+
+def _indexer_line(r: dict) -> str:
+    topk = f", top-k {r['ms_topk'] * 1e3:.1f} us" if "ms_topk" in r else ""
+    return (f"indexer {r['model']} T={r['T']} ctx={r['context']} {r['scores_kw'] or r['topk_kw'] or ''}: scores "
+            f"{r['ms_scores'] * 1e3:.1f} us ({r['scores_fraction_of_copy']:.0%} of copy){topk}; lean PyTorch "
+            f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}")
+
+
+def probe_compare(run: Run, models, configs) -> None:
+    """sparse_mla under each config at 64, 128 and 512 tokens of one request and a 64-request decode batch."""
+    for z in models:
+        for T, batch in ((64, False), (128, False), (512, False), (64, True)):
+            for cfg in configs:
+                r = bench_sparse_mla(z, T, 32768, run.ceil, config=cfg, torch_path=False, batch=batch)
+                run.add(dict(r, probe="compare"), _sparse_line(r))
+
+
+def probe_indexer(run: Run, models) -> None:
+    """How a scores program walks its keys, and which top-k path few rows take (INDEXER_PROBE)."""
+    for (T, ctx), kw in INDEXER_PROBE:
+        r = bench_indexer(models[0], T, ctx, run.ceil, torch_path=False, scores_only="chunk" not in kw,
+                          **({"topk_kw": kw} if "chunk" in kw else {"scores_kw": kw}))
+        run.add(dict(r, probe="indexer"), _indexer_line(r))
+
+
+def probe_splits(run: Run, models) -> None:
+    """What splitting the top-k costs when the programs would not fill the GPU, and the merge launch alone."""
+    for z in models:
+        for batch in (False, True):
+            for splits in (1, 2, 4, 8):
+                r = bench_sparse_mla(z, 64, 32768, run.ceil, config={"NUM_SPLITS": splits}, torch_path=False,
+                                     batch=batch)
+                run.add(dict(r, probe="splits"), _sparse_line(r))
+        for splits in (2, 4, 8):
+            run.add(bench_combine(z, 64, splits))
+
+
+def tile_sweep(run: Run, z, sort_probe: bool = False) -> dict:
+    """sparse_mla at 512 tokens under each SPARSE_CONFIGS entry; returns the fastest correct Triton config."""
+    for cfg in SPARSE_CONFIGS:
+        try:
+            r = bench_sparse_mla(z, 512, 32768, run.ceil, config=cfg, torch_path=False)
+        except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
+            r = {"kernel": "sparse_mla", "model": z["name"], "config": cfg, "error": repr(e)[:300]}
+        run.sweep.append(r)
+        run.save()
+        print(f"sweep {z['name']} {cfg}: {r.get('ms', float('nan')):.3f} ms ({r.get('impl')}) ok={r.get('ok')}",
+              flush=True)
+    good = [r for r in run.sweep if r["model"] == z["name"] and r.get("ok") and r["impl"] == "triton" and r["config"]]
+    best = min(good, key=lambda r: r["ms"])["config"] if good else dict(DEFAULT_CONFIG)
+    if sort_probe:  # does gather locality matter? the same work with each token's indices sorted
+        r = bench_sparse_mla(z, 512, 32768, run.ceil, config=best, torch_path=False, sort_indices=True)
+        run.sweep.append(dict(r, probe="sorted top-k indices"))
+    return best
+
+
+def sparse_mla_cases(run: Run, z, quick: bool) -> None:
+    """What the library runs at each size, and beside it the Triton kernel where the library picked sm_90's."""
+    cases = [(T, False) for T in ([1, 64, 512] if quick else [1, 8, 64, 128, 256, 512, 2048, 8192])] + \
+        [(T, True) for T in ([64] if quick else [8, 64, 128])]
+    for T, batch in cases:
+        ctx = 32768 if T < 8192 else 65536
+        r = run.add(bench_sparse_mla(z, T, ctx, run.ceil, torch_path=not batch, batch=batch))
+        print(_sparse_line(r), flush=True)
+        if r["impl"] != "triton":
+            t = bench_sparse_mla(z, T, ctx, run.ceil, config=dict(DEFAULT_CONFIG), torch_path=False, batch=batch)
+            run.add(dict(t, probe="the Triton kernel"), "  " + _sparse_line(t))
+
+
+def indexer_cases(run: Run, z, quick: bool) -> None:
+    cases = [(c, t) for c, t in INDEXER_CASES if c <= 32768 and t in (1, 64)] if quick else INDEXER_CASES
+    for ctx, T in cases:
+        r = bench_indexer(z, T, ctx, run.ceil)
+        run.add(r, _indexer_line(r))
+
+
+def fused_cases(run: Run, z, quick: bool) -> None:
+    for T in ([1, 1024] if quick else [1, 64, 1024, 8192]):
+        run.add(bench_norm_rope(z, T, run.ceil))
+        run.add(bench_fused_q(z, T, run.ceil))
+        run.add(bench_fused_q(z, T, run.ceil, fp8=True))
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'kernel':<16}{'model':<15}{'T':>6}{'ctx':>8}{'ms':>9}{'eager':>9}{'torch':>9}{'bound':>8}{'frac':>7}"
+          f"{'cmp':>7}  ok  impl")
+    for r in results:
+        if "fraction_of_bound" not in r:
+            continue
+        print(f"{r['kernel']:<16}{r['model']:<15}{r['T']:>6}{r.get('context', ''):>8}{r['ms']:>9.4f}{r['ms_eager']:>9.4f}"
+              f"{r.get('torch_ms') or float('nan'):>9.4f}{r['bound']:>8}{r['fraction_of_bound']:>7.1%}"
+              f"{r['fraction_of_compute']:>7.1%}  {r.get('ok')}  {r.get('impl', '')}")
+
+
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="data/kernels.json")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
@@ -510,136 +631,37 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", metavar="JSON",
                     help="only sparse_mla: each config of this JSON list (over the defaults) at 64, 128 and 512 tokens "
                          "of one request and a 64-request decode batch, both models")
-    args = ap.parse_args(argv)
-    if (run := start_run()) is None:
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    if (start := start_run()) is None:
         return 2
-    t_start, prov = run
-    ceil = measure_ceilings()
-    ceil_runs = [dict(ceil, when="start")]
-    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
-    results, sweep = [], []
-
-    def save(complete: bool = False):  # progress after every case (a partial file); the result once complete
-        out = {"provenance": prov, "ceilings": ceil, "ceilings_measured": ceil_runs, "sparse_mla_tile_sweep": sweep,
-               "results": results, "resources": resource_report(), "wall_s": time.time() - t_start}
-        (write_result if complete else write_partial)(args.out, out)
-
+    run = Run(args.out, start[1], start[0])
     models = [shapes("deepseek-v3.2"), shapes("glm-5.2")]
-    if args.compare:  # the same shapes under each config: does a kernel change pay everywhere?
-        for z in models:
-            for T, batch in ((64, False), (128, False), (512, False), (64, True)):
-                for cfg in json.loads(args.compare):
-                    r = bench_sparse_mla(z, T, 32768, ceil, config=cfg, torch_path=False, batch=batch)
-                    r["probe"] = "compare"
-                    results.append(r)
-                    print(f"compare {z['name']} {r['shape']} T={T} {cfg}: {r['ms'] * 1e3:.1f} us "
-                          f"({r['fraction_of_compute']:.1%} of compute) ok={r['ok']}", flush=True)
-                    save()
-        save(complete=True)
-        return 0 if all(r.get("ok", True) for r in results) else 1
-    if args.indexer_probe:  # how a scores program should walk its keys, and which top-k path few rows take
-        for z in models[:1]:
-            for (T, ctx), kw in INDEXER_PROBE:
-                r = bench_indexer(z, T, ctx, ceil, torch_path=False, scores_only="chunk" not in kw,
-                                  **({"topk_kw": kw} if "chunk" in kw else {"scores_kw": kw}))
-                r["probe"] = "indexer"
-                results.append(r)
-                print(f"indexer {z['name']} T={T} ctx={ctx} {kw}: scores {r['ms_scores'] * 1e3:.1f} us "
-                      f"({r['scores_fraction_of_copy']:.0%} of copy)"
-                      + (f", top-k {r['ms_topk'] * 1e3:.1f} us" if "ms_topk" in r else "") + f" ok={r['ok']}", flush=True)
-                save()
-        save(complete=True)
-        return 0 if all(r.get("ok", True) for r in results) else 1
-    if args.splits_probe:  # what splitting the top-k costs when the programs would not fill the GPU
-        for z in models:
-            for batch in (False, True):
-                for splits in (1, 2, 4, 8):
-                    r = bench_sparse_mla(z, 64, 32768, ceil, config={"NUM_SPLITS": splits}, torch_path=False, batch=batch)
-                    r["probe"] = "splits"
-                    results.append(r)
-                    print(f"splits {z['name']} {r['shape']} {splits}: {r['ms']:.4f} ms ok={r['ok']}", flush=True)
-                    save()
-            for splits in (2, 4, 8):
-                results.append(bench_combine(z, 64, splits))
-                print(f"merge alone {z['name']} {splits}: {results[-1]['ms']:.4f} ms", flush=True)
-                save()
-        save(complete=True)
-        return 0 if all(r.get("ok", True) for r in results) else 1
-    for z in models:  # tile sweep for sparse_mla at a prefill-like size, then every size with the best tile
-        for cfg in ([] if args.indexer_only else SPARSE_CONFIGS):
-            try:
-                r = bench_sparse_mla(z, 512, 32768, ceil, config=cfg, check=True, torch_path=False)
-            except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
-                r = {"kernel": "sparse_mla", "model": z["name"], "config": cfg, "error": repr(e)[:300]}
-            sweep.append(r)
-            save()
-            print(f"sweep {z['name']} {cfg}: {r.get('ms', float('nan')):.3f} ms ok={r.get('ok')}", flush=True)
-        good = [r for r in sweep if r["model"] == z["name"] and r.get("ok") and not set(r["config"]) - set(CONFIG_KEYS)]
-        best = min(good, key=lambda r: r["ms"])["config"] if good else SPARSE_CONFIGS[0]
-
-        def indexer_cases(cases):
-            for ctx, T in cases:
-                results.append(r := bench_indexer(z, T, ctx, ceil))
-                print(f"indexer_topk {z['name']} T={T} ctx={ctx}: {r['ms'] * 1e3:.1f} us (scores {r['ms_scores'] * 1e3:.1f} "
-                      f"us, {r['scores_fraction_of_copy']:.0%} of copy; top-k {r['ms_topk'] * 1e3:.1f} us); lean PyTorch "
-                      f"{(r.get('torch_ms') or float('nan')) * 1e3:.1f} us; ok={r['ok']}", flush=True)
-                save()
-
-        def triton_too(T, ctx, batch):  # where sm_90's kernel ran, the Triton kernel too, beside it (probe rows)
-            if results[-1]["impl"] != "triton":
-                r = bench_sparse_mla(z, T, ctx, ceil, config=dict(DEFAULT_CONFIG), torch_path=False, batch=batch)
-                results.append(dict(r, probe="the Triton kernel"))
-                print("  triton kernel", f"{r['ms']:.3f} ms", flush=True)
-
-        if args.indexer_only:
-            indexer_cases(INDEXER_CASES)
+    if args.compare or args.indexer_probe or args.splits_probe:
+        if args.compare:
+            probe_compare(run, models, json.loads(args.compare))
+        if args.indexer_probe:
+            probe_indexer(run, models)
+        if args.splits_probe:
+            probe_splits(run, models)
+        run.save(complete=True)
+        return 0 if all(r.get("ok", True) for r in run.results) else 1
+    for z in models:
+        if not args.indexer_only:
+            tile_sweep(run, z, sort_probe=args.sweep_only)
+        if args.sweep_only:
             continue
-        if args.sweep_only:  # does gather locality matter? the same work with each token's indices sorted
-            r = bench_sparse_mla(z, 512, 32768, ceil, config=best, check=True, torch_path=False, sort_indices=True)
-            r["probe"] = "sorted top-k indices"
-            sweep.append(r)
-            save()
-            print(f"sorted-index probe {z['name']}: {r['ms']:.3f} ms", flush=True)
-            continue
-        for T in ([1, 64, 512] if args.quick else [1, 8, 64, 128, 256, 512, 2048, 8192]):
-            results.append(bench_sparse_mla(z, T, 32768 if T < 8192 else 65536, ceil, config=best))
-            print(results[-1]["kernel"], z["name"], T, results[-1]["impl"], f"{results[-1]['ms']:.3f} ms", flush=True)
-            triton_too(T, 32768 if T < 8192 else 65536, False)
-            save()
-        for T in ([64] if args.quick else [8, 64, 128]):  # decode batches: rows from HBM, not shared
-            results.append(bench_sparse_mla(z, T, 32768, ceil, config=best, torch_path=False, batch=True))
-            print(results[-1]["kernel"], z["name"], "decode batch", T, results[-1]["impl"],
-                  f"{results[-1]['ms']:.3f} ms", flush=True)
-            triton_too(T, 32768, True)
-            save()
-        indexer_cases([(c, t) for c, t in INDEXER_CASES if c <= 32768 and t in (1, 64)] if args.quick else INDEXER_CASES)
-        for T in ([1, 1024] if args.quick else [1, 64, 1024, 8192]):
-            results.append(bench_norm_rope(z, T, ceil))
-            results.append(bench_fused_q(z, T, ceil))
-            results.append(bench_fused_q(z, T, ceil, fp8=True))
-            save()
-    # The GEMM rate moves with clocks and temperature (a cold GPU boosts higher): measure the ceilings again
-    # at the end and hold every case to the higher of the two, the conservative roof.
-    end = measure_ceilings()
-    ceil_runs.append(dict(end, when="end"))
-    ceil = dict(ceil, copy_GBps=max(ceil["copy_GBps"], end["copy_GBps"]),
-                bf16_gemm_TFLOPs=max(ceil["bf16_gemm_TFLOPs"], end["bf16_gemm_TFLOPs"]))
-    for r in results + sweep:
-        if "flops" in r and "ms" in r:
-            r.update(roofline(r["flops"], r["bytes"], r["ms"], ceil))
-        for part in ("scores", "topk"):
-            if f"{part}_GBps" in r:
-                r[f"{part}_fraction_of_copy"] = r[f"{part}_GBps"] / ceil["copy_GBps"]
-    save(complete=True)
-    print(f"ceilings at the end: copy {end['copy_GBps']:.0f} GB/s, bf16 GEMM {end['bf16_gemm_TFLOPs']:.0f} TFLOP/s; "
-          f"fractions against the higher", flush=True)
-    print(f"\n{'kernel':<16}{'model':<15}{'T':>6}{'ctx':>8}{'ms':>9}{'eager':>9}{'torch':>9}{'bound':>8}{'frac':>7}"
-          f"{'cmp':>7}  ok")
-    for r in results:
-        print(f"{r['kernel']:<16}{r['model']:<15}{r['T']:>6}{r.get('context', ''):>8}{r['ms']:>9.4f}{r['ms_eager']:>9.4f}"
-              f"{r.get('torch_ms') or float('nan'):>9.4f}{r['bound']:>8}{r['fraction_of_bound']:>7.1%}"
-              f"{r['fraction_of_compute']:>7.1%}  {r.get('ok')}")
-    return 0 if all(r.get("ok") for r in results) else 1
+        if not args.indexer_only:
+            sparse_mla_cases(run, z, args.quick)
+        indexer_cases(run, z, args.quick)
+        if not args.indexer_only:
+            fused_cases(run, z, args.quick)
+    status = run.finish()
+    print_table(run.results)
+    return status
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ class ForwardContext:
     uniform_decode: bool
     num_sms: int | None = None  # SMs the attention's split-K fills (None: the device's)
     skip_topk: bool = False  # every request has <= index_topk keys: the indexer may skip scoring and selection
-    graph_splits: frozenset = frozenset()  # layers a capture starts a new graph segment before (no eager region)
 
     @property
     def num_tokens(self) -> int:

@@ -1,17 +1,17 @@
 """The engine model's weight plumbing: copying a reference model's weights into the fused engine layout,
-sharding them for tensor parallelism, and drawing reproducible dummy weights. The forward lives in
-dsv32ref.engine.model; nothing here runs during a step."""
+sharding them for tensor parallelism, drawing reproducible dummy weights, and building a model for another
+boundary over the same weights. The forward lives in dsv32ref.engine.model; nothing here runs during a step."""
 
 from __future__ import annotations
 
 import zlib
 
 import torch
-from torch import nn
 
-from dsv32ref.engine.model import EngineModel, EngineMLP, EngineMoE, TensorParallel
+from dsv32ref.config import ModelConfig
+from dsv32ref.engine.model import EngineModel, EngineMoE, TensorParallel
 
-__all__ = ["from_reference", "init_dummy", "shard"]
+__all__ = ["build_model", "from_reference", "init_dummy", "share_weights", "shard"]
 
 
 def from_reference(ref, boundary: str = "narrow") -> EngineModel:
@@ -53,50 +53,69 @@ def from_reference(ref, boundary: str = "narrow") -> EngineModel:
                 L.mlp.down_proj.copy_(R.mlp.down_proj.weight)
     return m
 
+def _on_meta(config: ModelConfig, boundary, tp: TensorParallel) -> EngineModel:
+    with torch.device("meta"):
+        return EngineModel(config, boundary, tp)
+
+
+def share_weights(model: EngineModel, boundary) -> EngineModel:
+    """A model built for `boundary` over the same parameter tensors as `model` (same rank): engines that compare
+    boundaries hold one model each and one copy of the weights."""
+    out = _on_meta(model.config, boundary, model.tp)
+    out.load_state_dict(model.state_dict(), assign=True)
+    return out.eval()
+
+
+def _shard_tensor(name: str, w: torch.Tensor, c: ModelConfig, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of one parameter of the full model (see `shard`)."""
+    n, r, H = tp.size, tp.rank, c.num_attention_heads
+    heads = slice(r * H // n, (r + 1) * H // n)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "q_b_proj":
+        return w.view(H, c.qk_head_dim, c.q_lora_rank)[heads].reshape(-1, c.q_lora_rank)
+    if leaf in ("W_UK", "W_UV"):
+        return w[heads]
+    if leaf == "o_proj":
+        return w.view(c.hidden_size, H, c.v_head_dim)[:, heads].reshape(c.hidden_size, -1)
+    if leaf == "gate_up_proj":  # rows [gate (inter) ; up (inter)] -> this rank's rows of each half
+        k = w.shape[0] // 2 // n
+        gate, up = w.chunk(2)
+        return torch.cat((gate[r * k:(r + 1) * k], up[r * k:(r + 1) * k]))
+    if leaf == "down_proj":  # [hidden, inter] -> this rank's columns
+        k = w.shape[1] // n
+        return w[:, r * k:(r + 1) * k]
+    if leaf in ("w13", "w2"):  # routed experts: expert parallel
+        k = w.shape[0] // n
+        return w[r * k:(r + 1) * k]
+    return w  # A-projections, norms, the indexer, the router, the embedding and lm_head stay replicated
+
+
 @torch.no_grad()
 def shard(model: EngineModel, tp: TensorParallel) -> EngineModel:
-    """This rank's part of the model, in place: attention heads, dense-MLP and shared-expert columns split
-    tp.size ways, routed experts split tp.size ways (expert parallel). The A-projections, norms, the
-    indexer, the router, the embedding and lm_head stay replicated, as the serving engine keeps them;
-    so does the latent cache (one [c_kv | k_pe] row per token, shared by all heads)."""
-    c, n = model.config, tp.size
-    for name, v in (("num_attention_heads", c.num_attention_heads), ("n_routed_experts", c.n_routed_experts),
-                    ("intermediate_size", c.intermediate_size), ("moe_intermediate_size", c.moe_intermediate_size)):
-        if v % n:
-            raise ValueError(f"shard: {name}={v} is not divisible by the tensor-parallel size {n}")
-    H = c.num_attention_heads
-    heads = slice(tp.rank * H // n, (tp.rank + 1) * H // n)
+    """This rank's model: attention heads, dense-MLP and shared-expert columns split tp.size ways, routed experts
+    split tp.size ways (expert parallel). The A-projections, norms, the indexer, the router, the embedding and
+    lm_head stay replicated, as the serving engine keeps them; so does the latent cache (one [c_kv | k_pe] row
+    per token, shared by all heads). `model` is the full model (one rank)."""
+    if model.tp.size != 1:
+        raise ValueError(f"shard: expected the full model (tensor-parallel size 1), got size {model.tp.size}")
+    out = _on_meta(model.config, model.boundary, tp)
+    out.load_state_dict({k: _shard_tensor(k, w, model.config, tp).contiguous() for k, w in model.state_dict().items()},
+                        assign=True)
+    return out.eval()
 
-    def cols(w, total):  # [.., total] -> this rank's share of the last dim
-        k = total // n
-        return w[..., tp.rank * k:(tp.rank + 1) * k].contiguous()
 
-    def gate_up(w, inter):  # rows [gate (inter) ; up (inter)] -> this rank's rows of each half
-        k = inter // n
-        g, u = w[:inter], w[inter:]
-        return torch.cat((g[tp.rank * k:(tp.rank + 1) * k], u[tp.rank * k:(tp.rank + 1) * k]))
+def build_model(config: ModelConfig, boundary, device, dtype, seed: int) -> EngineModel:
+    """Dummy weights created directly on the device in the target dtype (a full-size model never touches the
+    host), fp32 where the model keeps fp32 (the router)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = EngineModel(config, boundary)
+    finally:
+        torch.set_default_dtype(old)
+    return init_dummy(model, seed).eval()
 
-    def set_(module, name, value):
-        setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=False))
-
-    for layer in model.layers:
-        a = layer.self_attn
-        set_(a, "q_b_proj", a.q_b_proj.view(H, c.qk_head_dim, c.q_lora_rank)[heads].reshape(-1, c.q_lora_rank))
-        set_(a, "W_UK", a.W_UK[heads])
-        set_(a, "W_UV", a.W_UV[heads])
-        set_(a, "o_proj", a.o_proj.view(c.hidden_size, H, c.v_head_dim)[:, heads].reshape(c.hidden_size, -1))
-        a.H, a.tp = H // n, tp
-        mlps = [layer.mlp] if isinstance(layer.mlp, EngineMLP) else [m for m in [layer.mlp.shared] if m is not None]
-        for m in mlps:
-            inter = m.down_proj.shape[1]
-            set_(m, "gate_up_proj", gate_up(m.gate_up_proj, inter))
-            set_(m, "down_proj", cols(m.down_proj, inter))
-        if isinstance(layer.mlp, EngineMoE):
-            moe, k = layer.mlp, c.n_routed_experts // n
-            moe.expert0, moe.n_local = tp.rank * k, k
-            set_(moe, "w13", moe.w13[moe.expert0: moe.expert0 + k])
-            set_(moe, "w2", moe.w2[moe.expert0: moe.expert0 + k])
-    return model
 
 @torch.no_grad()
 def init_dummy(model: EngineModel, seed: int = 0) -> EngineModel:

@@ -13,14 +13,18 @@ is still allocated after capture grouped by the line that allocated it (from the
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
+from dataclasses import dataclass
 
 import torch
 
+from dsv32ref.config import REDUCED_MOE, reduced_moe
+from dsv32ref.engine import EngineConfig, LLMEngine, build_model
 from dsv32ref.experiments.memory_model import predict, threshold
-from dsv32ref.graphs.runner import default_capture_sizes
-from dsv32ref.experiments.ttft import REDUCTION, reduced_config
+from dsv32ref.graphs import CaptureError, CUDAGraphMode, default_capture_sizes
+from dsv32ref.provenance import provenance
 from dsv32ref.results import write_partial, write_result
 
 
@@ -60,90 +64,97 @@ def live_by_site(snapshot: dict, top: int = 10) -> list[dict]:
     return sorted(sites.values(), key=lambda s: -s["bytes"])[:top]
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The engine's default settings under FULL_AND_PIECEWISE (one engine start-up per run of a plan)."""
+
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 512
+    capture_sizes: tuple[int, ...] | None = None  # None: the engine's default sizes
+
+    def engine_config(self, r: dict) -> EngineConfig:
+        return EngineConfig(boundary=r["boundary"], mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                            max_num_batched_tokens=r["max_num_batched_tokens"],
+                            gpu_memory_utilization=r["gpu_memory_utilization"],
+                            capture_sizes=list(self.capture_sizes) if self.capture_sizes else None,
+                            estimate_graph_memory=r["estimate_graph_memory"])
+
+
+def _capture(eng: LLMEngine, entry: dict, rec: bool) -> None:
+    """Capture every size; a CaptureError is a result (where it failed, what was live then)."""
+    order = [(p, s) for p, sizes in eng.runner.graphs.phase_sizes() for s in sizes]
+    failure = (lambda: entry.update(live_by_site_at_failure=live_by_site(torch.cuda.memory._snapshot()))) \
+        if rec else None
+    try:
+        entry["capture_s"] = eng.capture(on_failure=failure)
+    except CaptureError as e:
+        entry["failed"] = str(e)
+        done = len(eng.runner.capture_log)
+        entry["failed_at"] = "%s size %d" % order[done] if done < len(order) else "after capture"
+
+
+def _startup(config, weights, settings: Settings, r: dict, device: str, rec: bool) -> dict:
+    """One engine start-up of run `r`: its ledger before capture, capture, the allocator's state after."""
+    entry = {**r, "failed": None, "failed_at": None}
+    try:
+        eng = LLMEngine(config, settings.engine_config(r), device=device, dtype=weights.lm_head.dtype, weights=weights)
+    except RuntimeError as e:  # the KV cache could not be sized: a start-up failure before capture
+        return dict(entry, failed=f"{type(e).__name__}: {e}", failed_at="KV cache sizing")
+    entry["startup"] = dict(eng.runner.memory)
+    entry["before_capture"] = eng.runner.memory_ledger()
+    if device == "cuda":  # memory the CUDA context and libraries hold outside the caching allocator
+        total, free = entry["startup"]["total"], torch.cuda.mem_get_info()[0]
+        entry["before_capture"]["non_torch"] = total - free - torch.cuda.memory_reserved()
+    _capture(eng, entry, rec)
+    entry["capture_log"] = eng.runner.capture_log
+    entry["after"] = eng.runner.memory_ledger()
+    if device == "cuda":
+        entry["pools"] = _pools()
+        if rec:
+            entry["live_by_site"] = live_by_site(torch.cuda.memory._snapshot())
+        if entry["failed"] is None:
+            entry["retained_by_capture"] = entry["after"]["allocated"] - entry["before_capture"]["allocated"]
+    eng.release_graphs()
+    return entry
+
+
 def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank: int | None = None,
-        max_num_seqs: int = 256, max_model_len: int = 8192, max_num_batched_tokens: int = 512,
-        device: str = "cuda", config=None, capture_sizes=None, out: str | None = None, history: bool = True,
-        complete: bool = True) -> dict:
+        settings: Settings = Settings(), device: str = "cuda", config=None, out: str | None = None,
+        history: bool = True, complete: bool = True) -> dict:
     """`runs`: one dict per engine start-up, keys boundary, gpu_memory_utilization, estimate_graph_memory,
     max_num_batched_tokens, history (record the allocator history for it); defaults fill the rest.
     Progress goes to out's partial file after every start-up; `out` itself is written once the last is done
     (if `complete`: run_plan writes it after its threshold runs)."""
-    from dsv32ref.engine import EngineConfig, LLMEngine, build_model
-    from dsv32ref.graphs import CaptureError, CUDAGraphMode
-    from dsv32ref.provenance import provenance
-
     cuda = device == "cuda"
-    config = config or reduced_config(preset)
+    config = config or reduced_moe(preset)
     if heads_per_rank:
         config = config.replace(num_attention_heads=heads_per_rank)
     runs = runs or [{"boundary": b} for b in ("narrow", "narrow_copy", "narrow_copy_shared", "narrow_out")]
-    model = build_model(config, runs[0]["boundary"], device, torch.bfloat16 if cuda else torch.float32, seed=0)
-    result = {"provenance": provenance(), "preset": preset, "reduction": REDUCTION,
+    weights = build_model(config, runs[0]["boundary"], device, torch.bfloat16 if cuda else torch.float32, seed=0)
+    result = {"provenance": provenance(), "preset": preset, "reduction": REDUCED_MOE,
               "heads_per_rank": config.num_attention_heads,
-              "settings": {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-                           "max_num_batched_tokens": max_num_batched_tokens, "mode": "full_and_piecewise",
-                           "capture_sizes": capture_sizes or "default"},
-              "runs": []}
+              "settings": {**dataclasses.asdict(settings), "mode": "full_and_piecewise",
+                           "capture_sizes": settings.capture_sizes or "default"}, "runs": []}
     for spec in runs:
         r = {"boundary": "narrow", "gpu_memory_utilization": 0.9, "estimate_graph_memory": True,
-             "max_num_batched_tokens": max_num_batched_tokens, "history": False, **spec}
-        rec = cuda and history and r["history"]
-        entry = {**r, "failed": None, "failed_at": None}
-        entry["predicted"] = predict(config, r["boundary"], capture_sizes, max_num_seqs, r["max_num_batched_tokens"],
-                                     estimate=r["estimate_graph_memory"])
-        eng = None
-        t0 = time.time()
+             "max_num_batched_tokens": settings.max_num_batched_tokens, "history": False, **spec}
+        rec, t0 = cuda and history and r["history"], time.time()
+        predicted = predict(config, r["boundary"], list(settings.capture_sizes) if settings.capture_sizes else None,
+                            settings.max_num_seqs, r["max_num_batched_tokens"], estimate=r["estimate_graph_memory"])
         if rec:
             torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
         try:
-            ec = EngineConfig(boundary=r["boundary"], mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_num_seqs=max_num_seqs,
-                              max_model_len=max_model_len, max_num_batched_tokens=r["max_num_batched_tokens"],
-                              gpu_memory_utilization=r["gpu_memory_utilization"], capture_sizes=capture_sizes,
-                              estimate_graph_memory=r["estimate_graph_memory"])
-            try:
-                eng = LLMEngine(config, ec, device=device, dtype=model.lm_head.dtype, model=model)
-            except RuntimeError as e:  # the KV cache could not be sized: a start-up failure before capture
-                entry.update(failed=f"{type(e).__name__}: {e}", failed_at="KV cache sizing")
-                raise
-            entry["startup"] = {k: v for k, v in eng.memory.items()}
-            entry["before_capture"] = eng.memory_ledger()
-            order = [(p, s) for p, sizes in eng.runner.phase_sizes() for s in sizes]
-            if cuda:
-                total, free = entry["startup"]["total"], torch.cuda.mem_get_info()[0]
-                entry["before_capture"]["non_torch"] = total - free - torch.cuda.memory_reserved()
-            if rec:  # what is live when a capture fails, before the engine releases anything
-                eng.on_capture_failure = lambda: entry.update(
-                    live_by_site_at_failure=live_by_site(torch.cuda.memory._snapshot()))
-            try:
-                entry["capture_s"] = eng.capture()
-            except CaptureError as e:
-                entry["failed"] = str(e)
-                done = len(eng.capture_log)
-                entry["failed_at"] = "%s size %d" % order[done] if done < len(order) else "after capture"
-            entry["capture_log"] = eng.capture_log
-            entry["after"] = eng.memory_ledger()
-            if cuda:
-                entry["pools"] = _pools()
-                if rec:
-                    entry["live_by_site"] = live_by_site(torch.cuda.memory._snapshot())
-            if entry["failed"] is None:
-                entry["retained_by_capture"] = entry["after"]["allocated"] - entry["before_capture"]["allocated"] \
-                    if cuda else None
-        except RuntimeError:
-            if entry["failed"] is None:
-                raise
+            entry = _startup(config, weights, settings, r, device, rec)
         finally:
             if rec:
                 torch.cuda.memory._record_memory_history(enabled=None)
-            if eng is not None:
-                eng.release_graphs()
-                del eng
-            model.release_static_buffers(include_shared=True)
             gc.collect()
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-        entry["wall_s"] = time.time() - t0
+        entry.update(predicted=predicted, wall_s=time.time() - t0)
         result["runs"].append(entry)
         status = f"FAILED at {entry['failed_at']}" if entry["failed"] else "ok"
         print(f"  {r['boundary']:<19} util {r['gpu_memory_utilization']:.2f} estimate "
@@ -159,10 +170,17 @@ def run(preset: str = "glm-5.2", runs: list[dict] | None = None, heads_per_rank:
 PLAN = [  # the engine's default settings (util 0.9, max_num_seqs 256, capture sizes up to 512)
     {"boundary": "narrow", "history": True},
     {"boundary": "narrow", "estimate_graph_memory": False},
-    {"boundary": "narrow_copy"},
+    {"boundary": "narrow_copy", "history": True},
     {"boundary": "narrow_copy", "estimate_graph_memory": False, "history": True},
     {"boundary": "narrow_copy_shared"},
     {"boundary": "narrow_out"},
+]
+
+
+QUICK_PLAN = [  # the main job's quick run: narrow's baseline, then narrow_copy with the estimate and without it
+    {"boundary": "narrow", "estimate_graph_memory": False},
+    {"boundary": "narrow_copy"},
+    {"boundary": "narrow_copy", "estimate_graph_memory": False},
 ]
 
 
@@ -174,16 +192,19 @@ HISTORY_PLAN = [  # the allocator's own account of narrow_copy, with and without
 
 def run_plan(preset: str = "glm-5.2", heads_per_rank: int | None = None, out: str | None = None,
              threshold_runs: bool = True, plan: str = "default", **kw) -> dict:
-    """plan "history": HISTORY_PLAN only. plan "default": PLAN, then the predicted threshold of narrow_copy (estimate off) checked on both sides: by the largest
-    capture size when it lies below 512, else by the utilisation."""
-    last = not threshold_runs or plan == "history"
-    res = run(preset, list(HISTORY_PLAN if plan == "history" else PLAN), heads_per_rank=heads_per_rank, out=out,
-              complete=last, **kw)
+    """plan "history" or "quick": HISTORY_PLAN or QUICK_PLAN only. plan "default": PLAN, then the predicted
+    threshold of narrow_copy (estimate off) checked on both sides: by the largest capture size when it lies below
+    512, else by the utilisation."""
+    plans = {"default": PLAN, "history": HISTORY_PLAN, "quick": QUICK_PLAN}
+    if plan not in plans:
+        raise ValueError(f"capture_memory.run_plan: plan must be one of {sorted(plans)}, got {plan!r}")
+    last = not threshold_runs or plan != "default"
+    res = run(preset, list(plans[plan]), heads_per_rank=heads_per_rank, out=out, complete=last, **kw)
     if last:
         return res
     if out:
         write_partial(out, res)
-    config = reduced_config(preset)
+    config = reduced_moe(preset)
     if heads_per_rank:
         config = config.replace(num_attention_heads=heads_per_rank)
     base = next(r for r in res["runs"] if r["boundary"] == "narrow" and not r["estimate_graph_memory"])

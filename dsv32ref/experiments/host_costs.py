@@ -13,14 +13,15 @@ Each figure is the median over `repeats` timed loops (time.perf_counter_ns), wit
                        one small kernel between one-kernel segments, per region, minus one aten launch
     in_graph_gap_us    GPU time lost per kernel inside a graph: a replay of 512 dependent small kernels (CUDA
                        events), per kernel, minus their mean duration (profiler)
-    wrapper_us         host time of each Triton launcher of dsv32ref.kernels, timed around every call of one
-                       eager forward of `engine` (its own shapes; checks and launch included)
+    wrapper_us         host time of each named region that holds a Triton launcher (norm_rope, fused_q,
+                       indexer, attention) in one eager forward of `engine` (its own shapes; checks and launches
+                       included), timed by the instrument's region timers (dsv32ref.instrument.timing_regions)
     stage_us           LLMEngine.stage + upload of one `prompt` (host work before the first launch)
     sync_us            reading a small finished GPU tensor back (.tolist(): the step's last act)
     regions            per boundary with eager regions: the host time of each eager region and of each graph
                        segment's launch while the PIECEWISE graph of one prefill replays (median per entry,
-                       in replay order: one region per layer), by timing wrappers put around the replay's
-                       entries for the measurement only (`region_host_us`)
+                       in replay order: one region per layer), from the model runner's timed replay
+                       (ModelRunner.execute_timed)
 `run` measures all of it in one process, apart from any TTFT measurement, so that the TTFT model
 (dsv32ref.experiments.ttft_model) predicts a run it was not fitted to.
 Loops of small launches are host-bound (the GPU runs each kernel faster than the host launches it), so the
@@ -33,15 +34,50 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-# Which kernels each launcher starts: the first is charged the launcher's host time, the others nothing.
+from dsv32ref.config import reduced_moe
+from dsv32ref.engine import BOUNDARIES, LLMEngine, StepInput, build_model
+from dsv32ref.experiments.protocol import engine_config, prompts
+from dsv32ref.graphs import BreakableCapture, CUDAGraphMode, CudaGraphBackend, eager_break
+from dsv32ref.instrument import measuring, region, timing_regions
+from dsv32ref.provenance import provenance
+from dsv32ref.results import write_result
+
+# The named region around each Triton launcher, and the kernels it launches: the first is charged the region's
+# host time, the others nothing.
 WRAPPER_KERNELS = {
-    "fused_norm_rope": ("_fused_norm_rope_kernel",),
+    "norm_rope": ("_fused_norm_rope_kernel",),
     "fused_q": ("_fused_q_kernel",),
-    "indexer_scores_paged": ("_indexer_scores_kernel",),
-    "topk_from_scores": ("_topk_kernel", "_topk_hist_kernel", "_topk_compact_kernel"),
-    "sparse_mla_paged": ("_sparse_mla_kernel", "_sparse_mla_ws_kernel", "_combine_splits_kernel"),
+    "indexer": ("_indexer_scores_kernel", "_topk_kernel", "_topk_hist_kernel", "_topk_compact_kernel"),
+    "attention": ("_sparse_mla_kernel", "_sparse_mla_ws_kernel", "_combine_splits_kernel"),
 }
+
+
+def region_cost_ns(calls: int = 200_000, repeats: int = 7) -> dict:
+    """Host cost of one named region (`with region(name): pass`) with the instrument off and on, in ns: the
+    median over `repeats` timed loops. Times a region count gives the instrument's cost per request."""
+
+    def loop(n: int) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            with region("attention"):
+                pass
+        return (time.perf_counter_ns() - t0) / n
+
+    def empty(n: int) -> float:  # the loop itself
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            pass
+        return (time.perf_counter_ns() - t0) / n
+
+    res = {}
+    for label, on in (("off", False), ("on", True)):
+        n = calls if not on else calls // 20
+        with measuring(on):
+            loop(1000)
+            res[label] = statistics.median(loop(n) - empty(n) for _ in range(repeats))
+    return res
 
 
 def _loop_us(fn, n: int, repeats: int) -> float:
@@ -73,8 +109,6 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
 
 
 def _in_graph_gap_us(n_kernels: int, repeats: int, graph_us: float) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
     x = torch.zeros(64, device="cuda")
 
     def chain():
@@ -103,8 +137,6 @@ def _in_graph_gap_us(n_kernels: int, repeats: int, graph_us: float) -> dict:
 
 
 def _eager_region_us(n_regions: int, repeats: int, aten_us: float, graph_us: float) -> float:
-    from dsv32ref.graphs.breakable import BreakableCapture, CudaGraphBackend, eager_break
-
     x = torch.zeros(64, device="cuda")
 
     @eager_break(name="host-cost probe")
@@ -128,39 +160,18 @@ def _eager_region_us(n_regions: int, repeats: int, aten_us: float, graph_us: flo
 
 
 def wrapper_us(engine, prompt: list[int]) -> dict:
-    """Host time per call of each Triton launcher in one eager forward of `engine` (graphs off): median."""
-    import dsv32ref.engine.model as engine_model
-
-    calls: dict[str, list[float]] = {name: [] for name in WRAPPER_KERNELS}
-    saved = {name: getattr(engine_model, name) for name in WRAPPER_KERNELS}
-
-    def timed(name, fn):
-        def inner(*a, **k):
-            t0 = time.perf_counter_ns()
-            out = fn(*a, **k)
-            calls[name].append((time.perf_counter_ns() - t0) / 1e3)
-            return out
-        return inner
-
-    mode, engine.runner.mode = engine.runner.mode, type(engine.runner.mode).NONE
-    try:
+    """Host time per entry of each region of WRAPPER_KERNELS in eager forwards of `engine` (graphs off): median."""
+    with engine.runner.graphs.using_mode(CUDAGraphMode.NONE):
         engine.generate(prompt, 1)  # warm
-        for name, fn in saved.items():
-            setattr(engine_model, name, timed(name, fn))
-        for _ in range(3):
-            engine.generate(prompt, 1)
-    finally:
-        for name, fn in saved.items():
-            setattr(engine_model, name, fn)
-        engine.runner.mode = mode
-    return {name: statistics.median(v) for name, v in calls.items() if v}
+        with timing_regions() as times:
+            for _ in range(3):
+                engine.generate(prompt, 1)
+    return {name: statistics.median(times[name]) for name in WRAPPER_KERNELS if times.get(name)}
 
 
 def measure(engine, prompt: list[int], repeats: int = 7) -> dict:
     """Every figure of the module docstring, on the current CUDA device; `engine` is a captured LLMEngine
     (any boundary: its eager forward is what the launcher timings come from)."""
-    from dsv32ref.engine import StepInput
-
     a, b, c = (torch.randn(8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     aten = _loop_us(lambda: torch.add(a, b, out=c), 2000, repeats)
     src = torch.zeros(1024, dtype=torch.int32, pin_memory=True)
@@ -194,104 +205,73 @@ def measure(engine, prompt: list[int], repeats: int = 7) -> dict:
             "note": "medians of timed loops, instrument off; see dsv32ref.experiments.host_costs"}
 
 
-class _Timed:
-    """Stands in for one replay entry: calls through and records the host time of each call, in us."""
-
-    def __init__(self, call):
-        self.call, self.times = call, []
-
-    def __call__(self, *a, **k):
-        t0 = time.perf_counter_ns()
-        out = self.call(*a, **k)
-        self.times.append((time.perf_counter_ns() - t0) / 1e3)
-        return out
-
-    def replay(self):
-        self()
-
-
 def region_host_us(engine, prompt: list[int], requests: int = 32) -> dict:
     """Host time of each entry of the PIECEWISE graph that serves `prompt`, over `requests` requests (medians,
     in replay order): "eager_us" per eager region, "graph_us" per graph segment launch."""
     return regions_host_us({"engine": engine}, prompt, requests)["engine"]
 
 
+def _timed_request(engine, prompt: list[int], seq: int) -> list[float]:
+    prep = engine.stage(StepInput([(seq, list(prompt), 0)]))
+    engine.upload()
+    with torch.no_grad():
+        _, hidden, times = engine.runner.execute_timed(prep)
+        engine.sample(prep, hidden)
+    engine.allocator.release(seq)
+    return times
+
+
 def regions_host_us(engines: dict, prompt: list[int], requests: int = 32) -> dict:
     """region_host_us for several engines at once, interleaved request by request (rotating the order), so
     that drift over the measurement hits them all alike."""
-    from dsv32ref.graphs.breakable import _EagerCall
-
-    plans, out = {}, {}
+    out, plans = {}, {}
     for key, engine in engines.items():
-        how, size, captured = engine.runner.lookup(len(prompt), False)
+        how, size, captured = engine.runner.graphs.lookup(len(prompt), False)
         if how != "PIECEWISE":
             out[key] = {"runs_as": how}
             continue
-        entries = captured.graph.entries
-        saved, timed = list(entries), []
-        for i, (kind, item) in enumerate(saved):
-            if kind == "graph":
-                t = _Timed(item.replay)
-                entries[i] = ("graph", t)
-            else:
-                t = _Timed(item.fn)
-                entries[i] = ("eager", _EagerCall(t, item.name, item.args, item.kwargs))
-            timed.append((kind, t))
-        plans[key] = (engine, entries, saved, timed, size)
-    try:
-        keys = list(plans)
-        for i in range(requests + 1):
-            for k in range(len(keys)):
-                plans[keys[(i + k) % len(keys)]][0].generate(prompt, 1)
-            if i == 0:  # warm-up
-                for plan in plans.values():
-                    for _, t in plan[3]:
-                        t.times.clear()
-    finally:
-        for engine, entries, saved, _, _ in plans.values():
-            entries[:] = saved
-    for key, (engine, entries, saved, timed, size) in plans.items():
+        kinds = [kind for kind, _ in captured.graph.entries]
+        plans[key] = (engine, kinds, size, captured.graph.eager_names())
+    times = {key: [] for key in plans}
+    keys = list(plans)
+    for i in range(requests + 1):
+        for k in range(len(keys)):
+            key = keys[(i + k) % len(keys)]
+            t = _timed_request(plans[key][0], prompt, 10**6)
+            if i:  # the first request of each engine is a warm-up
+                times[key].append(t)
+    for key, (engine, kinds, size, names) in plans.items():
+        per_entry = [statistics.median(col) for col in zip(*times[key])]
         out[key] = {"runs_as": "PIECEWISE", "size": size, "requests": requests,
-                    "eager_us": [statistics.median(t.times) for k, t in timed if k == "eager"],
-                    "graph_us": [statistics.median(t.times) for k, t in timed if k == "graph"],
-                    "names": sorted({item.name for kind, item in saved if kind == "eager"})}
+                    "eager_us": [t for t, kind in zip(per_entry, kinds) if kind == "eager"],
+                    "graph_us": [t for t, kind in zip(per_entry, kinds) if kind == "graph"],
+                    "names": sorted(set(names))}
     return out
 
 
-def run(preset: str = "glm-5.2", variants=None, prompt_len: int = 8, requests: int = 32, seed: int = 0,
+def run(preset: str = "glm-5.2", variants=BOUNDARIES, prompt_len: int = 8, requests: int = 32, seed: int = 0,
         out: str | None = None) -> dict:
     """Every figure of the module docstring for one preset (the TTFT experiment's model and engines), one
     engine per boundary captured at the prompt's size only; written to `out` with provenance."""
-    from dsv32ref.engine import BOUNDARIES, LLMEngine, build_model
-    from dsv32ref.experiments.ttft import protocol_config, reduced_config
-    from dsv32ref.provenance import provenance
-    from dsv32ref.results import write_result
-
-    variants = list(variants or BOUNDARIES)
-    config = reduced_config(preset)
-    model = build_model(config, variants[0], "cuda", torch.bfloat16, seed)
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=g).tolist()
-    result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "boundaries": variants}
+    config = reduced_moe(preset)
+    weights = build_model(config, variants[0], "cuda", torch.bfloat16, seed)
+    (prompt,) = prompts(config.vocab_size, 1, prompt_len, seed)
+    result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "boundaries": list(variants)}
     engines = {}
     for v in variants:
-        engines[v] = LLMEngine(config, protocol_config(v, [prompt_len], seed=seed), device="cuda",
-                               dtype=torch.bfloat16, model=model)
+        engines[v] = LLMEngine(config, engine_config(v, [prompt_len], seed=seed), device="cuda", weights=weights)
         engines[v].capture()
-    probe = engines.get("none", engines[variants[0]])
-    result.update(measure(probe, prompt))
-    regions = regions_host_us({v: e for v, e in engines.items() if not e.ec.graph_safe_prefill}, prompt, requests)
+    result.update(measure(engines.get("none", engines[variants[0]]), prompt))
+    regions = regions_host_us({v: e for v, e in engines.items() if not e.ec.spec.graph_safe_prefill}, prompt, requests)
     for v, r in regions.items():
         print(f"  {v:<18} eager regions {statistics.fmean(r['eager_us']):.0f} us mean, graph launches "
               f"{statistics.fmean(r['graph_us']):.1f} us mean", flush=True)
     for e in engines.values():
         e.release_graphs()
     result["regions"] = regions
-    print(f"  launches: aten {result.get('aten_launch_us', float('nan')):.2f} us, gemm "
-          f"{result.get('gemm_launch_us', float('nan')):.2f}, graph {result.get('graph_launch_us', float('nan')):.2f} "
-          f"+ {result.get('graph_node_us', float('nan')):.3f} per node, in-graph gap "
-          f"{result.get('in_graph_gap_us', float('nan')):.3f}, stage {result.get('stage_us', float('nan')):.0f}",
-          flush=True)
+    print(f"  launches: aten {result['aten_launch_us']:.2f} us, gemm {result['gemm_launch_us']:.2f}, graph "
+          f"{result['graph_launch_us']:.2f} + {result['graph_node_us']:.3f} per node, in-graph gap "
+          f"{result['in_graph_gap_us']:.3f}, stage {result['stage_us']:.0f}", flush=True)
     if out:
         write_result(out, result)
     return result

@@ -18,18 +18,24 @@ Both take their regions from dsv32ref.instrument, which opens them only inside `
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from collections import Counter
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv32ref.graphs.breakable import BreakableCapture, current_capture
+from dsv32ref.config import reduced_moe
+from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput
+from dsv32ref.experiments.protocol import arm
+from dsv32ref.graphs import BreakableCapture, CUDAGraphMode, current_capture
 from dsv32ref.graphs.emulated import NO_KERNEL_OPS as _NO_KERNEL
-from dsv32ref.graphs.emulated import patch_triton_launches, restore_triton_launches
 from dsv32ref.instrument import current_region, measuring
+from dsv32ref.kernels.launch import observing_launches
+from dsv32ref.provenance import provenance
 from dsv32ref.results import write_partial, write_result
 
 LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
@@ -93,6 +99,9 @@ class PredictedLedger:
         self.layer: int | None = None  # the decoder layer running now (None: outside the layers)
         self.by_layer: Counter = Counter()  # (layer, op, direct?) -> count
 
+    def enter_layer(self, layer: int | None) -> None:
+        self.layer = layer
+
     def record(self, op: str, memcpy: bool = False) -> None:
         cap = current_capture()
         direct = cap is None or not cap.segment_open
@@ -123,8 +132,8 @@ def _track_layers(model, ledger: PredictedLedger):
     """Set ledger.layer while each decoder layer's forward runs (forward hooks, removed afterwards)."""
     handles = []
     for i, layer in enumerate(model.layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(ledger, "layer", i)))
-        handles.append(layer.register_forward_hook(lambda m, a, o: setattr(ledger, "layer", None)))
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: ledger.enter_layer(i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o: ledger.enter_layer(None)))
     try:
         yield
     finally:
@@ -132,15 +141,10 @@ def _track_layers(model, ledger: PredictedLedger):
             h.remove()
 
 
-@contextlib.contextmanager
 def _count_triton_launches(ledger: PredictedLedger):
-    """Replace dsv32ref's Triton kernels by recorders: a launch is counted, not run. The prediction needs
-    the control flow only, and no host decision in the model reads kernel outputs."""
-    patched = patch_triton_launches(lambda name, launch, a, k: ledger.record(f"triton::{name}"))
-    try:
-        yield
-    finally:
-        restore_triton_launches(patched)
+    """Count dsv32ref's Triton launches without running them (through the kernels' launch seam): the
+    prediction needs the control flow only, and no host decision in the model reads kernel outputs."""
+    return observing_launches(lambda name, run: ledger.record(f"triton::{name}"))
 
 
 class _CountingBackend:
@@ -166,27 +170,24 @@ class _CountingBackend:
 
 
 def predict(engine, step, piecewise: bool = True) -> PredictedLedger:
-    """Count the launches of one step of `engine` (a CPU LLMEngine), as PIECEWISE graphs (one graph segment
-    per stretch between eager breaks; the whole forward for boundary "none") or with no graphs. The step's
-    launches outside the forward are counted too, in region "other", as the GPU measurement counts them:
-    the metadata upload (LLMEngine.upload), logits and greedy sampling (LLMEngine.sample, whose read-back of
-    the tokens is one device-to-host copy). Kernels whose launch count depends on the GPU's size (sparse_mla's
-    split) assume the engine's EngineConfig.num_sms."""
-    from dsv32ref.engine.context import set_forward_context
-
+    """Count the launches of one step of `engine` (a CPU LLMEngine built with mode NONE), as PIECEWISE graphs
+    (one graph segment per stretch between eager breaks; the whole forward for boundary "none") or with no
+    graphs. The step's launches outside the forward are counted too, in region "other", as the GPU measurement
+    counts them: the metadata upload, logits and greedy sampling (whose read-back of the tokens is one
+    device-to-host copy). Kernels whose launch count depends on the GPU's size (sparse_mla's split) assume the
+    engine's EngineConfig.num_sms."""
     ledger = PredictedLedger()
     prep = engine.stage(step)  # host work only: the CPU tensors it builds are not launches
     with torch.no_grad(), measuring(), _count_triton_launches(ledger), _FusedOnCuda(ledger), _LaunchCounter(ledger), \
             _track_layers(engine.model, ledger):
         engine.upload()
-        with set_forward_context(engine.forward_context(prep)):
-            if piecewise:
-                with BreakableCapture(_CountingBackend(), name="ledger prediction") as cap:
-                    hidden = engine.model(engine.input_ids[: prep.num_tokens])
-                ledger.graph_launches = cap.graph.num_graphs
-                ledger.eager_regions = sum(kind == "eager" for kind, _ in cap.graph.entries)
-            else:
-                hidden = engine.model(engine.input_ids[: prep.num_tokens])
+        if piecewise:  # the eager forward inside a capture: eager breaks end segments as they would on a GPU
+            with BreakableCapture(_CountingBackend(), name="ledger prediction") as cap:
+                _, hidden = engine.execute(prep)
+            ledger.graph_launches = cap.graph.num_graphs
+            ledger.eager_regions = len(cap.graph.eager_names())
+        else:
+            _, hidden = engine.execute(prep)
         engine.sample(prep, hidden)
         ledger.record("aten::_local_scalar_dense", memcpy=True)  # .tolist(): one device-to-host copy
     return ledger
@@ -211,7 +212,7 @@ def idle_time_us(intervals) -> float:
     return span_us(intervals) - busy
 
 
-def _is_annotation(e) -> bool:
+def is_annotation(e) -> bool:
     """record_function ranges also appear on the GPU timeline (user annotations): they are not kernels."""
     return getattr(e, "is_user_annotation", False) or e.name.startswith(("dsv32ref::", "eager::"))
 
@@ -220,27 +221,19 @@ def _gpu_ms_by_region(engine, prompt: list[int]) -> dict:
     """One more request with graphs off (mode NONE): kernel time of each dsv32ref:: region, so that graph-
     launched work can be attributed too (the kernels are the same; only how they are launched differs).
     A kernel belongs to the innermost region annotation on the GPU timeline that contains its start."""
-    import bisect
-
-    from torch.profiler import ProfilerActivity, profile
-
-    mode, engine.runner.mode = engine.runner.mode, type(engine.runner.mode).NONE
-    try:
-        with measuring():
+    with engine.runner.graphs.using_mode(CUDAGraphMode.NONE), measuring():
+        engine.generate(prompt, 1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate(prompt, 1)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                engine.generate(prompt, 1)
-                torch.cuda.synchronize()
-    finally:
-        engine.runner.mode = mode
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ann = sorted((e.time_range.start, e.time_range.end, e.name[len("dsv32ref::"):]) for e in gpu
                  if e.name.startswith("dsv32ref::"))
     starts = [a[0] for a in ann]
     by = Counter()
     for e in gpu:
-        if _is_annotation(e):
+        if is_annotation(e):
             continue
         t, best = e.time_range.start, None
         for s0, e0, name in ann[max(0, bisect.bisect_right(starts, t) - 64): bisect.bisect_right(starts, t)]:
@@ -254,8 +247,6 @@ def measure(engine, prompt: list[int]) -> dict:
     """Profile one request (one prefill step) on the GPU: direct launches by region, graph launches, the floor,
     kernel time by kernel name; on a GPU also kernel time by region from one eager request. The profiled
     request runs with the named regions open, so its host times include theirs (TTFT is timed without)."""
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = engine.device.type == "cuda"
     with measuring():  # the named regions and eager ranges exist only while a ledger is taken
         engine.generate(prompt, 1)  # warm
@@ -284,7 +275,7 @@ def measure(engine, prompt: list[int]) -> dict:
             memcpy[region_of(e)] += 1
         elif e.name == "cudaGraphLaunch":
             graph_launches += 1
-        elif e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e):
+        elif e.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(e):
             kernel_us += e.time_range.elapsed_us()
             by_name[e.name[:80]] += e.time_range.elapsed_us() / 1e3
             kernels += 1
@@ -308,29 +299,27 @@ def measure(engine, prompt: list[int]) -> dict:
 
 def structure_config(preset: str):
     """The preset's structure at tiny widths (heads, indexer heads and top-k kept: they decide launches)."""
-    from dsv32ref.experiments.ttft import reduced_config
-
-    return reduced_config(preset).replace(
+    return reduced_moe(preset).replace(
         hidden_size=64, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
         index_head_dim=16, intermediate_size=64, moe_intermediate_size=32, vocab_size=128)
 
 
-def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out: str | None = None,
-                measured: str | None = None, host_costs: str | None = None) -> dict:
-    """Every variant's predicted ledger; with `measured` (a TTFT run's JSON, e.g. data/ttft_<preset>.json) also
-    the TTFT model of each variant beside that run's measurement (dsv32ref.experiments.ttft_model), under
-    "ttft_model", priced with the host costs the TTFT run measured in its own process when they include its
-    eager regions' times, else with those in `host_costs` (data/host_costs_<preset>.json, another process)."""
-    from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput
-    from dsv32ref.experiments.ttft import arm
-    from dsv32ref.graphs import CUDAGraphMode
-    from dsv32ref.provenance import provenance
+def _predicted(L: PredictedLedger, num_layers: int) -> dict:
+    ops = {}
+    for (region, op, direct), n in sorted(L.ops.items()):
+        ops.setdefault(region, {}).setdefault("direct" if direct else "graph", {})[op] = n
+    return {"direct": dict(L.direct), "direct_total": sum(L.direct.values()), "memcpy": dict(L.memcpy),
+            "in_graph": dict(L.in_graph), "graph_launches": L.graph_launches, "eager_regions": L.eager_regions,
+            "ops": ops, "layers": L.layers(num_layers)}
 
+
+def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=BOUNDARIES, out: str | None = None) -> dict:
+    """Every arm's predicted ledger for one `prompt_len`-token prefill (arms: dsv32ref.experiments.protocol)."""
     config = structure_config(preset)
     result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "assumed_sms": ASSUMED_SMS,
               "note": "counts of launching aten ops and Triton launches; one aten op is predicted as one kernel",
               "variants": {}}
-    for v in variants or BOUNDARIES + ("none+split",):
+    for v in variants:
         t0 = time.time()
         _, boundary, switches = arm(v)
         eng = LLMEngine(config, EngineConfig(boundary=boundary, mode=CUDAGraphMode.NONE, max_model_len=64,
@@ -338,37 +327,11 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=None, out
                                              capture_sizes=[8, 16], num_sms=ASSUMED_SMS, **switches),
                         device="cpu", dtype=torch.bfloat16)  # bf16 as on the GPU: dtype casts are launches too
         L = predict(eng, StepInput([(0, list(range(1, prompt_len + 1)), 0)]))
-        ops = {}
-        for (region, op, direct), n in sorted(L.ops.items()):
-            ops.setdefault(region, {}).setdefault("direct" if direct else "graph", {})[op] = n
-        result["variants"][v] = {"direct": dict(L.direct), "direct_total": sum(L.direct.values()),
-                                 "memcpy": dict(L.memcpy),
-                                 "in_graph": dict(L.in_graph), "graph_launches": L.graph_launches,
-                                 "eager_regions": L.eager_regions, "ops": ops,
-                                 "layers": L.layers(config.num_hidden_layers)}
+        result["variants"][v] = _predicted(L, config.num_hidden_layers)
         print(f"  {v:<12} direct {sum(L.direct.values())}, graph launches {L.graph_launches} "
               f"({time.time() - t0:.0f} s)", flush=True)
         if out:
             write_partial(out, result)
-    if measured:
-        import json
-
-        from dsv32ref.experiments import ttft_model
-
-        with open(measured) as f:
-            run = json.load(f)
-        costs, source = run.get("host_costs"), measured
-        if host_costs and not (costs or {}).get("regions"):  # the run's own, when it timed its regions
-            with open(host_costs) as f:
-                costs, source = json.load(f), host_costs
-        if costs is not None:
-            result["ttft_model"] = {"measured": measured, "measured_commit": run["provenance"].get("git_commit"),
-                                    "host_costs_from": source, "host_costs_commit": costs.get("provenance", run[
-                                        "provenance"]).get("git_commit"), "host_costs": costs,
-                                    "variants": ttft_model.compare(result, run, costs)}
-            for v, m in result["ttft_model"]["variants"].items():
-                print(f"  model {v:<18} {m['ttft_ms']:.2f} ms predicted, {m['measured_ttft_ms']:.2f} measured "
-                      f"({m['miss_pct']:+.1f} %), {m['bound']}-bound", flush=True)
     if out:
         write_result(out, result)
     return result

@@ -1,131 +1,168 @@
-"""The seed PR's measurements, reproduced on this GPU, beside its published figures.
+"""The PR's measurements reproduced on this GPU, beside its published figures and the recorded H200 run.
 
 The PR ("[Perf] Narrow DeepSeek V3.2 eager CUDA graph region", vLLM) measured GLM-5.2 at TP4: TTFT of 256
 sequential 8-token requests before (wide) and after (narrow) the change, the copy variant's PIECEWISE-only gain
 and its out-of-memory failure in FULL capture, and the launches one request lost. This runs the same protocol
-on one GPU for every eager boundary (including "none", which the PR did not have), the capture-memory runs at
-one TP4 rank's heads, and prints one table: the PR's figure, ours, and ours / PR.
+on one GPU for every eager boundary (including "none", which the PR did not have), the capture-memory start-ups
+at one TP4 rank's heads, and prints one table: the PR's figure, the recorded H200 run (data/), this machine.
 
-    quick   64 TTFT requests, no instrument A/B, two capture-memory start-ups (narrow_copy with the graph-memory
-            estimate and without it) into capture_memory_glm-5.2_h16_quick.json: a few minutes
-    full    256 TTFT requests with the instrument A/B, the top-k-skip and the split-graph arms, both models,
-            capture memory with the threshold runs, and the regime map
+    quick   64 TTFT requests of GLM-5.2, every boundary; three capture-memory start-ups (narrow with the
+            graph-memory estimate off, then narrow_copy with it and without it): a few minutes
+    full    what data/ records: 256 TTFT requests with the instrument A/B and the top-k-skip arms for both models,
+            capture memory with the threshold runs, the regime map, the timeline, the predicted ledgers
+
+Each experiment runs in a process of its own, as the commands that recorded data/ ran: the capture-memory
+start-ups size the KV cache from what their process holds, so an experiment run before them in the same process
+would move where capture runs out of memory. The live run goes to runs/<UTC time>/, never over data/.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+__all__ = ["PRESETS", "Plan", "print_table", "run", "table"]
+
+CAPTURE = "capture_memory_glm-5.2_h16.json"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The commands of one preset, each run as `python -m dsv32ref <args> --out <dir>/<file>`."""
+
+    name: str
+    commands: tuple[tuple[str, tuple[str, ...]], ...]  # (output file, arguments)
+
 
 PRESETS = {
-    "quick": {"requests": 64, "instrument_ab": (), "skip_topk": (), "split": (), "models": ("glm-5.2",), "thresholds": False,
-              "regimes": False},
-    "full": {"requests": 256, "instrument_ab": ("wide", "narrow", "narrow_out"), "skip_topk": ("narrow", "narrow_out"),
-             "split": ("none",), "models": ("glm-5.2", "deepseek-v3.2"), "thresholds": True, "regimes": True},
+    "quick": Plan("quick", (
+        ("ttft_glm-5.2.json", ("ttft", "--model", "glm-5.2", "--requests", "64", "--skip-topk")),
+        (CAPTURE, ("capture", "--model", "glm-5.2", "--heads-per-rank", "16", "--plan", "quick")),
+    )),
+    "full": Plan("full", (
+        ("ttft_glm-5.2.json", ("ttft", "--model", "glm-5.2", "--instrument-ab")),
+        ("ttft_deepseek-v3.2.json", ("ttft", "--model", "deepseek-v3.2", "--instrument-ab")),
+        (CAPTURE, ("capture", "--model", "glm-5.2", "--heads-per-rank", "16")),
+        ("regimes_glm-5.2.json", ("regimes", "--model", "glm-5.2")),
+        ("timeline_glm-5.2.json", ("timeline", "--model", "glm-5.2")),
+        ("ledger_predicted_glm-5.2.json", ("ledger", "--predict", "--model", "glm-5.2", "--measured",
+                                           "{dir}/ttft_glm-5.2.json")),
+        ("ledger_predicted_deepseek-v3.2.json", ("ledger", "--predict", "--model", "deepseek-v3.2", "--measured",
+                                                 "{dir}/ttft_deepseek-v3.2.json")),
+    )),
 }
 
 
-def run(preset: str = "quick", data_dir: str = "data") -> list[dict]:
-    from dsv32ref.experiments import capture_memory, regimes, ttft
+def run_command(args: list[str]) -> None:
+    """One experiment in a process of its own (its output streams through)."""
+    subprocess.run([sys.executable, "-m", "dsv32ref", *args], check=True)
 
+
+def run(preset: str, out_dir: str, recorded_dir: str = "data") -> list[dict]:
+    """Every command of the preset into out_dir, then the table against recorded_dir and the PR."""
     if preset not in PRESETS:
         raise ValueError(f"reproduce.run: preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    p = PRESETS[preset]
-    for model in p["models"]:
-        print(f"\n[TTFT] {model}: the PR's protocol, every boundary", flush=True)
-        ttft.run(model, n_requests=p["requests"], out=os.path.join(data_dir, f"ttft_{model}.json"),
-                 instrument_ab=p["instrument_ab"], skip_topk=p["skip_topk"], split=p["split"])
-    print("\n[capture memory] glm-5.2 at one TP4 rank's heads (16)", flush=True)
-    if p["thresholds"]:
-        capture = "capture_memory_glm-5.2_h16.json"
-        capture_memory.run_plan("glm-5.2", heads_per_rank=16, threshold_runs=True, out=os.path.join(data_dir, capture))
-    else:
-        capture = "capture_memory_glm-5.2_h16_quick.json"
-        capture_memory.run("glm-5.2", QUICK_CAPTURE, heads_per_rank=16, out=os.path.join(data_dir, capture))
-    if p["regimes"]:
-        print("\n[regime map] glm-5.2", flush=True)
-        regimes.run("glm-5.2", out=os.path.join(data_dir, "regimes_glm-5.2.json"))
-    rows = table(data_dir, capture)
-    print_table(rows)
+    os.makedirs(out_dir, exist_ok=True)
+    for name, args in PRESETS[preset].commands:
+        print(f"\n[{preset}] dsv32ref {' '.join(args).format(dir=out_dir)}", flush=True)
+        run_command([a.format(dir=out_dir) for a in args] + ["--out", os.path.join(out_dir, name)])
+    rows = table(recorded_dir, out_dir)
+    print_table(rows, recorded_dir, out_dir)
     return rows
 
 
-QUICK_CAPTURE = [{"boundary": "narrow_copy", "history": False},
-                 {"boundary": "narrow_copy", "estimate_graph_memory": False, "history": False}]
-
-
-def _load(data_dir: str, name: str) -> dict | None:
-    path = os.path.join(data_dir, name)
-    if not os.path.exists(path):
+def _load(folder: str | None, name: str) -> dict | None:
+    path = os.path.join(folder, name) if folder else None
+    if path is None or not os.path.exists(path):
         return None
     with open(path) as f:
         return json.load(f)
 
 
-def table(data_dir: str = "data", capture: str = "capture_memory_glm-5.2_h16.json") -> list[dict]:
-    """Rows (what, PR, ours, ours / PR, note) from data/seeds.json and our recorded GLM-5.2 runs."""
-    seeds = _load(data_dir, "seeds.json")
-    run_ = _load(data_dir, "ttft_glm-5.2.json")
-    cap = _load(data_dir, capture)
-    if seeds is None or run_ is None:
-        return []
-    v = run_["variants"]
-    rows = []
+def _startup(cap: dict | None, estimate: bool) -> tuple[str | None, float | None]:
+    """narrow_copy's start-up at the default settings, with or without the graph-memory estimate: (outcome,
+    GiB the process held outside the caching allocator before capture)."""
+    for r in (cap or {}).get("runs", []):
+        if (r["boundary"], r["gpu_memory_utilization"], r["max_num_batched_tokens"], r["estimate_graph_memory"]) == \
+                ("narrow_copy", 0.9, 512, estimate):
+            non_torch = (r.get("before_capture") or {}).get("non_torch")
+            return (f"OOM, {r['failed_at']}" if r["failed"] else "starts"), \
+                (non_torch / 2**30 if non_torch is not None else None)
+    return None, None
 
-    def row(what, pr, ours, note=""):
-        ratio = ours / pr if isinstance(pr, (int, float)) and isinstance(ours, (int, float)) and pr else None
-        rows.append({"what": what, "pr": pr, "ours": ours, "ratio": ratio, "note": note})
 
+def _ttft_rows(v: dict | None) -> dict:
+    """Our figures of one TTFT run, by row name (None where the run lacks them)."""
+    if v is None:
+        return {}
+    out = {}
     for name in ("wide", "narrow"):
-        s = seeds["ttft"][name]
-        for key in ("mean_ms", "median_ms", "p99_ms", "req_per_s"):
-            label = {"mean_ms": "TTFT mean (ms)", "median_ms": "TTFT median (ms)", "p99_ms": "TTFT p99 (ms)",
-                     "req_per_s": "requests/s"}[key]
-            row(f"{name} {label}", s[key], v[name][key])
-    row("wide / narrow (mean TTFT)", seeds["ttft"]["wide"]["mean_ms"] / seeds["ttft"]["narrow"]["mean_ms"],
-        v["wide"]["mean_ms"] / v["narrow"]["mean_ms"])
-    tr = seeds["launch_trace"]
-    row("direct launches removed by narrowing", tr["fewer_direct_launches"],
-        v["wide"]["ledger"]["direct_total"] - v["narrow"]["ledger"]["direct_total"])
-    row("graph launches per request (narrow)", tr["graph_launches_kept"], v["narrow"]["ledger"]["graph_launches"])
-    if "narrow_copy" in v:
-        pw = seeds["piecewise_only"]
-        ours = 100 * (v["narrow"]["mean_ms"] - v["narrow_copy"]["mean_ms"]) / v["narrow"]["mean_ms"]
-        row("narrow_copy faster than narrow (%)", pw["copy_faster_percent"], ours,
-            "ours: prefill replays PIECEWISE graphs in the default mode")
-    if cap is not None:
-        outcomes = []
-        for r in cap["runs"]:
-            if r["boundary"] == "narrow_copy" and r["gpu_memory_utilization"] == 0.9 and \
-                    r["max_num_batched_tokens"] == 512:
-                what = f"out of memory at {r['failed_at']}" if r["failed"] else "starts"
-                outcomes.append(f"graph-memory estimate {'on' if r['estimate_graph_memory'] else 'off'}: {what}")
-        if outcomes:
-            row("narrow_copy start-up", seeds["piecewise_only"]["copy_variant_failure"], "; ".join(outcomes),
-                "16 heads: one TP4 rank")
+        for key, label in (("mean_ms", "TTFT mean (ms)"), ("median_ms", "TTFT median (ms)"), ("p99_ms", "TTFT p99 (ms)"),
+                           ("req_per_s", "requests/s")):
+            out[f"{name} {label}"] = v[name][key]
+    out["wide / narrow (mean TTFT)"] = v["wide"]["mean_ms"] / v["narrow"]["mean_ms"]
+    out["direct launches removed by narrowing"] = v["wide"]["ledger"]["direct_total"] - v["narrow"]["ledger"]["direct_total"]
+    out["graph launches per request (narrow)"] = v["narrow"]["ledger"]["graph_launches"]
+    out["narrow_copy faster than narrow (%)"] = 100 * (v["narrow"]["mean_ms"] - v["narrow_copy"]["mean_ms"]) \
+        / v["narrow"]["mean_ms"]
     for name in ("narrow_out", "none"):
-        if name in v:
-            row(f"{name} TTFT mean (ms)", None, v[name]["mean_ms"], "not in the PR")
-            row(f"{name} TTFT / its GPU-busy floor", None, v[name]["ttft_over_floor"], "not in the PR")
+        out[f"{name} TTFT mean (ms)"] = v[name]["mean_ms"]
+    out["none TTFT / its GPU-busy floor"] = v["none"]["ttft_over_floor"]
+    return out
+
+
+def _pr_rows(seeds: dict) -> dict:
+    t, tr, pw = seeds["ttft"], seeds["launch_trace"], seeds["piecewise_only"]
+    out = {f"{n} {label}": t[n][k] for n in ("wide", "narrow") for k, label in (
+        ("mean_ms", "TTFT mean (ms)"), ("median_ms", "TTFT median (ms)"), ("p99_ms", "TTFT p99 (ms)"),
+        ("req_per_s", "requests/s"))}
+    out.update({"wide / narrow (mean TTFT)": t["wide"]["mean_ms"] / t["narrow"]["mean_ms"],
+                "direct launches removed by narrowing": tr["fewer_direct_launches"],
+                "graph launches per request (narrow)": tr["graph_launches_kept"],
+                "narrow_copy faster than narrow (%)": pw["copy_faster_percent"],
+                "narrow_copy start-up, estimate on": "OOM in FULL"})
+    return out
+
+
+NOTES = {"narrow_copy faster than narrow (%)": "PR: PIECEWISE only; ours: the default mode",
+         "narrow_copy start-up, estimate on": "16 heads: one TP4 rank", "none TTFT mean (ms)": "not in the PR"}
+
+
+def table(recorded_dir: str = "data", live_dir: str | None = None) -> list[dict]:
+    """Rows {what, pr, recorded, live, note} from data/seeds.json, the recorded GLM-5.2 runs and (if given) the
+    live run's folder."""
+    seeds = _load(recorded_dir, "seeds.json")
+    runs, outside = {}, {}
+    for key, folder in (("recorded", recorded_dir), ("live", live_dir)):
+        ttft, cap = _load(folder, "ttft_glm-5.2.json"), _load(folder, CAPTURE)
+        runs[key] = _ttft_rows(ttft["variants"] if ttft else None)
+        for estimate in ("on", "off"):
+            what = f"narrow_copy start-up, estimate {estimate}"
+            runs[key][what], outside[key, what] = _startup(cap, estimate == "on")
+    pr = _pr_rows(seeds)
+    rows = []
+    for k in list(pr) + [k for k in runs["recorded"] if k not in pr]:
+        rec, live, note = runs["recorded"].get(k), runs["live"].get(k), NOTES.get(k, "")
+        if k.startswith("narrow_copy start-up") and rec and live and rec.split(" size")[0] != live.split(" size")[0]:
+            note = (f"differs: {outside['live', k]:.2f} GiB outside the allocator before capture here, "
+                    f"{outside['recorded', k]:.2f} recorded")
+        rows.append({"what": k, "pr": pr.get(k), "recorded": rec, "live": live, "note": note})
     return rows
 
 
 def _cell(x) -> str:
     if x is None:
         return "-"
-    if isinstance(x, float):
-        return f"{x:.2f}"
-    return str(x)
+    return f"{x:.2f}" if isinstance(x, float) else str(x)
 
 
-def print_table(rows: list[dict]) -> None:
-    if not rows:
-        print("no recorded runs to compare with the PR")
-        return
-    print(f"\n{'GLM-5.2, one request at a time':<40} {'PR (TP4)':>12} {'ours (1 GPU)':>14} {'ours/PR':>8}  note")
+def print_table(rows: list[dict], recorded_dir: str = "data", live_dir: str | None = None) -> None:
+    rec = (_load(recorded_dir, "ttft_glm-5.2.json") or {}).get("provenance", {})
+    print(f"\nGLM-5.2, one request at a time. PR: TP4/EP4, FP8 KV; recorded: {rec.get('device', '?')} at commit "
+          f"{str(rec.get('git_commit', '?'))[:7]} ({recorded_dir}/); this machine: {live_dir or 'not run'}")
+    print(f"{'':<38} {'PR':>12} {'recorded':>19} {'this machine':>19}  note")
     for r in rows:
-        pr, ours = _cell(r["pr"]), _cell(r["ours"])
-        if len(pr) > 12 or len(ours) > 14:  # a sentence: on lines of its own
-            print(f"{r['what']:<40}\n    PR:   {pr}\n    ours: {ours}  {r['note']}")
-            continue
-        print(f"{r['what']:<40} {pr:>12} {ours:>14} {_cell(r['ratio']):>8}  {r['note']}")
+        print(f"{r['what']:<38} {_cell(r['pr']):>12} {_cell(r['recorded']):>19} {_cell(r['live']):>19}  {r['note']}")

@@ -17,8 +17,15 @@ order of events and the GPU's idle stretches are what it shows.
 from __future__ import annotations
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from dsv32ref.experiments.ledger import _is_annotation
+from dsv32ref.config import REDUCED_MOE, reduced_moe
+from dsv32ref.engine import LLMEngine, build_model
+from dsv32ref.experiments.ledger import is_annotation
+from dsv32ref.experiments.protocol import engine_config, prompts
+from dsv32ref.instrument import measuring
+from dsv32ref.provenance import provenance
+from dsv32ref.results import write_result
 
 
 def merge(intervals: list[tuple[float, float]], gap: float) -> tuple[list[list[float]], float]:
@@ -38,10 +45,6 @@ def merge(intervals: list[tuple[float, float]], gap: float) -> tuple[list[list[f
 def record(engine, prompt: list[int], merge_gap_us: float = 2.0, repeats: int = 5) -> dict:
     """Profile `repeats` requests of `engine` (a CUDA LLMEngine, graphs captured), each in a profiler session
     of its own, and return the timeline of the one of median duration (with every duration)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from dsv32ref.instrument import measuring
-
     runs = []
     with measuring():
         for _ in range(2):
@@ -62,7 +65,7 @@ def record(engine, prompt: list[int], merge_gap_us: float = 2.0, repeats: int = 
     kernels, launches, eager = [], [], []
     for e in events:
         s, t = e.time_range.start - t0, e.time_range.end - t0
-        if e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e):
+        if e.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(e):
             kernels.append((s, t))
         elif e.name == "cudaGraphLaunch":
             launches.append([s, t])
@@ -78,23 +81,17 @@ def record(engine, prompt: list[int], merge_gap_us: float = 2.0, repeats: int = 
 def run(preset: str = "glm-5.2", variants=("wide", "narrow", "narrow_out", "none"), prompt_len: int = 8, seed: int = 0,
         out: str | None = None) -> dict:
     """record() for each boundary, engines built as the TTFT experiment builds them; written to `out`."""
-    from dsv32ref.engine import LLMEngine, build_model
-    from dsv32ref.experiments.ttft import REDUCTION, protocol_config, reduced_config
-    from dsv32ref.provenance import provenance
-    from dsv32ref.results import write_result
-
-    config = reduced_config(preset)
-    model = build_model(config, variants[0], "cuda", torch.bfloat16, seed)
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=g).tolist()
-    result = {"provenance": provenance(), "preset": preset, "reduction": REDUCTION, "prompt_len": prompt_len,
+    config = reduced_moe(preset)
+    weights = build_model(config, variants[0], "cuda", torch.bfloat16, seed)
+    (prompt,) = prompts(config.vocab_size, 1, prompt_len, seed)
+    result = {"provenance": provenance(), "preset": preset, "reduction": REDUCED_MOE, "prompt_len": prompt_len,
               "note": "times in us from the start of the request; fields: dsv32ref.experiments.timeline",
               "variants": {}}
     for v in variants:
-        eng = LLMEngine(config, protocol_config(v, seed=seed), device="cuda", dtype=torch.bfloat16, model=model)
+        eng = LLMEngine(config, engine_config(v, seed=seed), device="cuda", weights=weights)
         eng.capture()
         r = result["variants"][v] = record(eng, prompt)
-        r["runs_as"] = eng.runner.lookup(prompt_len, False)[0]
+        r["runs_as"] = eng.runner.graphs.lookup(prompt_len, False)[0]
         eng.release_graphs()
         busy = sum(e - s for s, e in r["gpu_busy"])
         print(f"  {v:<12} request {r['request_us'] / 1e3:.2f} ms, {len(r['host_graph_launch'])} graph launches, "

@@ -1,111 +1,86 @@
-"""TTFT and launch ledger of every eager-boundary variant, with the seeds' protocol, on one GPU.
+"""TTFT and launch ledger of every eager boundary, with the PR's protocol, on one GPU.
 
-Protocol (the seeds'): 256 sequential requests after 8 warm-ups, 8-token prompts, 1 output token,
-concurrency 1, default graph mode FULL_AND_PIECEWISE. All variants run in one process on one model
-(the same weights), each with its own graph capture, interleaved request by request: two earlier runs
-that took the variants one after the other disagreed on wide/narrow (1.99x vs 1.14x), so drift over a
-run must hit every variant alike. Per variant: TTFT mean / median / p99, requests/s,
-the launch ledger of one request, and the floor: the GPU-busy time of that request (its kernels' durations).
+Protocol (the PR's): 256 sequential requests after 8 warm-ups, 8-token prompts, 1 output token, concurrency 1,
+default graph mode FULL_AND_PIECEWISE. Every arm runs in one process on its own engine over one copy of the
+weights, each with its own graph capture, interleaved request by request (request i runs on every arm in turn,
+the order rotating), so that drift over the run hits every arm alike. Per boundary: TTFT mean / median / p99,
+requests/s, the launch ledger of one request, the floor (the GPU-busy time of that request: its kernels'
+durations), and the step's anatomy (host time before the launch, the launch, GPU time to the sampled tokens).
 
-Model: the preset's attention at full size (all layers, heads and widths, IndexShare), with the MoE
-reduced (see REDUCTION) so that the whole stack fits one H200 and the step has no host sync.
+Model: the preset's attention at full size (all layers, heads and widths, IndexShare), with the MoE reduced
+(dsv32ref.config.REDUCED_MOE) so that the whole stack fits one H200 and the step has no host sync.
 """
 
 from __future__ import annotations
 
 import gc
 import statistics
-import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from dsv32ref.checks import is_int
-from dsv32ref.config import ModelConfig
+from dsv32ref.config import REDUCED_MOE, ModelConfig, reduced_moe
+from dsv32ref.engine import BOUNDARIES, LLMEngine, StepInput, TensorParallel, build_model, shard
+from dsv32ref.experiments import host_costs, ledger
+from dsv32ref.experiments.protocol import arm, engine_config, prompts, stats
+from dsv32ref.instrument import measuring
+from dsv32ref.provenance import provenance
 from dsv32ref.results import progress, write_partial, write_result
 
-REDUCTION = ("MoE reduced to 4 routed experts (top-2) + 1 shared expert, moe_intermediate_size unchanged, computed "
-             "densely (every routed expert on every token, weighted by the router) so a step has no host sync; "
-             "the router keeps the DeepSeek-V3 formula. Everything else (embedding, every attention layer at full "
-             "width, indexers, dense MLPs of the first layers, lm_head) is at full size.")
+__all__ = ["TTFTProtocol", "anatomy", "run"]
 
 
-def reduced_config(preset: str) -> ModelConfig:
-    return ModelConfig.preset(preset).replace(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+@dataclass(frozen=True)
+class TTFTProtocol:
+    """What one TTFT run measures. `skip_topk`: boundaries that also run as `<boundary>+skip` (the
+    short-prefill top-k skip on: the prompt has fewer keys than index_topk, so eager regions skip the indexer's
+    scoring and selection). `instrument_ab`: boundaries that also run as `<boundary>+ranges`, every request with
+    every named region and eager range open (what the instrument costs when it is on); TTFT of the plain arms is
+    always timed with it off. Then the step's anatomy over `anatomy_requests` more requests, and on a GPU the
+    host costs of the TTFT model (dsv32ref.experiments.host_costs) in the same process."""
+
+    preset: str = "glm-5.2"
+    requests: int = 256
+    warmup: int = 8
+    prompt_len: int = 8
+    mode: str = "full_and_piecewise"
+    capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    seed: int = 0
+    variants: tuple[str, ...] = BOUNDARIES
+    skip_topk: tuple[str, ...] = ()
+    instrument_ab: tuple[str, ...] = ()
+    anatomy_requests: int = 32
+    host_costs: bool = True
+
+    def __post_init__(self):
+        for name, low in (("requests", 1), ("warmup", 0), ("prompt_len", 1), ("anatomy_requests", 0)):
+            v = getattr(self, name)
+            if not is_int(v) or v < low:
+                raise ValueError(f"TTFTProtocol.{name}: expected an int >= {low}, got {v!r}")
+        for name in ("variants", "skip_topk", "instrument_ab"):
+            unknown = [v for v in getattr(self, name) if v not in BOUNDARIES]
+            if unknown or (name == "variants" and not self.variants):
+                raise ValueError(f"TTFTProtocol.{name}: unknown boundaries {unknown}; expected some of {BOUNDARIES}")
+
+    def arms(self) -> list[tuple[str, str, dict]]:
+        """(name, boundary, EngineConfig switches) of every engine: the boundaries, then their +skip arms."""
+        return [arm(v) for v in self.variants] + [arm(f"{v}+skip") for v in self.skip_topk]
 
 
-
-def _stats(ms: list[float]) -> dict:
-    s = sorted(ms)
-    return {"mean_ms": statistics.fmean(s), "median_ms": statistics.median(s),
-            "p99_ms": s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))], "min_ms": s[0], "max_ms": s[-1]}
-
-
-def region_cost_ns(calls: int = 200_000, repeats: int = 7) -> dict:
-    """Host cost of one named region (`with region(name): pass`) with the instrument off and on, in ns: the
-    median over `repeats` timed loops. Times a region count gives the instrument's cost per request."""
-    from dsv32ref.instrument import measuring, region
-
-    def loop(n: int) -> float:
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            with region("attention"):
-                pass
-        return (time.perf_counter_ns() - t0) / n
-
-    def empty(n: int) -> float:  # the loop itself
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            pass
-        return (time.perf_counter_ns() - t0) / n
-
-    res = {}
-    for label, on in (("off", False), ("on", True)):
-        n = calls if not on else calls // 20
-        with measuring(on):
-            loop(1000)
-            res[label] = statistics.median(loop(n) - empty(n) for _ in range(repeats))
-    return res
-
-
-ARMS = {"skip": {"skip_short_topk": True}, "split": {"split_graphs": True}}  # `<boundary>+<arm>`: EngineConfig switches
-
-
-def protocol_config(boundary: str, capture_sizes=(1, 2, 4, 8, 16), mode: str = "full_and_piecewise", seed: int = 0,
-                    **switches):
-    """The EngineConfig of the PR's protocol (one request of a few tokens at a time), shared by the TTFT run,
-    the host costs and the timeline; `switches`: EngineConfig fields of an arm (ARMS)."""
-    from dsv32ref.engine import EngineConfig
-    from dsv32ref.graphs import CUDAGraphMode
-
-    return EngineConfig(boundary=boundary, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
-                        max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed, **switches)
-
-
-def arm(name: str) -> tuple[str, str, dict]:
-    """"narrow" -> ("narrow", "narrow", {}); "none+split" -> ("none+split", "none", {"split_graphs": True})."""
-    boundary, _, kind = name.partition("+")
-    if kind and kind not in ARMS:
-        raise ValueError(f"arm {name!r}: expected <boundary> or <boundary>+<arm> with arm one of {sorted(ARMS)}")
-    return name, boundary, dict(ARMS[kind]) if kind else {}
-
-
-def anatomy(engines: dict, prompts: list[list[int]]) -> dict:
+def anatomy(engines: dict, prompts_: list[list[int]]) -> dict:
     """Where one prefill step's time goes, per engine (interleaved request by request, instrument off), medians
     in ms: host time of stage + upload (the GPU has nothing to do yet), of execute (the graph launch; for
     eager boundaries every eager region's host work too), of sample until the tokens are on the host; and the
     GPU time from the upload to the sampled tokens (CUDA events, recorded around the step: two event records
     are the only additions to the step)."""
-    import torch
-
-    from dsv32ref.engine import StepInput
-
     rec = {v: {"stage_ms": [], "execute_ms": [], "sample_ms": [], "total_ms": [], "gpu_ms": []} for v in engines}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    seq = 10**6
-    for i, p in enumerate(prompts):
-        for k in range(len(engines)):
-            v = list(engines)[(i + k) % len(engines)]
+    seq, names = 10**6, list(engines)
+    for i, p in enumerate(prompts_):
+        for k in range(len(names)):
+            v = names[(i + k) % len(names)]
             eng = engines[v]
             torch.cuda.synchronize()
             with torch.no_grad():
@@ -125,134 +100,134 @@ def anatomy(engines: dict, prompts: list[list[int]]) -> dict:
                             ("total_ms", t3 - t0)):
                 r[key].append(dt * 1e3)
             r["gpu_ms"].append(ev[0].elapsed_time(ev[1]))
-    return {v: {k: statistics.median(x) for k, x in r.items()} | {"requests": len(prompts)} for v, r in rec.items()}
+    return {v: {k: statistics.median(x) for k, x in r.items()} | {"requests": len(prompts_)} for v, r in rec.items()}
 
 
-def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: int = 8, prompt_len: int = 8,
-        mode: str = "full_and_piecewise", seed: int = 0, out: str | None = None, device: str = "cuda",
-        config: ModelConfig | None = None, tp_rank: int = 0, tp_size: int = 1, instrument_ab=(),
-        capture_sizes=(1, 2, 4, 8, 16), skip_topk=(), split=(), anatomy_requests: int = 32,
-        host_costs: bool = True) -> dict:
-    """The experiment; `device="cpu"` (with a tiny `config`) runs the same control flow on emulated graphs
-    as a smoke test, without timings that mean anything.
-
-    `instrument_ab`: variants that also run a second arm, `<variant>+ranges`, with every named region and
-    eager range open on every request (the instrument as it was before it was made free when off), interleaved
-    with the rest: the difference is what the instrument costs when it is on. TTFT of the plain variants is
-    always timed with the instrument off.
-
-    `skip_topk`: variants that also run `<variant>+skip`, an engine with EngineConfig.skip_short_topk on (the
-    prompt has fewer keys than index_topk, so the indexer's scoring and selection are skipped where Python
-    decides: in eager regions), interleaved with the rest. `split`: variants that also run `<variant>+split`,
-    with EngineConfig.split_graphs on (captures start a new graph before layers 1, 4, 16, 64: does the launch of
-    one large graph hold the GPU back?).
-
-    Then, per variant, the step's anatomy over `anatomy_requests` more requests (see `anatomy`), and on a GPU
-    the host costs of the TTFT model (dsv32ref.experiments.host_costs), measured with the "none" engine when
-    it runs.
-
-    With tp_size > 1 (inside torch.distributed, one call per rank: `dsv32ref ttft --tp N`), every rank holds its
-    shard (heads and MLP columns split, experts split: TP = EP) and runs the same requests in lockstep, the
-    collectives keeping them together; rank 0 reports its own timings and ledger."""
-    from dsv32ref.engine import BOUNDARIES, LLMEngine, build_model
-    from dsv32ref.experiments.ledger import measure
-    from dsv32ref.instrument import measuring
-    from dsv32ref.provenance import provenance
-
-    for name, v, low in (("n_requests", n_requests, 1), ("warmup", warmup, 0), ("prompt_len", prompt_len, 1)):
-        if not is_int(v) or v < low:
-            raise ValueError(f"ttft.run: {name} must be an int >= {low}, got {v!r}")
-    variants = list(variants or BOUNDARIES)
-    unknown = [v for v in list(variants) + list(instrument_ab) + list(skip_topk) + list(split) if v not in BOUNDARIES]
-    if unknown:
-        raise ValueError(f"ttft.run: unknown variant(s) {unknown}; expected some of {BOUNDARIES}")
-    config = config or reduced_config(preset)
-    cuda = device == "cuda"
-    t0 = time.time()
-    model = build_model(config, variants[0], device, torch.bfloat16 if cuda else torch.float32, seed)
-    lead = tp_rank == 0
-    if tp_size > 1:
-        import torch.distributed as dist
-
-        from dsv32ref.engine.model import TensorParallel
-
-        model.shard(TensorParallel(tp_rank, tp_size, dist.group.WORLD))
-        out = out if lead else None
-    if cuda and lead:
-        torch.cuda.synchronize()
-        print(f"{preset}: model built in {time.time() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
-              f"of weights", flush=True)
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, config.vocab_size, (warmup + n_requests, prompt_len), generator=g).tolist()
-    result = {"provenance": provenance(), "preset": preset, "reduction": REDUCTION, "protocol": {
-        "requests": n_requests, "warmup": warmup, "prompt_len": prompt_len, "output_tokens": 1, "concurrency": 1,
-        "mode": mode, "tensor_parallel": tp_size, "expert_parallel": tp_size}, "variants": {}}
-    result["protocol"]["order"] = "interleaved: request i runs on every variant in turn (rotating the order)"
-    engines = {}  # every variant captured up front, so that run-to-run drift hits them all alike
-    # an engine per variant, and per extra arm: (its name, its boundary, EngineConfig switches)
-    configs = [(v, v, {}) for v in variants] + [arm(f"{v}+{kind}") for kind, vs in (("skip", skip_topk),
-                                                                                     ("split", split)) for v in vs]
-    for name, v, switches in configs:
-        ec = protocol_config(v, capture_sizes, mode, seed, **switches)
-        eng = LLMEngine(config, ec, device=device, dtype=model.lm_head.dtype, model=model)
+def _engines(config: ModelConfig, p: TTFTProtocol, weights, device: str) -> dict:
+    """name -> (engine, capture seconds), every arm captured up front (so run-to-run drift hits them all)."""
+    engines = {}
+    for name, boundary, switches in p.arms():
+        ec = engine_config(boundary, p.capture_sizes, p.mode, p.seed, **switches)
+        eng = LLMEngine(config, ec, device=device, dtype=weights.lm_head.dtype, weights=weights)
         engines[name] = (eng, eng.capture())
-    if cuda:  # as vLLM's engine core does once started: collections skip the start-up heap (models, graphs)
-        gc.collect()
-        gc.freeze()
-        result["protocol"]["gc"] = "start-up heap frozen (gc.freeze) after capture"
-    # an arm: (its name, its engine, the instrument on)
-    arms = ([(name, name, False) for name, _, _ in configs]
-            + [(f"{v}+ranges", v, True) for v in instrument_ab if v in engines])
-    for i in range(warmup):
+    return engines
+
+
+def _time_requests(engines: dict, p: TTFTProtocol, prompts_: list, lead: bool) -> dict:
+    """Warm-ups, then the timed requests, interleaved over every arm (+ranges arms with the instrument on).
+    Returns {arm: {"ttft_ms": [...], "wall_s": float, "tokens": [...]}}."""
+    arms = [(name, name, False) for name in engines] + [(f"{v}+ranges", v, True) for v in p.instrument_ab]
+    for i in range(p.warmup):
         for _, e, on in arms:
             with measuring(on):
-                engines[e][0].generate(prompts[i], 1)
-    ttft = {a[0]: [] for a in arms}
-    wall = {a[0]: 0.0 for a in arms}
-    first_tokens = {a[0]: [] for a in arms}
-    for i in range(n_requests):
+                engines[e][0].generate(prompts_[i], 1)
+    timed = {a[0]: {"ttft_ms": [], "wall_s": 0.0, "tokens": []} for a in arms}
+    for i in range(p.requests):
         for k in range(len(arms)):
             key, e, on = arms[(i + k) % len(arms)]
             with measuring(on):
                 t0 = time.perf_counter()
-                tok, t = engines[e][0].generate(prompts[warmup + i], 1)
-                wall[key] += time.perf_counter() - t0
-            ttft[key].append(t * 1e3)
-            first_tokens[key].append(tok[0])
+                tok, t = engines[e][0].generate(prompts_[p.warmup + i], 1)
+                timed[key]["wall_s"] += time.perf_counter() - t0
+            timed[key]["ttft_ms"].append(t * 1e3)
+            timed[key]["tokens"].append(tok[0])
         if lead:
-            progress(i + 1, n_requests, "TTFT, all variants")
-    plain = [a[0] for a in arms if not a[2]]
-    anat = anatomy({v: engines[v][0] for v in plain}, prompts[:anatomy_requests]) if cuda and anatomy_requests else {}
-    for v in plain:
-        eng, cap_s = engines[v]
-        ledger = measure(eng, prompts[warmup])
-        how = eng.runner.lookup(prompt_len, False)[0]
-        result["variants"][v] = {**_stats(ttft[v]), "ttft_ms": ttft[v], "req_per_s": n_requests / wall[v],
-                                 "capture_s": cap_s, "prefill_runs_as": how, "ledger": ledger,
-                                 "ttft_over_floor": statistics.fmean(ttft[v]) / ledger["gpu_busy_ms"]
-                                 if ledger["gpu_busy_ms"] else None, "anatomy": anat.get(v),
-                                 "skip_short_topk": eng.ec.skip_short_topk, "split_graphs": eng.ec.split_graphs}
-        r = result["variants"][v]
-        if not lead:
-            continue
-        print(f"  {v:<12} TTFT mean {r['mean_ms']:.2f} ms, median {r['median_ms']:.2f}, p99 {r['p99_ms']:.2f}, "
-              f"{r['req_per_s']:.1f} req/s; direct launches {ledger['direct_total']}, graph launches "
-              f"{ledger['graph_launches']}, floor {ledger['gpu_busy_ms']:.2f} ms, GPU idle {ledger['gpu_idle_ms']:.2f} ms, "
-              f"eager-region host time {ledger['eager_region_host_ms']:.2f} ms", flush=True)
-        if out:
-            write_partial(out, result)
-    if cuda and host_costs and lead:
-        from dsv32ref.experiments import host_costs as hc
+            progress(i + 1, p.requests, "TTFT, all variants")
+    return timed
 
-        probe = engines["none"][0] if "none" in engines else engines[variants[0]][0]
-        result["host_costs"] = hc.measure(probe, prompts[warmup])
-        result["host_costs"]["engine"] = probe.ec.boundary
-        # each eager region's host time in replay, in this process (the TTFT model's per-region costs)
-        result["host_costs"]["regions"] = hc.regions_host_us(
-            {v: engines[v][0] for v in variants if not engines[v][0].ec.graph_safe_prefill}, prompts[warmup],
-            anatomy_requests)
+
+def _arm_result(eng: LLMEngine, cap_s: float, t: dict, p: TTFTProtocol, prompt: list[int], anat) -> dict:
+    led = ledger.measure(eng, prompt)
+    floor = led["gpu_busy_ms"]
+    return {**stats(t["ttft_ms"]), "ttft_ms": t["ttft_ms"], "req_per_s": p.requests / t["wall_s"], "capture_s": cap_s,
+            "prefill_runs_as": eng.runner.graphs.lookup(p.prompt_len, False)[0], "ledger": led,
+            "ttft_over_floor": statistics.fmean(t["ttft_ms"]) / floor if floor else None, "anatomy": anat,
+            "skip_short_topk": eng.ec.skip_short_topk}
+
+
+def _print_arm(v: str, r: dict) -> None:
+    led = r["ledger"]
+    print(f"  {v:<12} TTFT mean {r['mean_ms']:.2f} ms, median {r['median_ms']:.2f}, p99 {r['p99_ms']:.2f}, "
+          f"{r['req_per_s']:.1f} req/s; direct launches {led['direct_total']}, graph launches "
+          f"{led['graph_launches']}, floor {led['gpu_busy_ms']:.2f} ms, GPU idle {led['gpu_idle_ms']:.2f} ms, "
+          f"eager-region host time {led['eager_region_host_ms']:.2f} ms", flush=True)
+
+
+def _host_costs(engines: dict, p: TTFTProtocol, prompt: list[int]) -> dict:
+    """The TTFT model's host costs in this process: launch costs with the `none` engine (or the first), and each
+    eager region's host time in replay for every boundary that has eager regions."""
+    probe = engines["none"][0] if "none" in engines else next(iter(engines.values()))[0]
+    costs = host_costs.measure(probe, prompt)
+    costs["engine"] = probe.ec.boundary
+    costs["regions"] = host_costs.regions_host_us(
+        {v: engines[v][0] for v in p.variants if not engines[v][0].ec.spec.graph_safe_prefill}, prompt,
+        p.anatomy_requests)
+    return costs
+
+
+def _instrument_ab(result: dict, timed: dict, p: TTFTProtocol, lead: bool) -> None:
+    cost = host_costs.region_cost_ns()
+    ab = result["instrument"] = {"region_cost_ns": cost, "note": (
+        "'<variant>+ranges' ran every request with the named regions and eager ranges open (torch.profiler "
+        "record_function on each), as they were before the instrument was switched off outside measurements; "
+        "remaining_ms_per_request = regions entered per request (from the profiled request) x region_cost_ns"
+        "['off']"), "variants": {}}
+    for v in p.instrument_ab:
+        with_r, plain = stats(timed[f"{v}+ranges"]["ttft_ms"]), result["variants"][v]
+        entered = plain["ledger"]["regions_entered"]
+        a = ab["variants"][v] = {
+            "with_ranges": with_r, "without": {k: plain[k] for k in with_r},
+            "ranges_median_ms": with_r["median_ms"] - plain["median_ms"],
+            "ranges_mean_ms": with_r["mean_ms"] - plain["mean_ms"], "regions_entered_per_request": entered,
+            "remaining_ms_per_request": entered * cost["off"] / 1e6, "ttft_ms_with_ranges": timed[f"{v}+ranges"]["ttft_ms"]}
+        if lead:
+            print(f"  instrument {v:<10} median TTFT with ranges {with_r['median_ms']:.2f} ms, without "
+                  f"{plain['median_ms']:.2f} ms ({a['ranges_median_ms']:+.2f}); off: {entered} regions x "
+                  f"{cost['off']:.0f} ns = {a['remaining_ms_per_request']:.3f} ms per request", flush=True)
+    if "wide" in p.instrument_ab and "narrow" in p.instrument_ab:
+        ab["wide_over_narrow_with_ranges"] = (statistics.fmean(timed["wide+ranges"]["ttft_ms"])
+                                              / statistics.fmean(timed["narrow+ranges"]["ttft_ms"]))
+
+
+def _weights(config: ModelConfig, p: TTFTProtocol, device: str, tp_rank: int, tp_size: int):
+    model = build_model(config, p.variants[0], device, torch.bfloat16 if device == "cuda" else torch.float32, p.seed)
+    if tp_size > 1:
+        model = shard(model, TensorParallel(tp_rank, tp_size, torch.distributed.group.WORLD))
+    return model
+
+
+def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = "cuda",
+        config: ModelConfig | None = None, tp_rank: int = 0, tp_size: int = 1) -> dict:
+    """The experiment; `device="cpu"` (with a tiny `config`) runs the same control flow on emulated graphs as a
+    smoke test, without timings that mean anything. With tp_size > 1 (inside torch.distributed, one call per
+    rank: `dsv32ref ttft --tp N`) every rank holds its shard and runs the same requests in lockstep, the
+    collectives keeping them together; rank 0 reports its own timings and ledger."""
+    config, cuda, lead = config or reduced_moe(p.preset), device == "cuda", tp_rank == 0
+    out = out if lead else None
+    t0 = time.time()
+    engines = _engines(config, p, _weights(config, p, device, tp_rank, tp_size), device)
+    if cuda and lead:
+        print(f"{p.preset}: engines built and captured in {time.time() - t0:.1f} s", flush=True)
+    requests = prompts(config.vocab_size, p.warmup + p.requests, p.prompt_len, p.seed)
+    result = {"provenance": provenance(), "preset": p.preset, "reduction": REDUCED_MOE, "protocol": {
+        "requests": p.requests, "warmup": p.warmup, "prompt_len": p.prompt_len, "output_tokens": 1, "concurrency": 1,
+        "mode": p.mode, "tensor_parallel": tp_size, "expert_parallel": tp_size,
+        "order": "interleaved: request i runs on every variant in turn (rotating the order)"}, "variants": {}}
+    if cuda:  # as vLLM's engine core does once started: collections skip the start-up heap (models, graphs)
+        gc.collect()
+        gc.freeze()
+        result["protocol"]["gc"] = "start-up heap frozen (gc.freeze) after capture"
+    timed = _time_requests(engines, p, requests, lead)
+    anat = anatomy({v: e for v, (e, _) in engines.items()}, requests[:p.anatomy_requests]) \
+        if cuda and p.anatomy_requests else {}
+    for v, (eng, cap_s) in engines.items():
+        result["variants"][v] = r = _arm_result(eng, cap_s, timed[v], p, requests[p.warmup], anat.get(v))
+        if lead:
+            _print_arm(v, r)
         if out:
             write_partial(out, result)
+    if cuda and p.host_costs and lead:
+        result["host_costs"] = _host_costs(engines, p, requests[p.warmup])
     for eng, _ in engines.values():
         eng.release_graphs()
     del engines
@@ -260,35 +235,11 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    if instrument_ab:
-        cost = region_cost_ns()
-        ab = result["instrument"] = {"region_cost_ns": cost, "note": (
-            "'<variant>+ranges' ran every request with the named regions and eager ranges open (torch.profiler "
-            "record_function on each), as they were before the instrument was switched off outside measurements; "
-            "remaining_ms_per_request = regions entered per request (from the profiled request) x region_cost_ns"
-            "['off']"), "variants": {}}
-        for v in instrument_ab:
-            if v not in result["variants"]:
-                continue
-            with_r = _stats(ttft[f"{v}+ranges"])
-            entered = result["variants"][v]["ledger"]["regions_entered"]
-            ab["variants"][v] = {"with_ranges": with_r, "without": {k: result["variants"][v][k] for k in with_r},
-                                 "ranges_median_ms": with_r["median_ms"] - result["variants"][v]["median_ms"],
-                                 "ranges_mean_ms": with_r["mean_ms"] - result["variants"][v]["mean_ms"],
-                                 "regions_entered_per_request": entered,
-                                 "remaining_ms_per_request": entered * cost["off"] / 1e6,
-                                 "ttft_ms_with_ranges": ttft[f"{v}+ranges"]}
-            if lead:
-                a = ab["variants"][v]
-                print(f"  instrument {v:<10} median TTFT with ranges {with_r['median_ms']:.2f} ms, without "
-                      f"{result['variants'][v]['median_ms']:.2f} ms ({a['ranges_median_ms']:+.2f}); off: {entered} "
-                      f"regions x {cost['off']:.0f} ns = {a['remaining_ms_per_request']:.3f} ms per request", flush=True)
-        if "wide" in instrument_ab and "narrow" in instrument_ab:
-            ab["wide_over_narrow_with_ranges"] = (statistics.fmean(ttft["wide+ranges"])
-                                                  / statistics.fmean(ttft["narrow+ranges"]))
-    base = first_tokens[variants[0]]
-    result["same_tokens_across_variants"] = all(t == base for t in first_tokens.values())
-    result["first_tokens"] = base  # of every timed request: compares runs (one GPU vs TP) token by token
+    if p.instrument_ab:
+        _instrument_ab(result, timed, p, lead)
+    tokens = [t["tokens"] for t in timed.values()]
+    result["same_tokens_across_variants"] = all(t == tokens[0] for t in tokens)
+    result["first_tokens"] = tokens[0]  # of every timed request: compares runs (one GPU vs TP) token by token
     if "wide" in result["variants"] and "narrow" in result["variants"]:
         result["wide_over_narrow"] = result["variants"]["wide"]["mean_ms"] / result["variants"]["narrow"]["mean_ms"]
     if out:
@@ -296,12 +247,7 @@ def run(preset: str = "glm-5.2", variants=None, n_requests: int = 256, warmup: i
     return result
 
 
-if __name__ == "__main__":
-    run(out=sys.argv[1] if len(sys.argv) > 1 else None)
-
-
-def rank_main(rank: int, world_size: int, preset: str, n_requests: int, warmup: int, out: str | None,
-              device: str = "cuda", config: ModelConfig | None = None, variants=None) -> None:
+def rank_main(rank: int, world_size: int, p: TTFTProtocol, out: str | None, device: str = "cuda",
+              config: ModelConfig | None = None) -> None:
     """One rank of `dsv32ref ttft --tp N` (started by dsv32ref.parallel.spawn)."""
-    run(preset, variants=variants, n_requests=n_requests, warmup=warmup, out=out, device=device, config=config,
-        tp_rank=rank, tp_size=world_size)
+    run(p, out=out, device=device, config=config, tp_rank=rank, tp_size=world_size)

@@ -4,8 +4,7 @@
 A prefill step is the host's work before the first launch, the forward, then the read-back. The forward is a
 pipeline of layers: the host launches layer l (its graph segment and its eager region) while the GPU runs what
 it was given, so each layer takes the longer of the two; the GPU starts a graph's first kernels while the host
-is still launching its later nodes (measured: splitting boundary "none"'s one graph into five leaves its TTFT
-unchanged), so a launch is charged to the layer whose nodes it submits:
+is still launching its later nodes, so a launch is charged to the layer whose nodes it submits:
 
     TTFT     = stage + first graph launch + sum over layers of max(host_l, gpu_l) + sync
     gpu_l    = (floor + kernels launched inside graphs x in_graph_gap_us) / layers
@@ -24,6 +23,8 @@ top-k) are not counted as graph kernels.
 """
 
 from __future__ import annotations
+
+import json
 
 from dsv32ref.experiments.host_costs import WRAPPER_KERNELS
 
@@ -60,13 +61,12 @@ def predict(predicted: dict, costs: dict, floor_ms: float, regions: dict | None 
     gpu_total = floor_ms + graph_kernels * costs["in_graph_gap_us"] / 1e3
     gpu_l = gpu_total / L
     segments = predicted["graph_launches"]
-    regions_n = predicted.get("eager_regions", max(segments - 1, 0))  # splits add segments, not regions
+    regions_n = predicted["eager_regions"]
     per_layer_regions = regions_n / L
     host_from_launches = []
     for layer in layers:
         us = sum(n * launch_cost_us(op, costs) for op, n in layer["direct"].items())
         us += per_layer_regions * costs["eager_region_us"] + layer["graph"] * costs["graph_node_us"]
-        us += (segments - 1 - regions_n) / L * costs["graph_launch_us"]  # split segments' own launches
         host_from_launches.append(us / 1e3)
     measured = regions is not None and "eager_us" in regions and len(regions["eager_us"]) == L
     if measured:
@@ -75,7 +75,7 @@ def predict(predicted: dict, costs: dict, floor_ms: float, regions: dict | None 
     else:
         host = host_from_launches
         # the GPU starts on a graph's first kernels while the host still submits the rest: only the first
-        # layer's nodes are charged, split or not (measured: none+split, five segments, has none's TTFT)
+        # layer's nodes are charged
         first = (costs["graph_launch_us"] + layers[0]["graph"] * costs["graph_node_us"]) / 1e3 if segments else 0.0
     forward = sum(max(h, gpu_l) for h in host)
     fixed = {"stage_ms": costs["stage_us"] / 1e3, "first_launch_ms": first, "sync_ms": costs["sync_us"] / 1e3}
@@ -104,3 +104,16 @@ def compare(predicted_ledger: dict, ttft_result: dict, costs: dict | None = None
         p["miss_median_pct"] = 100 * (p["ttft_ms"] - meas["median_ms"]) / meas["median_ms"]
         out[v] = p
     return out
+
+
+def attach(predicted: dict, measured_path: str) -> dict:
+    """Put the model of every variant of a TTFT run (data/ttft_<preset>.json: its measurement and the host costs
+    it measured in its own process) beside the predicted ledger, under "ttft_model"; returns `predicted`."""
+    with open(measured_path) as f:
+        run = json.load(f)
+    predicted["ttft_model"] = {"measured": measured_path, "measured_commit": run["provenance"].get("git_commit"),
+                               "host_costs": run["host_costs"], "variants": compare(predicted, run)}
+    for v, m in predicted["ttft_model"]["variants"].items():
+        print(f"  model {v:<18} {m['ttft_ms']:.2f} ms predicted, {m['measured_ttft_ms']:.2f} measured "
+              f"({m['miss_pct']:+.1f} %), {m['bound']}-bound", flush=True)
+    return predicted

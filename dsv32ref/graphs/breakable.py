@@ -6,7 +6,6 @@ How the serving engine does it (and this module, in its own words):
   (so the eager region sees real inputs), runs the function eagerly, records (graph, call) and begins a
   new graph. Leaving the context ends the last graph.
 - Replay calls every entry in order: graph.replay(), then the eager call, then the next graph...
-- `graph_split()` ends a segment and begins the next with no eager call between (two launches, one function).
 - Outside a capture an `@eager_break` function is a plain call; called while no segment is open (from
   inside another eager region) it runs inline; in FULL mode (`eager_breaks_enabled(False)`) it is
   captured like any other op.
@@ -16,6 +15,11 @@ How the serving engine does it (and this module, in its own words):
 - Tensor arguments are held through non-owning aliases, so the pool memory of one capture size can be
   reused by the next once the caller drops its references (the graphs of different sizes never run at
   the same time).
+- Side streams: an eager break reached on a stream forked from the capture stream joins it into the segment
+  that ends and forks it again from the next (`CudaGraphBackend`). An event recorded in one segment cannot be
+  waited on in the next (CUDA: it belongs to a finished capture); `maybe_execute_in_parallel`, the serving
+  engine's overlap helper, forks its side stream from the current segment instead when its first function
+  crossed an eager break.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import copy
 import dataclasses
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -32,8 +37,8 @@ import torch
 
 from dsv32ref.instrument import eager_range
 
-__all__ = ["eager_break", "graph_split", "BreakableCapture", "BreakableGraph", "CaptureError", "eager_breaks_enabled",
-           "weak_alias", "CudaGraphBackend", "capture_stream", "current_capture"]
+__all__ = ["eager_break", "BreakableCapture", "BreakableGraph", "CaptureError", "eager_breaks_enabled",
+           "maybe_execute_in_parallel", "weak_alias", "CudaGraphBackend", "capture_stream", "current_capture"]
 
 
 class CaptureError(RuntimeError):
@@ -220,6 +225,23 @@ class BreakableGraph:
                 with eager_range(item.name):  # host time per eager region, only while measuring
                     item.fn(*item.args, **item.kwargs)
 
+    def replay_timed(self) -> list[float]:
+        """replay(), returning the host time of each entry in microseconds, in order (a graph segment's launch,
+        an eager region's call): what the host spends per segment and per region."""
+        times = []
+        for kind, item in self.entries:
+            t0 = time.perf_counter_ns()
+            if kind == "graph":
+                item.replay()
+            else:
+                item.fn(*item.args, **item.kwargs)
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+        return times
+
+    def eager_names(self) -> list[str]:
+        """The eager regions' names, in replay order."""
+        return [item.name for kind, item in self.entries if kind == "eager"]
+
     def reset(self) -> None:
         """Release the graphs (and so their pool memory, once no other graph holds it)."""
         for kind, item in self.entries:
@@ -236,6 +258,7 @@ class BreakableCapture:
         self.name = name
         self.graph = BreakableGraph()
         self._open = None  # the graph segment being captured, None inside an eager region
+        self.segments_begun = 0
 
     @property
     def segment_open(self) -> bool:
@@ -250,7 +273,7 @@ class BreakableCapture:
         self._ctx.__enter__()
         _state.capture = self
         try:
-            self._open = self.backend.begin()
+            self._begin()
         except BaseException:
             _state.capture = None
             self._ctx.__exit__(None, None, None)
@@ -281,10 +304,9 @@ class BreakableCapture:
         if not getattr(self.backend, "runs_ops_during_capture", False):
             g.replay()
 
-    def split(self) -> None:
-        """End the open segment and begin the next, with nothing eager between them (see `graph_split`)."""
-        self._close_segment()
+    def _begin(self) -> None:
         self._open = self.backend.begin()
+        self.segments_begun += 1
 
     def run_eager(self, fn: Callable, name: str, args: tuple, kwargs: dict):
         self._close_segment()
@@ -292,7 +314,7 @@ class BreakableCapture:
         _check_no_new_tensors(name, out, args, kwargs)
         a, k = _alias_args(args, kwargs)
         self.graph.entries.append(("eager", _EagerCall(fn, name, a, k)))
-        self._open = self.backend.begin()
+        self._begin()
         return out
 
 
@@ -310,13 +332,31 @@ def _check_no_new_tensors(name: str, out: Any, args: tuple, kwargs: dict) -> Non
                 f"buffer the caller passes in instead.")
 
 
-def graph_split() -> None:
-    """During a capture, end the graph segment here and begin a new one (pattern "G G"): replayed back to back
-    the two compute what one graph would, each launched on its own. Breaks do not change it: FULL captures
-    split too. Outside a capture, or inside an eager region, it does nothing."""
+def maybe_execute_in_parallel(fn0: Callable, fn1: Callable, event0, event1, aux_stream=None):
+    """(fn0(), fn1()) with fn1 on `aux_stream`, overlapped with fn0 (vLLM's helper, in its order): event0 is
+    recorded on the current stream, fn0 runs there; the aux stream waits on event0, runs fn1 and records
+    event1; the current stream waits on event1. Without an aux stream, fn0 then fn1.
+
+    Under a breakable capture, when fn0 crossed an eager break, event0 belongs to a finished graph segment and
+    CUDA refuses a wait on it from the next one: the aux stream then forks from the current segment instead
+    (wait_stream). fn1 starts after the eager region rather than beside it; every value is what eager
+    execution computes, since fn1 read nothing fn0 wrote."""
+    if aux_stream is None:
+        return fn0(), fn1()
     cap = current_capture()
-    if cap is not None and cap.segment_open:
-        cap.split()
+    begun = cap.segments_begun if cap is not None else None
+    main = torch.cuda.current_stream()
+    event0.record(main)
+    r0 = fn0()
+    with torch.cuda.stream(aux_stream):
+        if cap is not None and cap.segments_begun != begun:
+            aux_stream.wait_stream(main)
+        else:
+            event0.wait(aux_stream)
+        r1 = fn1()
+        event1.record(aux_stream)
+    event1.wait(main)
+    return r0, r1
 
 
 def eager_break(fn: Callable | None = None, *, name: str | None = None):

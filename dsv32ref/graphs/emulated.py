@@ -2,9 +2,9 @@
 
 A CUDA graph is a recorded list of kernel launches whose arguments (pointers included) are frozen at
 capture; replay relaunches them. `RecordingBackend` does the same on the CPU: while a segment is open it
-records every kernel-launching aten op and every Triton launch with the very tensors it was called on;
-`replay()` re-runs them in order, writing into the tensors captured (the "pool"). Allocations and views
-record nothing, as in a real graph. Eager regions are not recorded: BreakableCapture runs them between
+records every kernel-launching aten op and every Triton launch (observed through dsv32ref.kernels.launch)
+with the very tensors it was called on; `replay()` re-runs them in order, writing into the tensors captured
+(the "pool"). Allocations and views record nothing, as in a real graph. Eager regions are not recorded: BreakableCapture runs them between
 segments, as it does on a GPU.
 
 Ops run while they are recorded (a GPU capture runs none), which gives the values a GPU's capture gives by
@@ -14,10 +14,10 @@ replaying each segment once at its end: the capture skips that replay for this b
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from dsv32ref.kernels.launch import observing_launches
 
 # aten ops that launch no kernel (views, metadata, allocation, profiler markers)
 NO_KERNEL_OPS = {
@@ -27,9 +27,6 @@ NO_KERNEL_OPS = {
     "is_same_size", "promote_types", "result_type", "sym_size", "sym_stride", "sym_numel", "_local_scalar_dense",
     "_record_function_enter", "_record_function_enter_new", "_record_function_exit",
 }
-
-_KERNEL_MODULES = ("fused_norm_rope", "fused_q", "indexer_topk", "sparse_mla")
-
 
 class RecordedGraph:
     def __init__(self):
@@ -76,10 +73,10 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _quiet(launch, a, k):
+def _quiet(run):
     """Launch with the recorder suspended: the interpreter's own tensor ops are not the model's launches."""
     with _disable_current_modes():
-        return launch(*a, **k)
+        return run()
 
 
 class RecordingBackend:
@@ -89,11 +86,17 @@ class RecordingBackend:
 
     def __init__(self):
         self._mode = None
-        self._patched: list = []
+        self._launches = None
 
     def begin(self) -> RecordedGraph:
         g = RecordedGraph()
-        self._patch_triton(g)
+
+        def on_launch(name, run):  # a Triton launch: recorded with its arguments, then run
+            g.ops.append((f"triton::{name}", lambda: _quiet(run)))
+            return _quiet(run)
+
+        self._launches = observing_launches(on_launch)
+        self._launches.__enter__()
         self._mode = _Recorder(g)
         self._mode.__enter__()
         return g
@@ -109,40 +112,6 @@ class RecordingBackend:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
-        restore_triton_launches(self._patched)
-        self._patched = []
-
-    def _patch_triton(self, graph: RecordedGraph) -> None:
-        def on_launch(name, launch, a, k):
-            graph.ops.append((f"triton::{name}", lambda: _quiet(launch, a, k)))
-            return _quiet(launch, a, k)
-
-        self._patched = patch_triton_launches(on_launch)
-
-
-def patch_triton_launches(on_launch) -> list:
-    """Route every launch of dsv32ref's Triton kernels (`_x_kernel[grid](*a, **k)`) through
-    on_launch(name, launch, a, k). Returns (module, name, original) triples for restore_triton_launches."""
-    patched = []
-
-    class Proxy:
-        def __init__(self, fn, name):
-            self.fn, self.name = fn, name
-
-        def __getitem__(self, grid):
-            launch = self.fn[grid]
-            return lambda *a, **k: on_launch(self.name, launch, a, k)
-
-    for m in _KERNEL_MODULES:
-        mod = importlib.import_module(f"dsv32ref.kernels.{m}")  # by path: the package re-exports launchers
-        for name in dir(mod):
-            obj = getattr(mod, name)
-            if name.startswith("_") and name.endswith("_kernel") and hasattr(obj, "__getitem__"):
-                patched.append((mod, name, obj))
-                setattr(mod, name, Proxy(obj, name))
-    return patched
-
-
-def restore_triton_launches(patched: list) -> None:
-    for mod, name, obj in patched:
-        setattr(mod, name, obj)
+        if self._launches is not None:
+            self._launches.__exit__(None, None, None)
+            self._launches = None

@@ -13,6 +13,7 @@ PIECEWISE before FULL, all into one memory pool: a smaller capture reuses what a
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -128,6 +129,18 @@ class GraphRunner:
         if self.mode.has_piecewise and size in self.piecewise:
             return "PIECEWISE", size, self.piecewise[size]
         return "NONE", None, None
+
+    @contextlib.contextmanager
+    def using_mode(self, mode: CUDAGraphMode):
+        """Steps inside this block run in `mode`, the captured graphs kept: NONE for an eager step of a captured
+        engine, PIECEWISE to replay piecewise graphs where FULL ones would serve."""
+        if not isinstance(mode, CUDAGraphMode):
+            raise ValueError(f"using_mode: expected a CUDAGraphMode, got {mode!r}")
+        old, self.mode = self.mode, mode
+        try:
+            yield self
+        finally:
+            self.mode = old
 
     def release(self) -> None:
         for table in (self.piecewise, self.full):

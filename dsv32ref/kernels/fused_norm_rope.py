@@ -20,6 +20,7 @@ import triton.language as tl
 
 from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_scale, check_tensor,
                              device_value_checks_on)
+from dsv32ref.kernels.launch import launch
 
 __all__ = ["fused_norm_rope"]
 
@@ -150,7 +151,7 @@ def fused_norm_rope(
     if T == 0:
         return
     dummy = kv  # never dereferenced when HAS_INDEXER is False
-    _fused_norm_rope_kernel[(T,)](
+    launch(_fused_norm_rope_kernel, (T,),
         q_c, q_c.stride(0), q_a_norm_weight, q_c_out, q_c_out.stride(0),
         kv, kv.stride(0), kv_a_norm_weight, latent_cache, width,
         index_k if has_indexer else dummy, index_k.stride(0) if has_indexer else 0,

@@ -18,6 +18,7 @@ import triton.language as tl
 from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_tensor,
                              device_value_checks_on)
 from dsv32ref.kernels.fused_norm_rope import _rope_pairs
+from dsv32ref.kernels.launch import launch
 
 __all__ = ["fused_q"]
 
@@ -169,7 +170,7 @@ def fused_q(
     if T == 0:
         return
     qi, qo, w, wo = (q_idx, q_idx_out, weights, weights_out) if has_indexer else (q, q, cos, cos)
-    _fused_q_kernel[(T, max(H, h_i))](
+    launch(_fused_q_kernel, (T, max(H, h_i)),
         q_lat, q_lat.stride(0), q_lat.stride(1), q, q.stride(0), q.stride(1),
         q_mqa, q_mqa.stride(0), q_mqa.stride(1),
         qi, qi.stride(0), qi.stride(1), qo, qo.stride(0), qo.stride(1),

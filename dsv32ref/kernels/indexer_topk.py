@@ -41,6 +41,7 @@ from dsv32ref.checks import (check_range, check_same_device, check_scale, check_
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.grid import pdl as _pdl
+from dsv32ref.kernels.launch import launch
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["indexer_scores_paged", "topk_from_scores", "indexer_topk_paged"]
@@ -422,7 +423,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
         tiles = tiles or scores_tiles(groups, scores.shape[1], block_s, sms)
         grid = (groups, triton.cdiv(scores.shape[1], block_s * tiles))
         num_stages = num_stages or scores_stages(tiles, tokens, grid[0] * grid[1], sms)
-        _indexer_scores_kernel[grid](
+        launch(_indexer_scores_kernel, grid,
             q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0),
             index_cache, index_cache.stride(0), index_cache.stride(1),
             block_table, block_table.stride(0), req_indices, positions, scores, scores.stride(0),
@@ -470,8 +471,8 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
     if T == 0:
         return out
     if T >= split_below_rows or scores.shape[1] <= split_above:
-        _topk_kernel[(T,)](scores, scores.stride(0), positions, out, out.stride(0), K, scores.shape[1], BLOCK=block,
-                           PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
+        launch(_topk_kernel, (T,), scores, scores.stride(0), positions, out, out.stride(0), K, scores.shape[1],
+               BLOCK=block, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
         return out
     n_chunks = triton.cdiv(scores.shape[1], chunk)
     cb = min(32, triton.next_power_of_2(n_chunks))
@@ -479,11 +480,10 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
     work = torch.empty(4 * T * n_chunks * 256 + T * 8, dtype=torch.int32, device=scores.device)
     hist, state = work[: 4 * T * n_chunks * 256], work[4 * T * n_chunks * 256:]  # [4, T, n_chunks, 256], [T, 4, 2]
     for p in range(4):
-        _topk_hist_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, state, T, K, scores.shape[1],
-                                         n_chunks, P=p, CHUNK=chunk, CB=cb, PDL=pdl, num_warps=warps, launch_pdl=pdl)
-    _topk_compact_kernel[(T, n_chunks)](scores, scores.stride(0), positions, hist, state, out, out.stride(0), T, K,
-                                        scores.shape[1], n_chunks, CHUNK=chunk, CB=cb, PDL=pdl, num_warps=warps,
-                                        launch_pdl=pdl)
+        launch(_topk_hist_kernel, (T, n_chunks), scores, scores.stride(0), positions, hist, state, T, K,
+               scores.shape[1], n_chunks, P=p, CHUNK=chunk, CB=cb, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    launch(_topk_compact_kernel, (T, n_chunks), scores, scores.stride(0), positions, hist, state, out, out.stride(0),
+           T, K, scores.shape[1], n_chunks, CHUNK=chunk, CB=cb, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
 
 

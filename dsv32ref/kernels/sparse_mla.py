@@ -39,13 +39,14 @@ import triton.language as tl
 from dsv32ref.checks import (check_keys, check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.grid import num_sms as _num_sms
+from dsv32ref.kernels.launch import launch
 
 try:  # the warp-specialized Gluon kernel that sm_90 runs (needs triton.experimental.gluon)
     from dsv32ref.kernels import sparse_mla_hopper as _hopper
 except ImportError:  # an older triton: every device runs the Triton kernel below
     _hopper = None
 
-__all__ = ["sparse_mla_paged", "DEFAULT_CONFIG", "launch_plan"]
+__all__ = ["sparse_mla_paged", "DEFAULT_CONFIG", "kernel_choice", "launch_plan"]
 
 
 SLOT_CHUNK = tl.constexpr(2048)  # top-k entries resolved to cache rows per step of the prologue
@@ -269,10 +270,24 @@ def num_splits(T: int, head_blocks: int, sms: int) -> int:
     return 1 << (fill.bit_length() - 1) if fill >= 2 else 1
 
 
+def kernel_choice(q: torch.Tensor, d_lat: int, splits: int, config: dict | None) -> tuple[str, str]:
+    """(the kernel sparse_mla_paged runs, why): "sm_90 warp-specialized" (dsv32ref.kernels.sparse_mla_hopper)
+    or "triton" (the kernel of this module)."""
+    if config:
+        reason = "a tile config was given"
+    elif _hopper is None:
+        reason = f"triton {triton.__version__} has no triton.experimental.gluon"
+    else:
+        reason = _hopper.why_not(q, d_lat, q.shape[-1] - d_lat, splits)
+    if reason is None:
+        return "sm_90 warp-specialized", "sm_90, bf16, 512 + 64 wide, no top-k splits"
+    return "triton", reason
+
+
 def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: int) -> tuple[dict, int, int, bool]:
     """What sparse_mla_paged launches for q [T, H, D_LAT + D_ROPE] (T >= 1) and K top-k slots -> (tiles, heads
-    per program, top-k splits, whether the warp-specialized Gluon kernel runs: no config, Gluon importable, and
-    dsv32ref.kernels.sparse_mla_hopper's `applies`). Shapes only, so it is fixed within a captured graph."""
+    per program, top-k splits, whether the warp-specialized Gluon kernel runs: `kernel_choice`). Shapes only,
+    so it is fixed within a captured graph."""
     cfg = dict(FP32_CONFIG if q.dtype == torch.float32 else DEFAULT_CONFIG, **(config or {}))
     T, H = q.shape[:2]
     block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(H)))
@@ -282,8 +297,7 @@ def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: i
     elif not is_int(splits) or splits < 1 or splits & (splits - 1):
         raise ValueError(f"sparse_mla_paged: NUM_SPLITS must be a power of two, got {splits!r}")
     splits = min(splits, 16, triton.next_power_of_2(triton.cdiv(K, cfg["BLOCK_N"])))
-    hopper = not config and _hopper is not None and _hopper.applies(q, d_lat, q.shape[-1] - d_lat, splits)
-    return cfg, block_h, splits, hopper
+    return cfg, block_h, splits, kernel_choice(q, d_lat, splits, config)[0] != "triton"
 
 
 def sparse_mla_paged(
@@ -329,12 +343,21 @@ def sparse_mla_paged(
         return out, lse
     K = topk_indices.shape[1]
     cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms)
-    head_blocks = triton.cdiv(H, block_h)
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
     if hopper:
         _hopper.sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out,
                                   lse_arg, valid_first)
-        return out, lse
+    else:
+        _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse_arg,
+                       cfg, block_h, splits, valid_first)
+    return out, lse
+
+
+def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse_arg, cfg,
+                   block_h, splits, valid_first) -> None:
+    """This module's kernel, then (with top-k splits) the launch that merges the partial results."""
+    (T, H, D), d_lat, K, B = q.shape, out.shape[-1], topk_indices.shape[1], seq_lens.shape[0]
+    head_blocks, d_rope = triton.cdiv(H, block_h), D - d_lat
     if splits > 1:
         part_o = torch.empty(T, H, splits, d_lat, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
@@ -342,7 +365,7 @@ def sparse_mla_paged(
     else:
         o_arg, o_s0, o_s1, l_arg, l_s0 = out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0)
     rows = torch.empty(T, K, dtype=torch.int32, device=q.device)
-    _sparse_mla_kernel[(T, head_blocks, splits)](
+    launch(_sparse_mla_kernel, (T, head_blocks, splits),
         q, q.stride(0), q.stride(1),
         latent_cache, latent_cache.stride(0), latent_cache.stride(1),
         block_table, block_table.stride(0), req_indices, seq_lens,
@@ -357,6 +380,5 @@ def sparse_mla_paged(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
-        _combine_splits_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), lse_arg,
-                                       lse_arg.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)
-    return out, lse
+        launch(_combine_splits_kernel, (T, H), part_o, part_lse, out, out.stride(0), out.stride(1), lse_arg,
+               lse_arg.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)

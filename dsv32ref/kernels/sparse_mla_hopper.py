@@ -23,8 +23,10 @@ element and are reduced once after the loop: a reduction across the warpgroups c
 and the row max already needs one. Its times beside the Triton kernel's, on the H200: data/kernels.json
 (notebook 02).
 
-Scope: bf16, D_LAT 512, D_ROPE 64, no top-k splits, triton 3.6 (Gluon's API is young). `applies` says when;
-everything else runs the Triton kernel.
+Scope: bf16, D_LAT 512, D_ROPE 64, no top-k splits, triton 3.6 to 3.8 (Gluon's API moves between releases:
+3.7 renamed thread_barrier to barrier, 3.9 replaced async_copy_global_to_shared by async_load; the kernel
+takes whichever name its triton has, and scripts/sass_sparse_mla.py compiles it for sm_90a offline under each
+release). `why_not` says when it does not run; everything else runs the Triton kernel.
 """
 
 from __future__ import annotations
@@ -40,8 +42,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from dsv32ref.kernels.grid import cuda_capability
+from dsv32ref.kernels.launch import launch
 
-__all__ = ["applies", "sparse_mla_hopper"]
+__all__ = ["SUPPORTED_TRITON", "sparse_mla_hopper", "why_not"]
+
+# Releases this kernel was compiled for sm_90a with (scripts/sass_sparse_mla.py): 3.6.0 (also run on the H200 by
+# the GPU tests), 3.7.1 and 3.8.0 (the same instruction counts as 3.6.0). 3.9's PTX needs a newer ptxas than
+# the one it bundles for sm_90: not enabled.
+SUPPORTED_TRITON = ("3.6", "3.7", "3.8")
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+_async_copy = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 
 BLOCK_H = gl.constexpr(64)  # heads per program
 BLOCK_N = gl.constexpr(64)  # keys per step
@@ -50,11 +60,23 @@ LOAD_REGS = gl.constexpr(64)  # few registers: it only resolves rows and copies
 FLAGS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
 
-def applies(q: torch.Tensor, d_lat: int, d_rope: int, splits: int) -> bool:
-    """Whether sparse_mla_paged runs this kernel: a CUDA tensor on an sm_90 device, bf16, DeepSeek's latent
-    widths, no top-k splits (few programs: the split Triton kernel fills the GPU better), triton 3.6."""
-    return (q.device.type == "cuda" and q.dtype == torch.bfloat16 and (d_lat, d_rope) == (512, 64) and splits == 1
-            and triton.__version__.startswith("3.6.") and cuda_capability(q.device) == (9, 0))
+def why_not(q: torch.Tensor, d_lat: int, d_rope: int, splits: int) -> str | None:
+    """Why sparse_mla_paged does not run this kernel for q (None: it does). It needs a CUDA tensor on an sm_90
+    device, bf16, DeepSeek's latent widths, no top-k splits (few programs: the split Triton kernel fills the GPU
+    better), and a triton of SUPPORTED_TRITON."""
+    version = ".".join(triton.__version__.split(".")[:2])
+    for failed, reason in (
+            (q.device.type != "cuda", "not a CUDA tensor"),
+            (q.dtype != torch.bfloat16, f"{q.dtype} (the sm_90 kernel is bf16)"),
+            ((d_lat, d_rope) != (512, 64), f"latent widths {d_lat} + {d_rope} (the sm_90 kernel is 512 + 64)"),
+            (splits != 1, f"{splits} top-k splits (few tokens: the split Triton kernel fills the GPU)"),
+            (version not in SUPPORTED_TRITON, f"triton {triton.__version__} (the sm_90 kernel is built for "
+                                              f"{', '.join(SUPPORTED_TRITON)})")):
+        if failed:
+            return reason
+    if cuda_capability(q.device) != (9, 0):
+        return f"compute capability {cuda_capability(q.device)} (the kernel is sm_90's)"
+    return None
 
 
 @gluon.jit
@@ -101,7 +123,7 @@ def _issue_pv(p, alpha, p_smem, kl, acc, o_l: gl.constexpr):
     """P to shared memory (both warpgroups' halves, then a barrier), O rescaled, O += P V issued (not waited)."""
     p_smem.store(p.to(gl.bfloat16))
     fence_async_shared()
-    gl.thread_barrier()  # both warpgroups' halves of P are written
+    _cta_barrier()  # both warpgroups' halves of P are written
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
     return warpgroup_mma(p_smem, kl, acc, is_async=True)
 
@@ -134,8 +156,8 @@ def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_p
     h_ok = (offs_h < H)[:, None]
     offs_lat = gl.arange(0, D_LAT, gl.SliceLayout(0, ld))
     offs_pe = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))
-    cp.async_copy_global_to_shared(q_lat, q_row + offs_lat[None, :], mask=h_ok)
-    cp.async_copy_global_to_shared(q_pe, q_row + D_LAT + offs_pe[None, :], mask=h_ok)
+    _async_copy(q_lat, q_row + offs_lat[None, :], mask=h_ok)
+    _async_copy(q_pe, q_row + D_LAT + offs_pe[None, :], mask=h_ok)
     cp.mbarrier_arrive(q_bar, increment_count=False)
     for i in range(gl.cdiv(k_end, BLOCK_N)):
         st = i % 2
@@ -145,10 +167,10 @@ def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_p
         ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
         mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
         valid_smem.index(st).store(ok.to(gl.int8))
-        cp.async_copy_global_to_shared(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
-        cp.async_copy_global_to_shared(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
+        _async_copy(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
+        _async_copy(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
         cp.mbarrier_arrive(ready.index(st), increment_count=False)  # when this thread's copies land
-        gl.thread_barrier()  # the producer warpgroup's flags are all stored ...
+        _cta_barrier()  # the producer warpgroup's flags are all stored ...
         mbarrier.arrive(ready.index(st))  # ... and released to the consumers by one thread's arrive
 
 
@@ -177,7 +199,7 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, read
         m_i = m_new
         acc = _issue_pv(p, alpha, p_smem, kl, acc, o_l)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        gl.thread_barrier()  # every consumer warp is done with P and with this stage
+        _cta_barrier()  # every consumer warp is done with P and with this stage
         mbarrier.arrive(free.index(st))
     _finish(acc, m_i, gl.sum(l_acc, axis=1), out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, D_LAT,
             s_l, o_l)
@@ -225,11 +247,11 @@ def _sparse_mla_ws_kernel(
 
 def sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse,
                       valid_first: bool = False):
-    """The launch (inputs checked by sparse_mla_paged, `applies` true): one program per (token, 64 heads);
+    """The launch (inputs checked by sparse_mla_paged, `why_not` None): one program per (token, 64 heads);
     valid_first as sparse_mla_paged's."""
     T, H = q.shape[:2]
     nb, bs = latent_cache.shape[:2]
-    _sparse_mla_ws_kernel[(T, triton.cdiv(H, 64))](
+    launch(_sparse_mla_ws_kernel, (T, triton.cdiv(H, 64)),
         q, q.stride(0), q.stride(1), latent_cache, latent_cache.stride(1),
         block_table, block_table.stride(0), req_indices, seq_lens, topk_indices, topk_indices.stride(0),
         out, out.stride(0), out.stride(1), lse, lse.stride(0),

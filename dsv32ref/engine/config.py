@@ -1,0 +1,87 @@
+"""EngineConfig: the serving engine's settings, validated once, with the sizes derived from them."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from dsv32ref.checks import check_int, is_int
+from dsv32ref.engine.boundary import Boundary, get_boundary
+from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass
+class EngineConfig:
+    boundary: str = "narrow"  # one of dsv32ref.engine.boundary.BOUNDARIES
+    mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
+    max_model_len: int = 4096
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    block_size: int = 64
+    gpu_memory_utilization: float = 0.9
+    capture_sizes: list[int] | None = None  # default: the engine's sizes up to max_num_batched_tokens
+    num_blocks: int | None = None  # None: sized from the memory budget (capped at what max_num_seqs can use)
+    estimate_graph_memory: bool = True  # subtract the serving engine's graph-memory estimate from the KV budget
+    seed: int = 0
+    num_sms: int | None = None  # SMs sparse_mla's split-K fills (None: the device's; set it to predict a GPU's
+    # launches on a CPU)
+    skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's
+    # scoring and selection (their result is known: every key); eager regions and graph-less steps only
+
+    def __post_init__(self):
+        self.spec: Boundary = get_boundary(self.boundary)
+        if not isinstance(self.mode, CUDAGraphMode):
+            raise ValueError(f"EngineConfig.mode: expected a CUDAGraphMode (e.g. CUDAGraphMode("
+                             f"'full_and_piecewise')), got {type(self.mode).__name__} {self.mode!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            check_int(f"EngineConfig.{name}", getattr(self, name))
+        check_int("EngineConfig.seed", self.seed, low=0)
+        for name in ("num_blocks", "num_sms"):
+            if getattr(self, name) is not None:
+                check_int(f"EngineConfig.{name}", getattr(self, name))
+        for name in ("skip_short_topk", "estimate_graph_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name}: expected a bool, got {getattr(self, name)!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {u!r}")
+        self.capture_sizes = _check_sizes(self.capture_sizes, self.max_num_batched_tokens)
+        if self.max_step_tokens > self.max_num_seqs * self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens / capture sizes: at most max_num_seqs x max_model_len = "
+                             f"{self.max_num_seqs * self.max_model_len} tokens fit in one step, got "
+                             f"{self.max_step_tokens}")
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Rows of the static buffers: the largest step, or the largest captured size if that is larger."""
+        return max(self.capture_sizes + [self.max_num_batched_tokens])
+
+    @property
+    def scores_rows(self) -> int:
+        """Rows of the graph-safe indexer's workspace: every row of a step where the boundary has no eager
+        region, else the padded decode rows. Its bytes: scores_rows x max_model_len x 4."""
+        return self.max_step_tokens if self.spec.graph_safe_prefill else self.max_decode_rows
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Rows a uniform-decode step can have once padded: max_num_seqs tokens, padded to the next capture
+        size (which may be a PIECEWISE-only size past max_num_seqs)."""
+        i = bisect.bisect_left(self.capture_sizes, self.max_num_seqs)
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else self.max_num_seqs
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def _check_sizes(sizes, max_num_batched_tokens: int) -> list[int]:
+    if sizes is None:
+        return default_capture_sizes(max_num_batched_tokens)
+    if not isinstance(sizes, (list, tuple)):
+        raise ValueError(f"EngineConfig.capture_sizes: expected a list of ints, got {sizes!r}")
+    for s in sizes:
+        if not is_int(s) or s < 1:
+            raise ValueError(f"EngineConfig.capture_sizes: every size must be an int >= 1, got {s!r} in {list(sizes)}")
+    return sorted(set(sizes))

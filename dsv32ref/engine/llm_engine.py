@@ -1,0 +1,115 @@
+"""The engine loop: place a step, run it (a graph replay or eagerly), sample greedily after the graph.
+
+One step is one batch of scheduled requests (prefill chunks and/or decode tokens). Its metadata goes into the
+input batch's static buffers, the model runner replays the captured graph of the padded size (FULL for uniform
+decode, PIECEWISE otherwise) or runs eagerly, and sampling reads each request's last row.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dsv32ref.cache import BlockAllocator, PagedKVCache
+from dsv32ref.checks import is_int
+from dsv32ref.config import ModelConfig
+from dsv32ref.engine.config import EngineConfig
+from dsv32ref.engine.input_batch import PreparedStep, StepInput
+from dsv32ref.engine.model import EngineModel
+from dsv32ref.engine.model_runner import ModelRunner
+from dsv32ref.engine.weights import build_model, share_weights
+
+__all__ = ["LLMEngine"]
+
+
+class LLMEngine:
+    def __init__(self, config: ModelConfig, engine_config: EngineConfig | None = None, device="cuda",
+                 dtype=torch.bfloat16, model: EngineModel | None = None, weights: EngineModel | None = None,
+                 kv_cache: PagedKVCache | None = None):
+        """The engine's model: `model` (built for this engine's boundary), or one built over the parameters of
+        `weights` (a model of any boundary: engines that compare boundaries share one copy of the weights), or
+        dummy weights drawn from engine_config.seed. `kv_cache`: share a cache between engines that run one
+        after another (each keeps its own block allocator, so no two of them may hold live sequences at once)."""
+        self.config, self.ec = config, engine_config or EngineConfig()
+        self.device = torch.device(device)
+        if model is None:
+            model = share_weights(weights, self.ec.boundary) if weights is not None else \
+                build_model(config, self.ec.boundary, self.device, dtype, self.ec.seed)
+        self.model = model
+        self.runner = ModelRunner(config, self.ec, model, self.device, dtype, kv_cache)
+        self.allocator = BlockAllocator(self.runner.kv_cache.num_blocks, self.ec.block_size)
+        self.last_logits: torch.Tensor | None = None
+        self._next_seq = 0
+
+    def capture(self, on_failure=None) -> float:
+        """Capture the graphs (see ModelRunner.capture); returns seconds taken."""
+        return self.runner.capture(on_failure)
+
+    def release_graphs(self) -> None:
+        self.runner.graphs.release()
+
+    def stage(self, step: StepInput) -> PreparedStep:
+        """Check a step against the engine's limits, grow each sequence's blocks and write its metadata into
+        the pinned staging buffers: host work only."""
+        ec, V = self.ec, self.config.vocab_size
+        if len(step.requests) > ec.max_num_seqs:
+            raise ValueError(f"StepInput.requests: {len(step.requests)} requests in one step, max_num_seqs is "
+                             f"{ec.max_num_seqs}")
+        if step.num_tokens > self.runner.batch.max_tokens:
+            raise ValueError(f"step of {step.num_tokens} tokens exceeds max_num_batched_tokens="
+                             f"{self.runner.batch.max_tokens}")
+        for b, (seq_id, toks, ctx_len) in enumerate(step.requests):
+            if ctx_len + len(toks) > ec.max_model_len:
+                raise ValueError(f"StepInput.requests[{b}]: sequence {seq_id} would hold {ctx_len + len(toks)} tokens "
+                                 f"(context {ctx_len} + {len(toks)} new), max_model_len is {ec.max_model_len}")
+            bad = [t for t in toks if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"StepInput.requests[{b}].token_ids: ids must lie in [0, {V}) (vocab_size), "
+                                 f"got {bad[:4]}")
+        tables = [self.allocator.ensure(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
+        return self.runner.batch.stage(step, tables, self.runner.kv_cache.num_blocks)
+
+    def upload(self) -> None:
+        """The staged metadata to the device (two asynchronous copies)."""
+        self.runner.batch.upload()
+
+    def execute(self, prep: PreparedStep) -> tuple[str, torch.Tensor]:
+        return self.runner.execute(prep)
+
+    def sample(self, prep: PreparedStep, hidden: torch.Tensor) -> list[int]:
+        """Greedy sampling after the graph: logits of each request's last row (kept in last_logits), argmax,
+        read back to the host (the step's one sync)."""
+        rows = self.runner.batch.logits_indices[: prep.plan.num_reqs]
+        self.last_logits = self.model.compute_logits(hidden[rows])
+        return self.last_logits.argmax(-1).tolist()
+
+    @torch.no_grad()
+    def step(self, step: StepInput) -> tuple[list[int], str]:
+        """Run one step; returns (the next token of each request, how it ran: FULL / PIECEWISE / NONE)."""
+        prep = self.stage(step)
+        self.upload()
+        how, hidden = self.execute(prep)
+        return self.sample(prep, hidden), how
+
+    def generate(self, prompt: list[int], max_new_tokens: int = 1) -> tuple[list[int], float]:
+        """One request alone: prefill, then greedy decode. Returns (new tokens, time to first token in s)."""
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError(f"prompt: expected a non-empty list of token ids, got {prompt!r}")
+        if len(prompt) + max_new_tokens - 1 > self.ec.max_model_len:
+            raise ValueError(f"prompt: {len(prompt)} tokens + {max_new_tokens - 1} decoded ones exceed max_model_len="
+                             f"{self.ec.max_model_len}")
+        seq_id, self._next_seq = self._next_seq, self._next_seq + 1
+        t0 = time.perf_counter()
+        (tok,), _ = self.step(StepInput([(seq_id, list(prompt), 0)]))
+        ttft = time.perf_counter() - t0  # .tolist() in step() synchronised with the GPU
+        out = [tok]
+        try:
+            for i in range(max_new_tokens - 1):
+                (tok,), _ = self.step(StepInput([(seq_id, [tok], len(prompt) + i)]))
+                out.append(tok)
+        finally:
+            self.allocator.release(seq_id)
+        return out, ttft

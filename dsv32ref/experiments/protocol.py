@@ -1,0 +1,48 @@
+"""The PR's protocol as every experiment runs it: one request of a few tokens at a time on the reduced-MoE
+model (dsv32ref.config.reduced_moe), each boundary on its own engine over one copy of the weights.
+
+An arm is a boundary, or a boundary with an EngineConfig switch: "narrow+skip" is narrow with the short-prefill
+top-k skip on.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from dsv32ref.engine import BOUNDARIES, EngineConfig
+from dsv32ref.graphs import CUDAGraphMode
+
+__all__ = ["ARMS", "arm", "engine_config", "prompts", "stats"]
+
+ARMS = {"skip": {"skip_short_topk": True}}  # `<boundary>+<arm>`: EngineConfig switches
+
+
+def engine_config(boundary: str, capture_sizes=(1, 2, 4, 8, 16), mode: str = "full_and_piecewise", seed: int = 0,
+                  **switches) -> EngineConfig:
+    """The engine of the PR's protocol: sequences of up to 512 tokens, 16 at a time, steps of up to 16 tokens."""
+    return EngineConfig(boundary=boundary, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
+                        max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed, **switches)
+
+
+def arm(name: str) -> tuple[str, str, dict]:
+    """"narrow" -> ("narrow", "narrow", {}); "narrow+skip" -> ("narrow+skip", "narrow", {"skip_short_topk": True})."""
+    boundary, _, kind = name.partition("+")
+    if boundary not in BOUNDARIES or (kind and kind not in ARMS):
+        raise ValueError(f"arm {name!r}: expected <boundary> or <boundary>+<arm>, boundary one of {BOUNDARIES}, arm "
+                         f"one of {sorted(ARMS)}")
+    return name, boundary, dict(ARMS[kind]) if kind else {}
+
+
+def prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
+    """n random prompts of `length` tokens, the same for every arm of a run."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n, length), generator=g).tolist()
+
+
+def stats(ms: list[float]) -> dict:
+    """Mean, median, p99, min, max of a list of milliseconds."""
+    s = sorted(ms)
+    return {"mean_ms": statistics.fmean(s), "median_ms": statistics.median(s),
+            "p99_ms": s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))], "min_ms": s[0], "max_ms": s[-1]}
