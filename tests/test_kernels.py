@@ -266,6 +266,49 @@ def test_topk_ties_negative_zero_and_small_rows(device):
     assert out[0].tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nan_indexer_scores_are_kept_and_selected_first(device):
+    """A NaN in a key row, in one head of a query, or in a weight makes those scores NaN (ReLU keeps NaN, as
+    torch.relu does), and the top-k ranks a NaN above every number, either sign of NaN, as torch.sort does: the
+    reference, the interpreter and the compiled kernel give the same NaN positions and the same selections,
+    on the one-program top-k and on the chunked one."""
+    z = _sizes(device)
+    meta, nb = _meta(device, [9, 0], [3, 12], z["block"])
+    T = meta.num_tokens
+    q, icache = torch.randn(T, z["h_i"], z["d_i"], device=device), torch.randn(nb, z["block"], z["d_i"], device=device)
+    w = torch.randn(T, z["h_i"], device=device) * z["h_i"] ** -0.5
+    bt = meta.block_table.long()
+    icache[bt[0, 0], 2] = float("nan")  # request 0's key at position 2
+    q[4, 1] = float("nan")  # one head of a token of request 1: every key of that token
+    w[6, 0] = -float("nan")  # a weight, with the sign bit set
+    s_max = max(meta.seq_lens_cpu)
+    scores = torch.full((T, s_max), -7.0, device=device)
+    indexer_scores_paged(q, w, icache, meta.block_table, meta.req_indices, meta.positions, z["d_i"] ** -0.5, scores)
+    for b in range(meta.num_reqs):
+        t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        keys = gather_tokens(icache, meta.block_table[b], meta.seq_lens_cpu[b]).double()
+        ref = indexer_scores(q[t0:t1].double(), keys, w[t0:t1].double(), z["d_i"] ** -0.5)
+        for i, t in enumerate(range(t0, t1)):
+            n = int(meta.positions[t]) + 1
+            assert torch.equal(scores[t, :n].isnan().cpu(), ref[i, :n].isnan().cpu()), t
+    assert all(scores[t, :int(meta.positions[t]) + 1].isnan().all() for t in (4, 6))
+    assert all(scores[t, 2].isnan() and scores[t, :2].isfinite().all() for t in range(3))
+    k = 4
+    for split_above in (10 ** 6, 0):  # one program per row; the chunked path
+        out = torch.full((T, k), -7, dtype=torch.int32, device=device)
+        topk_from_scores(scores, meta.positions, out, block=4, chunk=4, split_above=split_above)
+        want = topk_indices(scores.double().cpu(), meta.positions.cpu(), k)
+        for t in range(T):
+            assert sorted(out[t].tolist()) == sorted(want[t].tolist()), (split_above, t)
+        assert all(2 in out[t].tolist() for t in range(3))  # the NaN key is selected, not dropped
+    signed = torch.tensor([[1.0, float("nan"), 3.0, 0.0, float("inf"), 2.0, 0.0, 0.5]], device=device)
+    signed[0, [3, 6]] = -float("nan")  # the sign bit set: still above +inf
+    out = torch.full((1, 3), -7, dtype=torch.int32, device=device)
+    for split_above in (10 ** 6, 0):
+        topk_from_scores(signed, torch.tensor([7], device=device), out, block=4, chunk=4, split_above=split_above)
+        assert sorted(out[0].tolist()) == [1, 3, 6], split_above
+
+
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 @pytest.mark.parametrize("heads", ["deepseek", "glm"])
 @pytest.mark.parametrize("splits,valid_first", [(None, False), (1, True), (4, True)])

@@ -28,7 +28,9 @@ per group instead of once per token.
 
 Output: top-k indices int32 [T, K], the selected positions in increasing order (a set: attention does
 not care about order), -1 padded when fewer than K keys are visible. Ties at the threshold go to the
-lower positions, as in the reference.
+lower positions, as in the reference. A NaN in a query, key or weight makes its scores NaN (ReLU keeps NaN,
+as torch.relu does), and a NaN score ranks above every number (as torch.sort and torch.topk rank it): the
+reference, the interpreter and the compiled kernels select the same keys.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def _indexer_scores_kernel(
                 # keys on the MMA's rows, (token, head) on its columns: the sum over heads stays inside each
                 # warp (with heads on the rows it crossed warps through shared memory: 8-15 % slower, H200)
                 logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, TOKENS H_I)
-                part = tl.maximum(logits, 0.0) * w[None, :]
+                # ReLU that keeps NaN, as torch.relu does (compiled, tl.maximum returns the number)
+                part = tl.where(logits < 0.0, 0.0, logits) * w[None, :]
                 for u in tl.static_range(TOKENS):
                     n_u = tl.sum(tl.where((offs_g == u) & member, n_vis_g, 0), axis=0)
                     score = tl.sum(tl.where((offs_c // H_I == u)[None, :], part, 0.0), axis=1)  # (BLOCK_S,)
@@ -131,8 +134,10 @@ def _indexer_scores_kernel(
 
 @triton.jit
 def _ordered_key(x):
-    """fp32 -> uint32 whose unsigned order is the float order (flip all bits of negatives, the sign of others)."""
+    """fp32 -> uint32 whose unsigned order is the float order (flip all bits of negatives, the sign of others).
+    Every NaN, whatever its sign bit, ranks above +inf, as torch.sort and torch.topk rank it."""
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 (a negative weight times ReLU's 0) ties with +0.0, as in torch
+    x = tl.where(x != x, float("nan"), x)  # one NaN: the positive quiet one
     bits = x.to(tl.uint32, bitcast=True)
     sign = tl.full(bits.shape, 0x80000000, tl.uint32)
     ones = tl.full(bits.shape, 0xFFFFFFFF, tl.uint32)  # `~bits` breaks the interpreter on uint32

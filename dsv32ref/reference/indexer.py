@@ -73,7 +73,8 @@ def topk_indices(scores: torch.Tensor, query_positions: torch.Tensor, topk: int)
     """Causal top-k of scores [n, S]: key s is visible to query t iff s <= query_positions[t].
 
     Returns int32 [n, topk]: the visible keys with the highest scores, highest first, ties broken by the
-    lower position; entries past min(topk, #visible) are -1. `torch.topk`, which HF transformers' indexer
+    lower position; entries past min(topk, #visible) are -1. A NaN score ranks above every number (torch.sort's
+    order, and torch.topk's): a key whose indexer key or weight is NaN is selected first, never dropped. `torch.topk`, which HF transformers' indexer
     uses, breaks exact ties differently; they do happen (every indexer head's ReLU 0 for several keys gives
     them all the score 0), so compare selections with another implementation tie-aware.
     """
