@@ -366,3 +366,54 @@ def test_eager_break_inside_a_side_stream_region_on_the_gpu():
         step()  # the same step eagerly, on the same inputs
         torch.cuda.synchronize()
         assert torch.equal(got, out), trial
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("break_in", ["fn0", "fn1"])
+def test_the_parallel_helper_across_an_eager_break_replays_like_eager(break_in):
+    """vLLM's maybe_execute_in_parallel order: event0 recorded on the capture stream, fn0 there, the side stream
+    waits on event0 and runs fn1, the capture stream waits on event1. With the eager break inside fn0, event0
+    belongs to a segment that has ended when the side stream would wait on it (CUDA refuses); inside fn1 (the
+    indexer on the side stream), the break is reached on the side stream. Both capture, and replay what eager
+    execution computes."""
+    from dsv32ref.graphs import CudaGraphBackend
+
+    @eager_break(name="region")
+    def region(x, out):
+        out.copy_(x * 3)
+        return out
+
+    x = torch.randn(1024, device="cuda")
+    a, b, y, out = (torch.empty(1024, device="cuda") for _ in range(4))
+    side, e0, e1 = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
+
+    def fn0():
+        if break_in == "fn0":
+            region(a, y)
+        else:
+            y.copy_(a * 3)
+        return y.add_(1)
+
+    def fn1():
+        b.copy_(a * 2)
+        return region(b, b) if break_in == "fn1" else b
+
+    def step():
+        a.copy_(x + 1)
+        maybe_execute_in_parallel(fn0, fn1, e0, e1, side)
+        out.copy_(y + b)
+
+    step()  # warm-up outside the capture
+    torch.cuda.synchronize()
+    with BreakableCapture(CudaGraphBackend()) as cap:
+        step()
+    assert cap.graph.pattern == "G E G"
+    for trial in range(3):
+        x.normal_()
+        out.zero_()
+        cap.graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        step()  # the same step eagerly, on the same inputs
+        torch.cuda.synchronize()
+        assert torch.equal(got, out), trial
