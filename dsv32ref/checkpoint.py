@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 import zlib
 
 import torch
@@ -93,6 +95,59 @@ def _safe_keys(file: str) -> list[str]:
         raise ValueError(f"{os.path.basename(file)}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
+def _weight_block(config: ModelConfig) -> tuple[int, int]:
+    block = (config.extra.get("quantization_config") or {}).get("weight_block_size", (128, 128))
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(is_int(b) and b > 0 for b in block):
+        raise ValueError(f"config.json: quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    return tuple(block)
+
+
+def _inventory(where: dict, config: ModelConfig, expected: dict) -> tuple[set, list[str]]:
+    """(the weights to load, the problems of the checkpoint's names): MTP layers skipped, scales beside their
+    weights, every missing and unexpected name."""
+    names, problems = set(), []
+    mtp = range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers)
+    for name in where:
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= config.num_hidden_layers:
+            if int(m.group(1)) not in mtp:  # MTP (next-token prediction) layers: not part of the causal LM
+                problems.append(f"unexpected: {name} (layer {m.group(1)}: the config has {config.num_hidden_layers} "
+                                f"layers and {config.num_nextn_predict_layers} MTP layers)")
+        elif name.endswith("_scale_inv"):
+            if name[: -len("_scale_inv")] not in where:
+                problems.append(f"unexpected: {name} (no weight {name[: -len('_scale_inv')]} beside it)")
+        else:
+            names.add(name)
+    problems += [f"missing: {n}" for n in sorted(set(expected) - names)]
+    problems += [f"unexpected: {n}" for n in sorted(names - set(expected))]
+    return names & set(expected), problems
+
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _load_one(name: str, read, where: dict, block, want: torch.Size) -> torch.Tensor | str:
+    """One weight in the model's layout (fp8 blocks dequantised), or the problem with it."""
+    t, scale_name = read(name), name + "_scale_inv"
+    if t.dtype not in _FLOATS + (torch.float8_e4m3fn,):
+        return f"wrong dtype: {name}: {t.dtype} (expected a float type or float8_e4m3fn)"
+    if t.dtype != torch.float8_e4m3fn and scale_name in where:
+        return f"unexpected: {scale_name} beside a {t.dtype} weight (scales belong to fp8 weights)"
+    if t.dtype == torch.float8_e4m3fn:
+        if scale_name not in where:
+            return f"missing: {scale_name} (for fp8 tensor {name})"
+        scale = read(scale_name)
+        if scale.dtype not in _FLOATS:
+            return f"wrong dtype: {scale_name}: {scale.dtype} (expected a float type)"
+        try:
+            t = dequantize_fp8_blocks(t, scale, block)
+        except ValueError as e:
+            return f"mis-shaped: {scale_name}: {e}"
+    if tuple(t.shape) != tuple(want):
+        return f"mis-shaped: {name}: expected {list(want)}, got {list(t.shape)}"
+    return t
+
+
 def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
                     device: torch.device | str = "cpu", form: str = "absorbed",
                     deployed_numerics: bool = False) -> DeepseekV32ForCausalLM:
@@ -103,37 +158,16 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     from safetensors import safe_open
 
     path = os.fspath(path)
-    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    if dtype not in _FLOATS:
         raise ValueError(f"dtype: expected a float dtype for the model, got {dtype}")
     config = ModelConfig.from_hf(path)
-    block = (config.extra.get("quantization_config") or {}).get("weight_block_size", (128, 128))
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(is_int(b) and b > 0 for b in block)):
-        raise ValueError(f"config.json: quantization_config.weight_block_size must be two positive ints, got {block!r}")
-    block = tuple(block)
+    block = _weight_block(config)
     where = _open_shards(path)
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config, form, deployed_numerics)
     model = model.to(dtype).to_empty(device=device)  # RotaryEmbedding recomputes its frequencies here
     expected = model.state_dict()
-
-    names, problems = set(), []
-    mtp = range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers)
-    for name in where:
-        m = _LAYER.match(name)
-        if m and int(m.group(1)) >= config.num_hidden_layers:
-            if int(m.group(1)) in mtp:
-                continue  # MTP (next-token prediction) layers: not part of the causal LM
-            problems.append(f"unexpected: {name} (layer {m.group(1)}: the config has {config.num_hidden_layers} "
-                            f"layers and {config.num_nextn_predict_layers} MTP layers)")
-            continue
-        if name.endswith("_scale_inv"):
-            if name[: -len("_scale_inv")] not in where:
-                problems.append(f"unexpected: {name} (no weight {name[: -len('_scale_inv')]} beside it)")
-        else:
-            names.add(name)
-    problems += [f"missing: {n}" for n in sorted(set(expected) - names)]
-    problems += [f"unexpected: {n}" for n in sorted(names - set(expected))]
+    names, problems = _inventory(where, config, expected)
     handles: dict[str, object] = {}
 
     def read(name: str) -> torch.Tensor:
@@ -145,34 +179,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"{os.path.basename(file)}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
 
-    floats = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-    loaded = {}
-    for name in sorted(names & set(expected)):
-        t = read(name)
-        scale_name = name + "_scale_inv"
-        if t.dtype not in floats + (torch.float8_e4m3fn,):
-            problems.append(f"wrong dtype: {name}: {t.dtype} (expected a float type or float8_e4m3fn)")
-            continue
-        if t.dtype != torch.float8_e4m3fn and scale_name in where:
-            problems.append(f"unexpected: {scale_name} beside a {t.dtype} weight (scales belong to fp8 weights)")
-            continue
-        if t.dtype == torch.float8_e4m3fn:
-            if scale_name not in where:
-                problems.append(f"missing: {scale_name} (for fp8 tensor {name})")
-                continue
-            scale = read(scale_name)
-            if scale.dtype not in floats:
-                problems.append(f"wrong dtype: {scale_name}: {scale.dtype} (expected a float type)")
-                continue
-            try:
-                t = dequantize_fp8_blocks(t, scale, block)
-            except ValueError as e:
-                problems.append(f"mis-shaped: {scale_name}: {e}")
-                continue
-        if tuple(t.shape) != tuple(expected[name].shape):
-            problems.append(f"mis-shaped: {name}: expected {list(expected[name].shape)}, got {list(t.shape)}")
-            continue
-        loaded[name] = t
+    loaded = {name: _load_one(name, read, where, block, expected[name].shape) for name in sorted(names)}
+    problems += [t for t in loaded.values() if isinstance(t, str)]
     if problems:
         raise ValueError(f"checkpoint {path!r} does not match config ({config.model_type}, "
                          f"{config.num_hidden_layers} layers):\n  " + "\n  ".join(problems))
@@ -184,6 +192,44 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
 
 # ---- saving ----------------------------------------------------------------------------------------
 
+def _shards(tensors: dict, max_shard_bytes: int | None) -> list[dict]:
+    """The tensors in order, cut into shards of at most max_shard_bytes (a larger tensor alone in its shard)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def _write_files(stage: str, shards: list[dict], config_json: dict) -> list[str]:
+    """The shards (with their index when there are several), then config.json, into `stage`; returns the file
+    names in the order they are to be moved into place."""
+    from safetensors.torch import save_file
+
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(stage, SINGLE_FILE))
+        order = [SINGLE_FILE]
+    else:
+        order, weight_map = [], {}
+        for i, shard in enumerate(shards):
+            fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(stage, fn))
+            weight_map.update({name: fn for name in shard})
+            order.append(fn)
+        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+        with open(os.path.join(stage, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        order.append(INDEX_FILE)
+    with open(os.path.join(stage, "config.json"), "w") as f:
+        json.dump(config_json, f, indent=2)
+    return order + ["config.json"]
+
+
 def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, fp8: bool = False,
                     max_shard_bytes: int | None = None, config_form: str = "released") -> None:
     """Write config.json and safetensors (fp8 128x128 blocks if fp8; several shards past max_shard_bytes).
@@ -191,11 +237,6 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     Every file is written into a staging folder beside `path` first and moved in only once all are written
     (shards, then the index, then config.json), so an interrupted save leaves an earlier checkpoint at
     `path` as it was."""
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_file
-
     path = os.fspath(path)
     if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")
@@ -210,43 +251,17 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
             tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(t)
         else:
             tensors[name] = t.contiguous()
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
+    shards = _shards(tensors, max_shard_bytes)
     os.makedirs(path, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=".save_pretrained.", dir=path)
     try:
-        order = []  # file names in the order they are moved into `path`
-        if len(shards) == 1:
-            save_file(shards[0], os.path.join(stage, SINGLE_FILE))
-            order.append(SINGLE_FILE)
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, os.path.join(stage, fn))
-                weight_map.update({name: fn for name in shard})
-                order.append(fn)
-            with open(os.path.join(stage, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                           "weight_map": weight_map}, f, indent=2)
-            order.append(INDEX_FILE)
-        with open(os.path.join(stage, "config.json"), "w") as f:
-            json.dump(config_json, f, indent=2)
-        order.append("config.json")
+        order = _write_files(stage, shards, config_json)
         if len(shards) == 1 and os.path.exists(os.path.join(path, INDEX_FILE)):
             os.unlink(os.path.join(path, INDEX_FILE))  # an earlier sharded save's index would take precedence
         for fn in order:
             os.replace(os.path.join(stage, fn), os.path.join(path, fn))
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-
 
 # ---- dummy weights ---------------------------------------------------------------------------------
 

@@ -163,6 +163,23 @@ class PagedSparseMLAInputs:
         return self.q.dtype
 
 
+def _topk_row(p: int, seq_len: int, cap: int, topk: int, valid_first: bool, g: torch.Generator) -> torch.Tensor:
+    """One token's top-k row: up to topk distinct positions of 0..p in a random order, -1 padded; about one row
+    in eight empty; unless valid_first, a row that is not full carries out-of-range entries (>= seq_len, into
+    the sequence's own NaN slots below `cap` or past them) and is shuffled."""
+    row = torch.full((topk,), -1, dtype=torch.int32)
+    if torch.rand((), generator=g) < 0.125:
+        return row  # an empty row: out 0, lse +inf
+    vis = torch.randperm(p + 1, generator=g)[:topk]
+    row[: len(vis)] = vis.to(torch.int32)
+    if not valid_first and len(vis) < topk:
+        n_bad = min(topk - len(vis), 2)
+        row[len(vis): len(vis) + n_bad] = torch.randint(seq_len, max(cap, seq_len + 1) + 4, (n_bad,), generator=g,
+                                                        dtype=torch.int32)
+        row = row[torch.randperm(topk, generator=g)]
+    return row
+
+
 def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int = 64, topk: int = 64,
                             context_lens=(0, 40, 7), query_lens=(5, 1, 30), block_size: int = 16,
                             dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0,
@@ -203,21 +220,9 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
     T = sum(query_lens)
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, query_lens)])
     req_indices = torch.cat([torch.full((n,), b, dtype=torch.int32) for b, n in enumerate(query_lens)])
-    topk_indices = torch.full((T, topk), -1, dtype=torch.int32)
-    for t in range(T):
-        b, p = int(req_indices[t]), int(positions[t])
-        if torch.rand((), generator=g) < 0.125:
-            continue  # an empty row: out 0, lse +inf
-        vis = torch.randperm(p + 1, generator=g)[:topk]
-        row = torch.full((topk,), -1, dtype=torch.int32)
-        row[: len(vis)] = vis.to(torch.int32)
-        if not valid_first and len(vis) < topk:
-            cap = need[b] * block_size  # out of range: >= seq_len, into the sequence's own NaN slots or past them
-            n_bad = min(topk - len(vis), 2)
-            row[len(vis): len(vis) + n_bad] = torch.randint(seq_lens[b], max(cap, seq_lens[b] + 1) + 4, (n_bad,),
-                                                            generator=g, dtype=torch.int32)
-            row = row[torch.randperm(topk, generator=g)]
-        topk_indices[t] = row
+    caps = [n * block_size for n in need]
+    topk_indices = torch.stack([_topk_row(int(positions[t]), seq_lens[int(req_indices[t])],
+                                          caps[int(req_indices[t])], topk, valid_first, g) for t in range(T)])
     scale = sm_scale if sm_scale is not None else D ** -0.5
     q = torch.randn(T, num_heads, D, generator=g, dtype=torch.float64)
     qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)

@@ -341,14 +341,17 @@ def bench_indexer(z, T, ctx, ceil, torch_path=True, scores_kw=None, topk_kw=None
     nbytes = scores_bytes + 4 * T * z["k"]
     res.update(**roofline(flops, nbytes, res["ms"], ceil))
     if torch_path and T * ctx * z["h_i"] * 2 <= 4.3e9:
-        all_pos = torch.arange(ctx, device=DEV)
-        lean_keys = [gather_rows(c, r["block_table"], all_pos) for c in icaches]  # contiguous, rotated alike
-        rot_t = Rotation(COPIES)
-        tp = timed(lambda: lean_indexer_topk(q, w, lean_keys[rot_t()], r["positions"], scale, z["k"]))
-        res.update(torch_ms=tp["ms"], torch_ms_eager=tp["ms_eager"], torch_path="lean: contiguous keys, bf16 einsum, "
-                   "relu, weighted sum (bmm), torch.topk")
-        del lean_keys
+        res.update(_time_lean_indexer(q, w, icaches, r, scale, z["k"], ctx))
     return res
+
+
+def _time_lean_indexer(q, w, icaches, r, scale, k, ctx) -> dict:
+    """The lean PyTorch path on the same rotating key copies, gathered contiguous first (not timed)."""
+    lean_keys = [gather_rows(c, r["block_table"], torch.arange(ctx, device=DEV)) for c in icaches]
+    rot = Rotation(COPIES)
+    tp = timed(lambda: lean_indexer_topk(q, w, lean_keys[rot()], r["positions"], scale, k))
+    return {"torch_ms": tp["ms"], "torch_ms_eager": tp["ms_eager"],
+            "torch_path": "lean: contiguous keys, bf16 einsum, relu, weighted sum (bmm), torch.topk"}
 
 
 # ---- fused_norm_rope and fused_q -------------------------------------------------------------------

@@ -93,6 +93,24 @@ def _fused_norm_rope_kernel(
             _rope_pairs(irow, irow, cos, sin, ROPE // 2, INDEXER_INTERLEAVED)
 
 
+def _check_indexer(index_k, k_norm_weight, k_norm_bias, index_cache, T: int, nb: int, bs: int, rope: int) -> int:
+    """The indexer key's inputs -> index_head_dim (16, unused, without an indexer key)."""
+    if index_k is None:
+        given = {"index_cache": index_cache, "k_norm_weight": k_norm_weight, "k_norm_bias": k_norm_bias}
+        if any(v is not None for v in given.values()):
+            raise ValueError(f"fused_norm_rope: {[k for k, v in given.items() if v is not None]} given without "
+                             f"index_k")
+        return 16
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    d_i = check_tensor("index_k", index_k, shape=(T, None), dtype=floats, dense_dims=1).shape[1]
+    check_tensor("index_cache", index_cache, shape=(nb, bs, d_i), dtype=floats, contiguous=True)
+    check_tensor("k_norm_weight", k_norm_weight, shape=(d_i,), dtype=floats, dense_dims=1)
+    check_tensor("k_norm_bias", k_norm_bias, shape=(d_i,), dtype=floats, dense_dims=1)
+    if d_i < rope:
+        raise ValueError(f"fused_norm_rope: index_head_dim ({d_i}) must be >= qk_rope_head_dim ({rope})")
+    return d_i
+
+
 def fused_norm_rope(
     q_c: torch.Tensor, q_a_norm_weight: torch.Tensor, q_c_out: torch.Tensor,
     kv: torch.Tensor, kv_a_norm_weight: torch.Tensor, latent_cache: torch.Tensor,
@@ -124,20 +142,10 @@ def fused_norm_rope(
     check_tensor("kv_a_norm_weight", kv_a_norm_weight, shape=(kv_lora,), dtype=floats, dense_dims=1)
     check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
     check_tensor("slot_mapping", slot_mapping, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
-    for name, v in (("rms_eps", rms_eps), ("ln_eps", ln_eps)):
-        check_scale(f"fused_norm_rope: {name}", v)
+    check_scale("fused_norm_rope: rms_eps", rms_eps)
+    check_scale("fused_norm_rope: ln_eps", ln_eps)
     has_indexer = index_k is not None
-    given = {"index_cache": index_cache, "k_norm_weight": k_norm_weight, "k_norm_bias": k_norm_bias}
-    if not has_indexer and any(v is not None for v in given.values()):
-        raise ValueError(f"fused_norm_rope: {[k for k, v in given.items() if v is not None]} given without index_k")
-    d_i = 16
-    if has_indexer:
-        d_i = check_tensor("index_k", index_k, shape=(T, None), dtype=floats, dense_dims=1).shape[1]
-        check_tensor("index_cache", index_cache, shape=(nb, bs, d_i), dtype=floats, contiguous=True)
-        check_tensor("k_norm_weight", k_norm_weight, shape=(d_i,), dtype=floats, dense_dims=1)
-        check_tensor("k_norm_bias", k_norm_bias, shape=(d_i,), dtype=floats, dense_dims=1)
-        if d_i < rope:
-            raise ValueError(f"fused_norm_rope: index_head_dim ({d_i}) must be >= qk_rope_head_dim ({rope})")
+    d_i = _check_indexer(index_k, k_norm_weight, k_norm_bias, index_cache, T, nb, bs, rope)
     for name, v in (("kv_lora_rank", kv_lora), ("qk_rope_head_dim", rope), ("index_head_dim", d_i)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"fused_norm_rope: {name} must be a power of two, got {v}")
