@@ -104,7 +104,7 @@ def counts() -> dict:
     rows = {"the Triton kernel": _attempt(lambda: loop_counts(compile_triton_kernel()))}
     for name, loop in (("sm_90 warp-specialized: the consumers' loop", "HGMMA"),
                        ("sm_90 warp-specialized: the producer's loop", "LDGSTS")):
-        rows[name] = hopper if "error" in hopper else _attempt(lambda: loop_counts(hopper, loop))
+        rows[name] = hopper if isinstance(hopper, dict) else _attempt(lambda: loop_counts(hopper, loop))
     for name, r in rows.items():
         print(f"triton {triton.__version__} {name:<44} " + (r["error"] if "error" in r else
               f"regs {r['registers']}, spills {r['spill_store_bytes']} B, shared {r['shared_bytes']} B, "
