@@ -1,79 +1,62 @@
 #!/usr/bin/env bash
-# The GPU runs behind every result in data/, in one device call or a few. Usage (GPU machine, repo root,
-# .whl/ carried for the notebooks):
+# The GPU runs behind data/, in a few device calls. Usage (GPU machine, repo root; .whl/ carried for nbval):
 #   DSV32REF_GIT_COMMIT=<sha> bash scripts/gpu_experiments.sh OUTDIR STEP [STEP ...]
-# Steps, in the order given:
-#   ttft       TTFT + measured ledger of every boundary, with the instrument A/B   -> OUTDIR/ttft_<model>.json
-#              (MODELS, default "glm-5.2 deepseek-v3.2")
-#   kernels    the kernel benchmark                                                -> OUTDIR/kernels.json
-#   capture    start-up memory at one TP4 rank's heads (16), every boundary        -> OUTDIR/capture_memory_glm-5.2_h16.json
-#   history    the same with the allocator's history, narrow_copy                  -> OUTDIR/capture_memory_glm-5.2_h16_history.json
-#   regimes    TTFT against prompt length, decode TPOT, every variant              -> OUTDIR/regimes_glm-5.2.json
-#   timeline   one profiled request per boundary on a time axis (MODELS)         -> OUTDIR/timeline_<model>.json
-#   hostcosts  the TTFT model's host costs, per-region times included (MODELS)     -> OUTDIR/host_costs_<model>.json
-#   main       the main job, `python -m dsv32ref --quick`, timed; what it writes to data/ goes to OUTDIR/main/
-#              and data/ is put back as it was                                     -> OUTDIR/main.log
-#   indexerab  the indexer of BASES (default "4cdf2a7 fd85443") beside the library's, with the probe
-#              (needs the history: carry out/repo.bundle, made here by `git bundle create out/repo.bundle --all`)
-#                                                                                  -> OUTDIR/indexer_ab.json
-#   tests      every gpu-marked test                                               -> OUTDIR/pytest_gpu.txt
-#   suite      the full suite, notebooks under nbval                               -> OUTDIR/pytest_suite.txt
-# Each step's log goes to OUTDIR/<step>.log; the last lines print.
+# Steps, in the order given (each writes OUTDIR/<file> and OUTDIR/<step>.log; data/README.md says which
+# files of data/ each one records):
+#   tests      every gpu-marked test                                          -> pytest_gpu.txt
+#   nanplant   the NaN indexer test against a planted bug (tl.maximum for the ReLU, which drops NaN compiled):
+#              it must fail; the tree is restored after                       -> nanplant.txt
+#   main       the main job, `python -m dsv32ref --quick`, timed; data/ must be unchanged afterwards -> main.log
+#   kernels    the kernel benchmark                                           -> kernels.json
+#   ttft       TTFT + ledger of every boundary, the instrument A/B, the top-k skip (MODELS) -> ttft_<model>.json
+#   capture    start-up memory at one TP4 rank's heads (16), every boundary   -> capture_memory_glm-5.2_h16.json
+#   regimes    TTFT against prompt length, decode TPOT, every variant          -> regimes_glm-5.2.json
+#   timeline   one profiled request per boundary on a time axis               -> timeline_glm-5.2.json
+#   nbval      the notebooks under nbval                                      -> nbval.txt
 set -uo pipefail
 OUT=${1:?output dir}; shift
 mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+dsv() { python3 -m dsv32ref "$@" 2>&1 | tr '\r' '\n' | grep -v "\] [0-9]*/[0-9]*$"; }
 for step in "$@"; do
+  start=$(date +%s)
   case $step in
+    tests)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -6 ;;
+    nanplant)
+      cp dsv32ref/kernels/indexer_topk.py /tmp/indexer_topk.py
+      sed -i 's/part = tl.where(logits < 0.0, 0.0, logits) \* w\[None, :\]/part = tl.maximum(logits, 0.0) * w[None, :]/' \
+        dsv32ref/kernels/indexer_topk.py
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_kernels.py -k nan_indexer \
+        2>&1 | tee "$OUT/nanplant.txt" | tail -3
+      cp /tmp/indexer_topk.py dsv32ref/kernels/indexer_topk.py ;;
+    main)
+      before=$(cat data/*.json | md5sum)
+      timeout 400 python3 -m dsv32ref --quick 2>&1 | tr '\r' '\n' | grep -v "\] [0-9]*/[0-9]*$" > "$OUT/main.log"
+      rc=${PIPESTATUS[0]}
+      after=$(cat data/*.json | md5sum)
+      echo "main job rc $rc, $(( $(date +%s) - start )) s, data/ $([ "$before" = "$after" ] && echo unchanged || echo CHANGED)" \
+        | tee -a "$OUT/main.log"
+      tail -28 "$OUT/main.log" ;;
+    kernels)
+      timeout 300 python3 -m dsv32ref kernels --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; echo "kernels rc $?"
+      grep "sparse_mla .* T=512\|^ceilings" "$OUT/kernels.log" | tail -6 ;;
     ttft)
       for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
-        timeout 400 python3 -m dsv32ref ttft --model "$model" ${TTFT_ARGS---instrument-ab} --out "$OUT/ttft_$model.json" 2>&1 \
-          | grep -v "TTFT, all" | tee "$OUT/ttft_$model.log" | tail -9
+        timeout 330 dsv ttft --model "$model" --instrument-ab --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
+        tail -14 "$OUT/ttft_$model.log"
       done ;;
-    kernels)
-      timeout 400 python3 -m dsv32ref kernels --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; echo "kernels rc $?"
-      tail -4 "$OUT/kernels.log" ;;
     capture)
-      timeout 420 python3 -m dsv32ref capture --model glm-5.2 --heads-per-rank 16 \
-        --out "$OUT/capture_memory_glm-5.2_h16.json" 2>&1 | tee "$OUT/capture.log" | tail -12 ;;
-    history)
-      timeout 300 python3 -m dsv32ref capture --model glm-5.2 --heads-per-rank 16 --plan history \
-        --out "$OUT/capture_memory_glm-5.2_h16_history.json" 2>&1 | tee "$OUT/history.log" | tail -4 ;;
+      timeout 300 dsv capture --model glm-5.2 --heads-per-rank 16 --out "$OUT/capture_memory_glm-5.2_h16.json" \
+        > "$OUT/capture.log"; tail -10 "$OUT/capture.log" ;;
     regimes)
-      timeout 420 python3 -m dsv32ref regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" 2>&1 \
-        | tr '\r' '\n' | grep -v "all variants.*\] [0-9]*/" | tee "$OUT/regimes.log" | tail -6 ;;
+      timeout 300 dsv regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" > "$OUT/regimes.log"; tail -5 "$OUT/regimes.log" ;;
     timeline)
-      for model in ${MODELS:-glm-5.2}; do
-        timeout 240 python3 -m dsv32ref timeline --model "$model" --out "$OUT/timeline_$model.json" 2>&1 \
-          | tee "$OUT/timeline_$model.log" | tail -6
-      done ;;
-    hostcosts)
-      for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
-        timeout 240 python3 -m dsv32ref hostcosts --model "$model" --out "$OUT/host_costs_$model.json" 2>&1 \
-          | tee "$OUT/host_costs_$model.log" | tail -7
-      done ;;
-    main)
-      keep=$(mktemp -d); cp -r data "$keep/"
-      start=$(date +%s)
-      timeout 420 python3 -m dsv32ref --quick 2>&1 | tr '\r' '\n' | grep -v "\] [0-9]*/" > "$OUT/main.log"; rc=${PIPESTATUS[0]}
-      echo "main job rc $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/main.log"
-      mkdir -p "$OUT/main"
-      for f in data/*.json; do cmp -s "$f" "$keep/$f" || cp "$f" "$OUT/main/"; done
-      rm -rf data; cp -r "$keep/data" data
-      tail -30 "$OUT/main.log" ;;
-    indexerab)
-      if [ ! -d .git ] && [ -f out/repo.bundle ]; then
-        rm -rf /tmp/dsv32ref-history && git clone -q out/repo.bundle /tmp/dsv32ref-history && export GIT_DIR=/tmp/dsv32ref-history/.git
-      fi
-      timeout 400 python3 -m dsv32ref.bench.indexer_ab $(for b in ${BASES:-4cdf2a7 fd85443}; do echo --base "$b"; done) --probe \
-        --out "$OUT/indexer_ab.json" > "$OUT/indexerab.log" 2>&1; echo "indexer_ab rc $?"
-      grep "library\|floor" "$OUT/indexerab.log" | tail -40 ;;
-    tests)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests 2>&1 \
-        | tee "$OUT/pytest_gpu.txt" | tail -8 ;;
-    suite)
-      timeout 540 python3 -m pytest -q -p no:cacheprovider tests notebooks 2>&1 | tee "$OUT/pytest_suite.txt" | tail -12 ;;
+      timeout 150 dsv timeline --model glm-5.2 --out "$OUT/timeline_glm-5.2.json" > "$OUT/timeline.log"; tail -5 "$OUT/timeline.log" ;;
+    nbval)
+      timeout 400 python3 -m pytest -q -p no:cacheprovider notebooks 2>&1 | tee "$OUT/nbval.txt" | tail -6 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
+  echo "[$step: $(( $(date +%s) - start )) s]"
 done
