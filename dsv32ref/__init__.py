@@ -1,14 +1,16 @@
 """dsv32ref: a readable reference of DeepSeek-V3.2 / GLM-5.x sparse MLA (DSA) for inference engineers.
 
-Rooms, with one-way imports (experiments -> engine -> graphs/kernels/reference):
-    config, hf_config   ModelConfig, presets, config.json parsing
+Rooms, with one-way imports (experiments -> engine -> graphs / kernels / reference -> config):
+    config, hf_config   ModelConfig, presets (and the experiments' reduced-MoE one), config.json parsing
     cache               paged latent / indexer-key caches and AttentionMetadata
     reference/          the PyTorch specification (norms, RoPE, indexer, sparse MLA, MoE, model)
     checkpoint          HF safetensors loading (fp8 blocks), saving, dummy weights
-    kernels/            Triton kernels of the sparse path (graph-safe launchers); bench/ measures them
+    testing             the comparator and paged inputs for kernel authors
+    kernels/            Triton (and sm_90 Gluon) kernels of the sparse path, each behind a checking launcher
     graphs/             breakable CUDA graphs, the graph runner, a CPU stand-in that records and replays
-    engine/             the engine-form model with its eager boundaries, a small engine, the launch ledger
-    experiments/        TTFT and ledger experiments; parallel: N ranks through torch.distributed
+    engine/             the serving engine, one file per job (see dsv32ref.engine)
+    experiments/        the PR's protocol and what it measures (TTFT, ledgers, capture memory, regimes)
+    bench/              the kernel benchmark
 """
 
 from dsv32ref.cache import AttentionMetadata, BlockAllocator, PagedKVCache

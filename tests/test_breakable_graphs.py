@@ -327,6 +327,19 @@ def test_tensors_nested_in_containers_are_held_weakly_and_checked():
             fresh(torch.ones(4))
 
 
+def _replays_like_eager(cap, step, x, out, trials: int = 3) -> None:
+    """On fresh inputs x, the captured step's replay writes into `out` what the step run eagerly writes."""
+    for trial in range(trials):
+        x.normal_()
+        out.zero_()
+        cap.graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        step()  # the same step eagerly, on the same inputs
+        torch.cuda.synchronize()
+        assert torch.equal(got, out), trial
+
+
 @pytest.mark.gpu
 def test_eager_break_inside_a_side_stream_region_on_the_gpu():
     """Work forked to a second stream and joined back, with an eager break inside the side-stream part (the
@@ -357,15 +370,7 @@ def test_eager_break_inside_a_side_stream_region_on_the_gpu():
     with BreakableCapture(CudaGraphBackend()) as cap:
         step()
     assert cap.graph.pattern == "G E G"
-    for trial in range(3):
-        x.normal_()
-        out.zero_()
-        cap.graph.replay()
-        torch.cuda.synchronize()
-        got = out.clone()
-        step()  # the same step eagerly, on the same inputs
-        torch.cuda.synchronize()
-        assert torch.equal(got, out), trial
+    _replays_like_eager(cap, step, x, out)
 
 
 @pytest.mark.gpu
@@ -408,12 +413,4 @@ def test_the_parallel_helper_across_an_eager_break_replays_like_eager(break_in):
     with BreakableCapture(CudaGraphBackend()) as cap:
         step()
     assert cap.graph.pattern == "G E G"
-    for trial in range(3):
-        x.normal_()
-        out.zero_()
-        cap.graph.replay()
-        torch.cuda.synchronize()
-        got = out.clone()
-        step()  # the same step eagerly, on the same inputs
-        torch.cuda.synchronize()
-        assert torch.equal(got, out), trial
+    _replays_like_eager(cap, step, x, out)
