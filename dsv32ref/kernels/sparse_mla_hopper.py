@@ -60,20 +60,24 @@ LOAD_REGS = gl.constexpr(64)  # few registers: it only resolves rows and copies
 FLAGS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
 
+_TRITON = ".".join(triton.__version__.split(".")[:2])
+
+
 def why_not(q: torch.Tensor, d_lat: int, d_rope: int, splits: int) -> str | None:
     """Why sparse_mla_paged does not run this kernel for q (None: it does). It needs a CUDA tensor on an sm_90
     device, bf16, DeepSeek's latent widths, no top-k splits (few programs: the split Triton kernel fills the GPU
-    better), and a triton of SUPPORTED_TRITON."""
-    version = ".".join(triton.__version__.split(".")[:2])
-    for failed, reason in (
-            (q.device.type != "cuda", "not a CUDA tensor"),
-            (q.dtype != torch.bfloat16, f"{q.dtype} (the sm_90 kernel is bf16)"),
-            ((d_lat, d_rope) != (512, 64), f"latent widths {d_lat} + {d_rope} (the sm_90 kernel is 512 + 64)"),
-            (splits != 1, f"{splits} top-k splits (few tokens: the split Triton kernel fills the GPU)"),
-            (version not in SUPPORTED_TRITON, f"triton {triton.__version__} (the sm_90 kernel is built for "
-                                              f"{', '.join(SUPPORTED_TRITON)})")):
-        if failed:
-            return reason
+    better), and a triton of SUPPORTED_TRITON. Called at every launch: the reasons are formatted only when one
+    applies."""
+    if q.device.type != "cuda":
+        return "not a CUDA tensor"
+    if q.dtype != torch.bfloat16:
+        return f"{q.dtype} (the sm_90 kernel is bf16)"
+    if (d_lat, d_rope) != (512, 64):
+        return f"latent widths {d_lat} + {d_rope} (the sm_90 kernel is 512 + 64)"
+    if splits != 1:
+        return f"{splits} top-k splits (few tokens: the split Triton kernel fills the GPU)"
+    if _TRITON not in SUPPORTED_TRITON:
+        return f"triton {triton.__version__} (the sm_90 kernel is built for {', '.join(SUPPORTED_TRITON)})"
     if cuda_capability(q.device) != (9, 0):
         return f"compute capability {cuda_capability(q.device)} (the kernel is sm_90's)"
     return None
