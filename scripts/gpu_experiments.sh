@@ -8,7 +8,8 @@
 #              it must fail; the tree is restored after                       -> nanplant.txt
 #   main       the main job, `python -m dsv32ref --quick`, timed; data/ must be unchanged afterwards -> main.log
 #   kernels    the kernel benchmark                                           -> kernels.json
-#   ttft       TTFT + ledger of every boundary, the instrument A/B, the top-k skip (MODELS) -> ttft_<model>.json
+#   ttft       TTFT + ledger of every boundary and the top-k skip (MODELS), the instrument A/B for AB_MODEL
+#              (default glm-5.2)                                              -> ttft_<model>.json
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary   -> capture_memory_glm-5.2_h16.json
 #   regimes    TTFT against prompt length, decode TPOT, every variant          -> regimes_glm-5.2.json
 #   timeline   one profiled request per boundary on a time axis               -> timeline_glm-5.2.json
@@ -23,7 +24,8 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     tests)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -6 ;;
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+        | tee "$OUT/pytest_gpu.txt" | tail -6 ;;
     nanplant)
       cp dsv32ref/kernels/indexer_topk.py /tmp/indexer_topk.py
       sed -i 's/part = tl.where(logits < 0.0, 0.0, logits) \* w\[None, :\]/part = tl.maximum(logits, 0.0) * w[None, :]/' \
@@ -44,7 +46,8 @@ for step in "$@"; do
       grep "sparse_mla .* T=512\|^ceilings" "$OUT/kernels.log" | tail -6 ;;
     ttft)
       for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
-        timeout 330 dsv ttft --model "$model" --instrument-ab --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
+        ab=$([ "$model" = "${AB_MODEL:-glm-5.2}" ] && echo --instrument-ab)
+        timeout 330 dsv ttft --model "$model" $ab --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
         tail -14 "$OUT/ttft_$model.log"
       done ;;
     capture)
