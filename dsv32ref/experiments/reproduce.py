@@ -8,8 +8,8 @@ at one TP4 rank's heads, and prints one table: the PR's figure, the recorded H20
 
     quick   64 TTFT requests of GLM-5.2, every boundary; three capture-memory start-ups (narrow with the
             graph-memory estimate off, then narrow_copy with it and without it): a few minutes
-    full    what data/ records: 256 TTFT requests with the instrument A/B and the top-k-skip arms for both models,
-            capture memory with the threshold runs, the regime map, the timeline, the predicted ledgers
+    full    what data/ records: 256 TTFT requests with the top-k-skip arms for both models (the instrument A/B for
+            GLM-5.2), capture memory with the threshold runs, the regime map, the timeline, the predicted ledgers
 
 Each experiment runs in a process of its own, as the commands that recorded data/ ran: the capture-memory
 start-ups size the KV cache from what their process holds, so an experiment run before them in the same process
@@ -44,7 +44,7 @@ PRESETS = {
     )),
     "full": Plan("full", (
         ("ttft_glm-5.2.json", ("ttft", "--model", "glm-5.2", "--instrument-ab")),
-        ("ttft_deepseek-v3.2.json", ("ttft", "--model", "deepseek-v3.2", "--instrument-ab")),
+        ("ttft_deepseek-v3.2.json", ("ttft", "--model", "deepseek-v3.2")),
         (CAPTURE, ("capture", "--model", "glm-5.2", "--heads-per-rank", "16")),
         ("regimes_glm-5.2.json", ("regimes", "--model", "glm-5.2")),
         ("timeline_glm-5.2.json", ("timeline", "--model", "glm-5.2")),
