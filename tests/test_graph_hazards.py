@@ -39,7 +39,7 @@ def _ref(device: str):
     cfg = base.config.replace(num_hidden_layers=2, indexer_types=("full", "shared"), index_topk=4)
     if device == "cuda":
         cfg = cfg.replace(hidden_size=256, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
-                          v_head_dim=32, num_attention_heads=16, index_n_heads=16, index_head_dim=64, index_topk=16)
+                          v_head_dim=32, num_attention_heads=16, index_n_heads=16, index_head_dim=64)
     ref = init_dummy_weights(base.__class__(cfg), 0).eval()
     return ref.to("cuda", torch.bfloat16) if device == "cuda" else ref
 
