@@ -1,9 +1,11 @@
-"""What data/ holds is trustworthy: every file carries a complete provenance block, and a GPU result names a
-clean commit of this repository's history (not `-dirty`, not a commit that does not exist here)."""
+"""What data/ holds is trustworthy and accounted for: every file carries a complete provenance block, every GPU
+result names the same clean commit of this repository's history, and the manifest (data/README.md) lists every
+file, the command that writes it and the files that read it, each of which does read it."""
 
 import glob
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -21,13 +23,31 @@ def _history() -> set[str] | None:
     return set(out.stdout.split()) if out.returncode == 0 and out.stdout else None
 
 
+def _manifest() -> tuple[dict, dict]:
+    """({file: (command, [readers])}, {partial file: what did not run}) from data/README.md's two tables."""
+    files, partial = {}, {}
+    with open(os.path.join(ROOT, "data", "README.md")) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            name = re.fullmatch(r"`([^`]+\.json)`", cells[0]) if line.startswith("|") else None
+            if name and len(cells) == 3:
+                files[name.group(1)] = (cells[1], re.findall(r"`([^`]+)`", cells[2]))
+            elif name and len(cells) == 2:
+                partial[name.group(1)] = cells[1]
+    return files, partial
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 @pytest.mark.parametrize("path", FILES, ids=[os.path.basename(f) for f in FILES])
 def test_provenance(path):
-    with open(path) as f:
-        d = json.load(f)
+    d = _load(path)
     p = d.get("provenance")
     assert isinstance(p, dict) and all(k in p for k in KEYS), f"{os.path.basename(path)}: provenance {p}"
-    assert not d.get("partial"), f"{os.path.basename(path)} is a partial run"
+    assert not d.get("partial") or os.path.basename(path) in _manifest()[1], f"{path}: partial, not said so"
     if os.path.basename(path) == "seeds.json":  # published figures, not a run of ours
         assert p["source"].startswith('vLLM pull request "[Perf] Narrow DeepSeek V3.2 eager CUDA graph region"')
         return
@@ -37,6 +57,28 @@ def test_provenance(path):
     if history is None:
         pytest.skip("no git history here (a copy without .git)")
     assert any(h.startswith(commit) for h in history), f"{os.path.basename(path)}: {commit} is not in the history"
+
+
+def test_every_result_is_at_one_commit():
+    commits = {_load(f)["provenance"]["git_commit"][:12] for f in FILES if not f.endswith("seeds.json")}
+    assert len(commits) == 1, commits
+
+
+def test_the_manifest_lists_every_file_and_who_reads_it():
+    files, partial = _manifest()
+    assert sorted(files) == sorted(os.path.basename(f) for f in FILES)
+    assert set(partial) <= set(files) and all(partial.values())
+    for name, (command, readers) in files.items():
+        assert command and readers, name
+        if command.startswith("`python -m dsv32ref"):
+            assert command.split()[3].strip("`") in _load(os.path.join(ROOT, "data", name))["provenance"]["command"]
+        for reader in readers:
+            with open(os.path.join(ROOT, reader)) as f:
+                text = f.read()
+            fstring = re.escape(name)  # or named through an f-string over the model: ttft_{model}.json
+            for model in ("glm-5.2", "deepseek-v3.2"):
+                fstring = fstring.replace(re.escape(model), r"\{[^}]*\}")
+            assert name in text or re.search(fstring, text), (name, reader)
 
 
 def test_no_partial_files():
