@@ -105,7 +105,8 @@ print("FULL segments:", full.graph.pattern)
 
 # %% [markdown]
 # ## 3. One DSA layer per eager boundary
-# `dsv32ref.engine.EngineDSAAttention` offers six boundaries, all computing the same function:
+# `dsv32ref.engine.boundary` describes six boundaries, all computing the same function; the attention's forward
+# reads the description (vLLM's region names: `_fused_attention`, `_sparse_indexer_and_attn`):
 #
 # | boundary | eager region | UV BMM |
 # |---|---|---|
@@ -121,7 +122,7 @@ print("FULL segments:", full.graph.pattern)
 
 # %%
 from dsv32ref import ModelConfig, init_dummy_weights
-from dsv32ref.engine import BOUNDARIES, EngineConfig, EngineModel, LLMEngine, StepInput
+from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
 
@@ -135,12 +136,12 @@ for boundary in BOUNDARIES:
     for mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
         ec = EngineConfig(boundary=boundary, mode=mode, max_model_len=32, max_num_seqs=2,
                           max_num_batched_tokens=8, block_size=4, capture_sizes=[8])
-        eng = LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, model=EngineModel.from_reference(ref, boundary))
+        eng = LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, boundary))
         eng.capture()
         _, how = eng.step(StepInput([(0, prompt, 0)]))
         logits[mode] = eng.last_logits.clone()
         if mode is CUDAGraphMode.PIECEWISE:
-            graph = eng.runner.piecewise[8].graph
+            graph = eng.runner.graphs.piecewise[8].graph
             in_graphs = sum(g.num_ops for kind, g in graph.entries if kind == "graph")
             rows.append((boundary, graph.pattern, in_graphs, how))
     same = torch.allclose(logits[CUDAGraphMode.NONE], logits[CUDAGraphMode.PIECEWISE], atol=1e-5)
