@@ -32,8 +32,8 @@ import textwrap
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from dsv32ref.experiments.memory_model import capture_outcome, predict
-from dsv32ref.experiments.ttft import reduced_config
+from dsv32ref.config import reduced_moe
+from dsv32ref.experiments.memory_model import capture_outcome, predict, threshold
 from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes, phase_sizes
 from dsv32ref.report import GREY, OKABE_ITO, show, table
 
@@ -52,7 +52,7 @@ st = mem["settings"]
 print(f"heads on this GPU: {mem['heads_per_rank']}; max_num_seqs {st['max_num_seqs']}, max_model_len "
       f"{st['max_model_len']},")
 print(f"  max_num_batched_tokens {st['max_num_batched_tokens']}, mode {st['mode']}")
-config = reduced_config(mem["preset"]).replace(num_attention_heads=mem["heads_per_rank"])
+config = reduced_moe(mem["preset"]).replace(num_attention_heads=mem["heads_per_rank"])
 runs = mem["runs"]
 seeds = load("seeds.json")
 pw = seeds["piecewise_only"]
@@ -178,27 +178,30 @@ display(Markdown(
     f"less spare memory it fails the same way."))
 
 # %% [markdown]
-# The allocator's own account (`torch.cuda.memory._record_memory_history` with Python stacks, a separate
-# run of the same two start-ups): the blocks still allocated, grouped by the line of our code that
-# allocated them and by pool, after a successful capture (estimate on) and at the moment the FULL phase
-# ran out (estimate off), before the engine released anything.
+# The allocator's own account (`torch.cuda.memory._record_memory_history` with Python stacks, recorded for
+# these two start-ups): the blocks still allocated, grouped by the line of our code that allocated them and
+# by pool, after a successful capture (estimate on) and at the moment the FULL phase ran out (estimate off),
+# before the engine released anything.
 
 # %%
-hist = load("capture_memory_glm-5.2_h16_history.json")
-for r in hist["runs"]:
+hist = [r for r in runs if r["boundary"] == "narrow_copy" and ("live_by_site" in r or "live_by_site_at_failure" in r)]
+for r in hist:
     sites = r.get("live_by_site_at_failure") or r["live_by_site"]
     when = f"at the failure ({r['failed_at']})" if r["failed"] else "after capture"
     display(Markdown(f"**{label(r)}**, {when}:"))
     table(["allocated at", "pool", "blocks", "GiB"],
           [[x["site"], x["pool"], x["blocks"], x["bytes"] / GiB] for x in sites[:5]])
-copy_blocks = [x for x in hist["runs"][0]["live_by_site"] if "_copy_target" in x["site"]][0]["blocks"]
-print(f"_copy_target blocks: {copy_blocks} = {config.num_hidden_layers} layers x {copy_blocks // config.num_hidden_layers} sizes")
+copy_site = next(x for x in hist[0]["live_by_site"] if "boundary.py" in x["site"] and "target" in x["site"])
+kv_site = next(x for x in hist[0]["live_by_site"] if x["site"].startswith("cache.py"))
+print(f"{copy_site['site']}: {copy_site['blocks']} blocks = {config.num_hidden_layers} layers x "
+      f"{copy_site['blocks'] // config.num_hidden_layers} sizes, {copy_site['pool']}")
 
 # %% [markdown]
-# `cache.py` is the KV cache, "(outside dsv32ref)" the weights; the third line is the mechanism: one block
-# per layer and token count, all in the default pool, alive until the process ends. The graph pool holds
-# only the graph outputs (`model.py` forward). The allocator counts the buffers slightly above L x T x H x
-# 512 x 2 because it serves some requests from larger cached blocks without splitting them.
+# `cache.py` is the KV cache, "(outside dsv32ref)" the weights; the line of `engine/boundary.py` in
+# `StaticOutputs.target` is the mechanism: one block per layer and token count, all in the default pool, alive
+# until the process ends. The graph pool holds only the graph outputs (`model.py` forward). The allocator counts
+# the buffers slightly above L x T x H x 512 x 2 because it serves some requests from larger cached blocks
+# without splitting them.
 
 # %%
 est = next(r for r in runs if r["boundary"] == "narrow_copy" and r["estimate_graph_memory"])
@@ -255,25 +258,37 @@ for r in runs:
     print(f"{label(r)}:")
     print(f"    predicted {where} (margin {margin / GiB:+.2f} GiB), measured {r['failed_at'] or 'starts'}")
 
+# %%
+off = next(r for r in runs if r["boundary"] == "narrow_copy" and not r["estimate_graph_memory"])
+b = off["before_capture"]
+o = capture_outcome(config, b["free"] + b["reserved"] - b["allocated"], pw_cost, full_cost,
+                    made_before={off["max_num_batched_tokens"]})
+margin = o["left"] if o["fails_at"] is None else -o["short_by"]
+display(Markdown(
+    f"For the default start-up of `narrow_copy` with the estimate off the model's margin is "
+    f"{margin / GiB:+.2f} GiB, {abs(margin) / copy_bytes:.1%} of the buffers' {copy_bytes / GiB:.1f} GiB: a "
+    f"margin that thin flips on a few hundred MiB of allocator rounding, graph objects and memory outside "
+    f"PyTorch, and the run measured ran out at {off['failed_at']}. The model is right about the amount and puts "
+    f"this start-up on the edge; which side of it a given run lands on, it cannot say."))
+
 # %% [markdown]
-# For the default start-up of `narrow_copy` with the estimate off, the margins above are a small fraction
-# of a GiB out of the buffers' many GiB: the model can say "runs out at the first FULL size" for one
-# run and "starts with almost nothing left" for the other, where both measured runs ran out at the first
-# or second FULL size. A margin that thin flips on a few MiB of allocator rounding and graph objects; the
-# model is right about the phase and the amount.
-#
 # ## The threshold
-# Predicted before the check runs (from `narrow` at the same settings), then measured on both sides: the
-# largest capture size (`max_num_batched_tokens`, with its default size list) at which `narrow_copy` still
-# starts at 0.9, and the utilisation above which it fails with sizes up to 512.
+# Predicted from `narrow` at the same settings: the largest capture size (`max_num_batched_tokens`, with its
+# default size list) at which `narrow_copy` still starts at 0.9, and the utilisation above which it fails with
+# sizes up to 512. The capture experiment then checks the prediction on both sides with two more start-ups;
+# in this recording they did not run (the device call's time ran out: `data/README.md`), so only the
+# prediction is shown.
 
 # %%
-t = mem["threshold_predicted"]
+b = base["before_capture"]
+t = threshold(config, b["free"] + b["reserved"] - b["allocated"], pw_cost, full_cost, base["startup"]["total"],
+              base["gpu_memory_utilization"])
 print(f"predicted: starts up to max_num_batched_tokens = {t['max_tokens_ok']}; at 512 it needs "
       f"gpu_memory_utilization <= {t['utilization_at_512']:.3f}")
-for r in runs:
-    if r.get("threshold_check"):
-        print(f"  measured {label(r)}: {'out of memory at ' + r['failed_at'] if r['failed'] else 'starts'}")
+checks = [r for r in runs if r.get("threshold_check")]
+for r in checks:
+    print(f"  measured {label(r)}: {'out of memory at ' + r['failed_at'] if r['failed'] else 'starts'}")
+print(f"threshold start-ups measured: {len(checks)} (the recording is partial: {bool(mem.get('partial'))})")
 
 # %% [markdown]
 # ## A side finding: one capture stream
