@@ -14,7 +14,7 @@
 # 3. A TTFT model: the CPU-predicted launch ledger, host costs measured once on the GPU, and the floor.
 #
 # The model is GLM-5.2's attention at full size (64 heads, every layer) with the MoE reduced to four dense
-# experts, on one GPU, bf16 (`dsv32ref.experiments.ttft.REDUCTION`); the PR ran TP4/EP4.
+# experts, on one GPU, bf16 (`dsv32ref.config.REDUCED_MOE`); the PR ran TP4/EP4.
 
 # %%
 import json
@@ -91,25 +91,6 @@ ax.set_title("GLM-5.2, 8-token prompts: TTFT = floor + what the step adds (one H
 ax.legend(loc="lower right", fontsize=8)
 ax.set_xlim(0, max(vs[v]["mean_ms"] for v in names) * 1.12)
 show(fig)
-
-# %% [markdown]
-# **Does the launch of a 3272-node graph hold the GPU back?** The host needs most of a millisecond to launch
-# the forward's one graph. `none+split` (`EngineConfig.split_graphs`) captures the same forward as graphs
-# that start before layers 1, 4, 16 and 64, so that the GPU could run the first layer while the host launches
-# the rest; it ran interleaved with the others.
-
-# %%
-sp = vs.get("none+split")
-if sp is not None:
-    b = sp["anatomy"]
-    display(Markdown(
-        f"Split into {sp['ledger']['graph_launches']} graphs, `none` takes {sp['mean_ms']:.2f} ms (mean; median "
-        f"{sp['median_ms']:.2f}) against {none['mean_ms']:.2f} (median {none['median_ms']:.2f}) in one graph: "
-        f"{sp['mean_ms'] - none['mean_ms']:+.2f} ms. GPU time from the upload to the sampled tokens is "
-        f"{b['gpu_ms']:.2f} ms against {a['gpu_ms']:.2f}. So the launch is not on the critical path: the GPU "
-        f"starts on the graph's first kernels while the host is still submitting the rest ({a['execute_ms']:.2f} "
-        f"ms of host time for the one graph, {b['execute_ms']:.2f} ms for the five). What remains is the GPU's "
-        f"own time between kernels, which only fewer kernels remove."))
 
 # %% [markdown]
 # **The top-k skip.** With `EngineConfig.skip_short_topk`, a step whose requests all have at most
@@ -201,7 +182,7 @@ display(Markdown(
 # ## 3. A TTFT model
 # `dsv32ref ledger --predict` counts every launch of one 8-token prefill on a CPU (the model's structure at
 # tiny widths), and predicts TTFT = stage + max(host forward, GPU forward) + sync, with host costs measured
-# once on the GPU (`dsv32ref.experiments.host_costs`) and the floor of the TTFT run
+# on the GPU in the TTFT run's own process (`dsv32ref.experiments.host_costs`) and the floor of the TTFT run
 # (`dsv32ref.experiments.ttft_model`).
 
 # %%
@@ -212,8 +193,7 @@ keys = ("aten_launch_us", "gemm_launch_us", "memcpy_us", "graph_launch_us", "gra
 print("host costs (us): " + ", ".join(f"{k[:-3]} {c[k]:.2f}" for k in keys[:5]))
 print("                 " + ", ".join(f"{k[:-3]} {c[k]:.2f}" for k in keys[5:]))
 wr = list(c["wrapper_us"].items())
-print("Triton launchers (us): " + ", ".join(f"{k} {x:.0f}" for k, x in wr[:3]))
-print("                       " + ", ".join(f"{k} {x:.0f}" for k, x in wr[3:]))
+print("regions around the Triton launchers (us): " + ", ".join(f"{k} {x:.0f}" for k, x in wr))
 rows = "\n".join(f"| {v} | {m['host_source']} | {m['host_forward_ms']:.2f} | {m['gpu_forward_ms']:.2f} "
                  f"| {m['host_bound_layers']} / {m['layers']} | {m['ttft_ms']:.2f} | {m['measured_ttft_ms']:.2f} "
                  f"| {m['miss_pct']:+.1f} | {m['measured_median_ms']:.2f} | {m['miss_median_pct']:+.1f} |"
@@ -240,7 +220,8 @@ show(fig)
 miss = {v: m for v, m in tm["variants"].items() if abs(m["miss_pct"]) > 10}
 ok = [v for v in tm["variants"] if v not in miss]
 ok_median = [v for v, m in tm["variants"].items() if abs(m["miss_median_pct"]) <= 10]
-text = (f"Host costs from {tm['host_costs_from']}. Within 10 % of the measured mean: {', '.join(ok) or 'none'}; "
+text = (f"Host costs from the TTFT run at {tm['measured_commit'][:7]}. Within 10 % of the measured mean: "
+        f"{', '.join(ok) or 'none'}; "
         f"of the median: {', '.join(ok_median) or 'none'} (the model prices one typical request). ")
 
 
@@ -309,8 +290,8 @@ display(Markdown(
     f"altogether (`none`) takes TTFT to {none['ttft_over_floor']:.3f} x the floor, from "
     f"{narrow['ttft_over_floor']:.3f} x for `narrow`: the remaining gap is the GPU's between-kernel time inside "
     f"the graph ({gaps_ms:.2f} ms for {none['ledger']['kernels']} kernels, "
-    f"{gaps_ms / none['ledger']['gpu_busy_ms']:.1%} of the floor) and the host's work before the launch "
-    f"({a['stage_ms']:.2f} ms); the launch itself is hidden (splitting the graph changes nothing). Fewer "
+    f"{gaps_ms / none['ledger']['gpu_busy_ms']:.1%} of the floor), the host's work before the launch "
+    f"({a['stage_ms']:.2f} ms) and the launch of the one graph ({a['execute_ms']:.2f} ms of host time). Fewer "
     f"kernels is what would move it further: the MoE launches {moe_k} of the {pred_k} kernels we predict per "
     f"request ({moe_k // moe_layers} per MoE layer, our reduced dense MoE with its unfused router), where a "
     f"serving engine's fused MoE launches a handful.\n"
