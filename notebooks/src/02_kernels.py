@@ -167,25 +167,21 @@ print("top-k split 4 ways + combine       :", ok[4])
 
 # %% [markdown]
 # ## What the H200 measured
-# `data/kernels.json` comes from `python -m dsv32ref.bench.kernels` on one H200 (provenance below).
-# Times are medians of CUDA-graph replays (device time; the eager time with Python launch cost is in the
-# file too). Each case also records the fewest bytes and the FLOPs, and the fraction of the bound that
-# applies, against the copy bandwidth and bf16 GEMM rate measured in the same run.
+# `data/kernels.json` comes from `python -m dsv32ref kernels` on one H200 (provenance below). Times are
+# medians of CUDA-graph replays (device time; the eager time with Python launch cost is in the file too).
+# Each case also records the fewest bytes and the FLOPs, and the fraction of the bound that applies, against
+# the copy bandwidth and bf16 GEMM rate measured in the same run. For `sparse_mla` the file says which kernel
+# `sparse_mla_paged` ran and why; where it ran sm_90's, the run timed the Triton kernel beside it.
 
 # %%
 with open("../data/kernels.json") as fh:
     data = json.load(fh)
-# where sm_90's warp-specialized kernel ran, the run timed the Triton kernel beside it: those rows apart
-triton_k = {(r["model"], r["shape"], r["T"]): r for r in data["results"]
-            if r.get("probe") == "the Triton kernel"}
+triton_k = {(r["model"], r["shape"], r["T"]): r for r in data["results"] if r.get("probe") == "the Triton kernel"}
 data["results"] = [r for r in data["results"] if not r.get("probe")]
-ab = json.load(open("../data/indexer_ab.json"))  # the indexer: this library's beside earlier commits', one run
-ab_cases = [r for r in ab["results"] if r["kernel"] == "indexer_topk" and not r.get("probe")]
-lean = {(r["model"], r["T"], r["context"]): r["torch_ms"] for r in ab_cases if r.get("torch_ms")}  # timed once a case
-idx = [dict(r, torch_ms=lean.get((r["model"], r["T"], r["context"]))) for r in ab_cases
-       if r["implementation"] == "library"]
+idx = [r for r in data["results"] if r["kernel"] == "indexer_topk"]
 prov, ceil = data["provenance"], data["ceilings"]
-print(f"{prov['device']}, driver {prov['driver']}, torch {prov['torch']}, triton {prov['triton']}, {prov['date'][:10]}")
+print(f"{prov['device']}, driver {prov['driver']}, torch {prov['torch']}, triton {prov['triton']}, {prov['date'][:10]}, "
+      f"commit {prov['git_commit'][:7]}")
 for c in data["ceilings_measured"]:
     print(f"ceilings measured at the {c['when']:<5}: copy {c['copy_GBps']:.0f} GB/s, bf16 GEMM {c['bf16_gemm_TFLOPs']:.0f} TFLOP/s")
 print(f"fractions below are of the higher: copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s")
@@ -210,9 +206,11 @@ def kernel_table(kernel, cols):
 
 kernel_table("sparse_mla", ["shape", "T", "impl", "ms", "torch_ms", "bound", "fraction_of_bound",
                             "fraction_of_compute", "achieved_TFLOPs"])
+print("why the Triton kernel ran where it did:")
+for why in sorted({r["why"] for r in data["results"] if r["kernel"] == "sparse_mla" and r["impl"] == "triton"}):
+    print("   ", why)
 
 # %%
-# the indexer's rows come from data/indexer_ab.json (the A/B run; kernels.json holds the same build's)
 table(["model"] + [LABELS[c] for c in ("T", "context", "ms", "ms_scores", "ms_topk", "scores_fraction_of_copy")]
       + ["lean PyTorch (ms)"],
       [[r["model"], r["T"], r["context"], f"{r['ms']:.4g}", f"{r['ms_scores']:.4g}", f"{r['ms_topk']:.4g}",
@@ -240,8 +238,7 @@ ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak), textcoords="offset point
 markers = {"sparse_mla": "o", "indexer_topk": "s", "fused_norm_rope": "^", "fused_q": "v"}
 palette = [c for c in OKABE_ITO if c != "#F0E442"] + [GREY]  # no yellow on white
 for (kernel, model), color in zip([(k, m) for k in markers for m in ("deepseek-v3.2", "glm-5.2")], palette):
-    rows = [r for r in (idx if kernel == "indexer_topk" else data["results"]) if r["kernel"] == kernel
-            and r["model"] == model]
+    rows = [r for r in data["results"] if r["kernel"] == kernel and r["model"] == model]
     xs, ys = [r["flops"] / r["bytes"] for r in rows], [r["achieved_TFLOPs"] for r in rows]
     ax.scatter(xs, ys, marker=markers[kernel], color=color, label=f"{kernel} ({model})", s=30)
     if model == "deepseek-v3.2":  # label each kernel once, at its best point
@@ -291,272 +288,74 @@ for r in [r for r in data["results"] if r["kernel"] == "sparse_mla" and r["T"] i
 print(f"ridge of the measured ceilings: {ceil['bf16_gemm_TFLOPs'] * 1e3 / ceil['copy_GBps']:.0f} FLOP/byte")
 
 # %% [markdown]
-# ## Why `sparse_mla` was slow, and what fixed it
-# Two things, found in the compiled code and confirmed by the tile sweep (512 query tokens, same run).
-#
-# **Addresses.** A key's address takes two dependent loads: its top-k index, then the block-table entry
-# of that index. The sweep times three ways to get them (all with the old QKᵀ layout, below): resolved
-# inside the loop each step; resolved one step ahead (what this kernel used to do); resolved once per
-# program into an int32 workspace before the loop (`SLOTS`), so each step needs one independent,
-# contiguous load before its gather. The library's kernel does the last; the other loops are kept for the
-# sweep in `dsv32ref.bench.sparse_mla_variants` (same math and epilogue, only the loop differs).
-
-# %%
-sweep = data["sparse_mla_tile_sweep"]
-
-
-def sweep_ms(model, **want):
-    hits = [r for r in sweep if r["model"] == model and r.get("ok")
-            and all(r["config_full"].get(k) == v for k, v in want.items())]
-    return min(r["ms"] for r in hits)
-
-
-base = dict(BLOCK_N=64, num_warps=8, num_stages=2, Q_RELOAD=True)
-rows = []
-for m in ("deepseek-v3.2", "glm-5.2"):
-    t_loop = sweep_ms(m, SLOTS=False, PREFETCH=False, SPLIT_QK=False, **base)
-    t_ahead = sweep_ms(m, SLOTS=False, PREFETCH=True, SPLIT_QK=False, **base)
-    t_slots = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=False, **base)
-    rows.append([m, t_loop, t_ahead, t_slots, f"{t_ahead / t_slots:.2f}x"])
-table(["model", "in the loop (ms)", "one step ahead (ms)", "SLOTS (ms)", "SLOTS over one step ahead"], rows,
-      floatfmt=".3f")
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
-for ax, r in zip(axes, rows):
-    ax.bar(["in the loop", "one step ahead", "SLOTS"], r[1:4], color=[GREY, GREY, OKABE_ITO[0]])
-    ax.set_ylabel("time (ms), 512 query tokens")
-    ax.set_xlabel("where a key's address is resolved")
-    ax.set_title(f"sparse_mla tile sweep, {r[0]}")
-show(fig)
-# %% [markdown]
-# **QKᵀ done twice.** A program holds 64 heads and two warpgroups (4 warps each, 64 rows per warpgroup
-# MMA). Triton lays out a dot whose result flows into another dot (S → P → PV) with every warp along the
-# rows, so that the softmax's row reductions stay inside a warp; with 64 rows that means both warpgroups
-# compute all of S. `SPLIT_QK` (the default) writes QKᵀ as two dots that are not summed by an add of
-# dot results, and runs the softmax inside a branch that is always taken: Triton's search for a chained
-# dot stops at the branch, and the two warpgroups take 32 keys each. Triton then adds the cross-warpgroup
-# row reductions and hands P to PV through shared memory. All with `SLOTS`:
+# ## What sm_90 runs: a producer warpgroup
+# `dsv32ref.kernels.sparse_mla_hopper` writes FlashMLA's sparse-prefill schedule in Gluon: a producer warpgroup
+# resolves each step's 64 top-k slots to cache rows, gathers them with cp.async into the stage the two consumer
+# warpgroups freed, and stores the stage's validity flags beside it; one `ready` and one `free` mbarrier per
+# stage carry the hand-offs; the consumers split S's keys and O's columns, keep the query in shared memory for
+# the whole program, and load nothing from global memory in their loop. `sparse_mla_paged` runs it on sm_90 for
+# bf16 with DeepSeek's latent widths wherever the top-k is not split and no tile config is given (its
+# `kernel_choice` says which and why). The Triton kernel it replaces there resolves the top-k to rows once per
+# program into a workspace and splits QKᵀ's keys between its two warpgroups; the builds tried on the way (rows
+# resolved in the loop or one step ahead, a chained QKᵀ, the Gluon kernel without a producer) are in the git
+# history with the runs that measured them. The benchmark timed both kernels on the same inputs:
 
 # %%
 rows = []
+for r in data["results"]:
+    tr = triton_k.get((r["model"], r.get("shape"), r["T"])) if r["kernel"] == "sparse_mla" else None
+    if tr:
+        rows.append([r["model"], r["shape"], r["T"], r["ms"] * 1e3, tr["ms"] * 1e3, f"{tr['ms'] / r['ms']:.2f}x",
+                     f"{r['fraction_of_compute']:.1%}", f"{tr['fraction_of_compute']:.1%}"])
+table(["model", "shape", "T", "sm_90 kernel (us)", "Triton kernel (us)", "speed-up", "sm_90 of GEMM",
+       "Triton of GEMM"], rows, floatfmt=".1f")
+sweep = [r for r in data["sparse_mla_tile_sweep"] if r.get("ok")]
 for m in ("deepseek-v3.2", "glm-5.2"):
-    chained = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=False, **base)
-    chained_ahead = sweep_ms(m, SLOTS=True, PREFETCH=True, SPLIT_QK=False, **base)
-    split = sweep_ms(m, SLOTS=True, PREFETCH=False, SPLIT_QK=True, **base)
-    split_ahead = sweep_ms(m, SLOTS=True, PREFETCH=True, SPLIT_QK=True, **base)
-    rows.append([m, chained, chained_ahead, split, split_ahead, f"{chained / split_ahead:.2f}x"])
-table(["model", "chained (ms)", "chained, rows ahead", "split (ms)", "split, rows ahead", "default over chained"],
-      rows, floatfmt=".3f")
-top = min((r for r in sweep if r.get("ok")), key=lambda r: r["ms"])
-print("fastest in the sweep:", "the library's kernel" if not top["config"] else top["config"])
-print("  ", ", ".join(f"{k}={v}" for k, v in top["config_full"].items()))
+    lib = next(r for r in sweep if r["model"] == m and not r["config"])
+    best_tr = min((r for r in sweep if r["model"] == m and r["impl"] == "triton"), key=lambda r: r["ms"])
+    print(f"{m}, 512 tokens: the library's pick ({lib['impl']}) {lib['ms'] * 1e3:.0f} us; the fastest of "
+          f"{sum(r['model'] == m and r['impl'] == 'triton' for r in sweep)} Triton tilings {best_tr['ms'] * 1e3:.0f} us")
+    print("    (" + ", ".join(f"{k}={v}" for k, v in best_tr["config"].items()) + ")")
 
 # %% [markdown]
-# An earlier run (`--compare`, `data/sparse_mla_split_qk.json`, its own provenance) timed the split with
-# and without the next step's rows loaded one step ahead (`PREFETCH`) at more shapes; the pair was the
-# fastest everywhere and is what the library's kernel does. With `SLOTS` the loads `PREFETCH` moves a step
-# ahead are independent row numbers, so unlike the chains above they help. (The workspace holds rows in
-# units of the cache's row stride, so a cache whose blocks are not back to back takes the same path.)
-#
-# <details><summary>History: the illegal memory access before PREFETCH became the default</summary>
-#
-# Two of three full test runs on the H200 hit an illegal memory access in the engine's capture test. The
-# cause was the engine's capture-time metadata: a dummy request longer than `max_model_len` made the kernels
-# read cos/sin rows and block-table columns past their ends. That is fixed; the benchmark above ran with the
-# default it describes (its results carry the config).
-# </details>
-
-# %%
-cmp_rows = json.load(open("../data/sparse_mla_split_qk.json"))["results"]
-cmp_table = []
-for m in ("deepseek-v3.2", "glm-5.2"):
-    for shape, T in (("one request", 64), ("one request", 512), ("decode batch", 64)):
-        cell = {json.dumps(r["config"], sort_keys=True): r["ms"] * 1e3 for r in cmp_rows
-                if r["model"] == m and r["shape"] == shape and r["T"] == T}
-        cmp_table.append([m, shape, T, cell["{}"], cell[json.dumps({"SPLIT_QK": True})],
-                          cell[json.dumps({"PREFETCH": True, "SPLIT_QK": True}, sort_keys=True)]])
-table(["model", "shape", "T", "chained (us)", "split (us)", "split + PREFETCH (us)"], cmp_table, floatfmt=".1f")
-res = [x for x in data["resources"] if x["kernel"] == "_sparse_mla_kernel" and x["n_regs"]]
-print("sparse_mla builds in the sweep: registers/thread", sorted({x["n_regs"] for x in res}))
-print("                                shared memory KiB", sorted({x["shared_bytes"] // 1024 for x in res}))
-
-# %% [markdown]
-# The compiled code shows why. `scripts/sass_sparse_mla.py` builds the kernel for sm_90a without a GPU
-# (triton's own ptxas and cuobjdump) and counts the instructions of one step of the main loop
-# (`data/sparse_mla_sass.json`, with its provenance):
+# ## The compiled loop, under each triton release
+# `scripts/sm90_triton_versions.sh` compiles both kernels for sm_90a without a GPU, under triton 3.6.0 (what
+# the H200 ran), 3.7.1, 3.8.0 and 3.9.0, with each release's own ptxas and cuobjdump, and counts the
+# instructions of one step of each main loop (`data/sparse_mla_sass.json`): LDG = global loads into registers,
+# LDGSTS = cp.async copies (the gather), HGMMA = warpgroup MMAs, BAR = CTA barriers. Gluon's API moved between
+# these releases (3.7 renamed `thread_barrier` to `barrier`; 3.9 replaced `async_copy_global_to_shared` by
+# `async_load`); the kernel takes whichever name its triton has.
 
 # %%
 sass = json.load(open("../data/sparse_mla_sass.json"))
-print(f"triton {sass['provenance']['triton']}, target {sass['provenance']['target']}")
-table(["variant", "registers", "spilled (B)", "LDG / step", "cp.async / step", "wgmma / step", "barriers / step",
-       "loop instructions"],
-      [[name, v["registers"], v["spill_store_bytes"], v["per_step"]["LDG"], v["per_step"]["LDGSTS"],
-        v["per_step"]["HGMMA"], v["per_step"]["BAR"], v["loop_instructions"]] for name, v in sass["variants"].items()])
+rows, failed = [], {}
+for version, kernels in sass["by_triton"].items():
+    for name, v in kernels.items():
+        if "error" in v:
+            failed.setdefault(version, set()).add("ptxas refused the PTX" if "ptxas" in v["error"] else v["error"][:60])
+            continue
+        rows.append([version, name, v["registers"], v["spill_store_bytes"], v["per_step"]["LDG"],
+                     v["per_step"]["LDGSTS"], v["per_step"]["HGMMA"], v["per_step"]["BAR"], v["loop_instructions"]])
+table(["triton", "kernel, loop", "registers", "spilled (B)", "LDG", "cp.async", "wgmma", "barriers",
+       "instructions / step"], rows)
+for version, why in failed.items():
+    print(f"triton {version}: {'; '.join(sorted(why))} (its bundled ptxas is older than the PTX it emits)")
 
 # %%
-V = sass["variants"]
-loop, slots = V["in the loop, chained QK^T"], V["SLOTS, chained QK^T"]
-ahead, chained = V["one step ahead, chained QK^T"], V["SLOTS, chained QK^T"]
-split = V["SLOTS, split QK^T, rows one step ahead (the Triton kernel)"]
+from dsv32ref.kernels.sparse_mla_hopper import SUPPORTED_TRITON  # noqa: E402
+
+by = sass["by_triton"]
+cons = {v: k["sm_90 warp-specialized: the consumers' loop"] for v, k in by.items() if "error" not in k[
+    "sm_90 warp-specialized: the consumers' loop"]}
+same_mma = len({c["per_step"]["HGMMA"] for c in cons.values()}) == 1
+per_release = ", ".join(f"{c['loop_instructions']} ({v})" for v, c in cons.items())
 display(Markdown(
-    f"With addresses resolved in the loop, each thread loads an index and then a block-table entry for each of "
-    f"its rows: {loop['per_step']['LDG']} global loads to registers per step against {slots['per_step']['LDG']} "
-    f"with `SLOTS`, each pair dependent, and at {loop['registers']} registers the compiler reuses the same "
-    f"registers, so the pairs run one after another. Resolving one step ahead kept those loads in the loop "
-    f"({ahead['per_step']['LDG']} per step) and added live registers ({ahead['spill_store_bytes']} B spilled): "
-    f"slower still. With `SLOTS` a step's row numbers are independent loads of rows the program wrote "
-    f"itself.\n\n"
-    f"The chained QKᵀ issues {chained['per_step']['HGMMA']} warpgroup MMAs per step (each warpgroup computes "
-    f"all of S); split, {split['per_step']['HGMMA']}: "
-    f"{1 - split['per_step']['HGMMA'] / chained['per_step']['HGMMA']:.0%} fewer MMA instructions per step, for more "
-    f"barriers ({split['per_step']['BAR']} against {chained['per_step']['BAR']}: the cross-warpgroup reductions "
-    f"and P's trip through shared memory). What is left: one program per SM ({split['registers']} registers, "
-    f"{split['shared_bytes'] // 1024} KiB of shared memory), so nothing hides a step's latencies; and the "
-    f"gather of step i+1 is issued after step i's PV and waited for at the top of step i+1 (the pipeliner's "
-    f"placement: a third key tile does not fit beside the query tile)."))
-
-# %% [markdown]
-# A sweep-only run before `SLOTS` (`data/sparse_mla_sweep.json`, its own provenance) timed the old
-# default with each token's top-k indices sorted, i.e. with far better DRAM locality: no change, as
-# expected when the limit is the dependent-load chain and not the memory system.
-
-# %%
-old = json.load(open("../data/sparse_mla_sweep.json"))["sparse_mla_tile_sweep"]
-for m in ("deepseek-v3.2", "glm-5.2"):
-    probe = next(r for r in old if r["model"] == m and r.get("probe"))
-    same = next(r for r in old if r["model"] == m and not r.get("probe") and r["config"] == probe["config"])
-    print(f"{m:<14} sorted indices / unsorted: {probe['ms'] / same['ms']:.2f}")
-
-# %% [markdown]
-# ## The same schedule in Gluon
-# `dsv32ref.bench.sparse_mla_gluon` writes the kernel in Gluon (`triton.experimental.gluon`), with the
-# layouts, copies and MMAs by hand. The query tile stays in shared memory for the whole program (the Triton
-# build reads it again every step); the two warpgroups split S's keys and O's columns through the MMA
-# layout; the next step's rows are gathered with cp.async into the other half of a double buffer; every
-# wgmma is issued asynchronously. A sweep-only run (`data/sparse_mla_gluon_sweep.json`, its own provenance)
-# timed it beside the library's kernel at 512 query tokens, with each PV waited for at once and with a
-# step's PV left running while the next step's copies are awaited and its QKᵀ issued:
-
-# %%
-gsweep = json.load(open("../data/sparse_mla_gluon_sweep.json"))
-g_roof = gsweep["ceilings"]["bf16_gemm_TFLOPs"]  # the higher of the run's two GEMM measurements
-KINDS = (("library (Triton)", {}), ("Gluon", {"GLUON": True, "OVERLAP_PV": False}),
-         ("Gluon, PV overlapped", {"GLUON": True, "OVERLAP_PV": True}))
-g = {(r["model"], json.dumps(r["config"], sort_keys=True)): r for r in gsweep["sparse_mla_tile_sweep"]}
-rows = []
-for m in ("deepseek-v3.2", "glm-5.2"):
-    lib = g[(m, "{}")]
-    for name, want in KINDS:
-        r = g[(m, json.dumps(want, sort_keys=True))]
-        rows.append([m, name, r["ms"], r["achieved_TFLOPs"], f"{r['achieved_TFLOPs'] / g_roof:.1%}",
-                     f"{lib['ms'] / r['ms']:.2f}x", r["ok"]])
-table(["model", "kernel", "ms", "TFLOP/s", "of the run's GEMM", "over the library", "matches the reference"], rows,
-      floatfmt=".3f")
-
-# %%
-gl_ds = g[("deepseek-v3.2", json.dumps(KINDS[1][1], sort_keys=True))]
-gl_ov = g[("deepseek-v3.2", json.dumps(KINDS[2][1], sort_keys=True))]
-lib_ds = g[("deepseek-v3.2", "{}")]
-display(Markdown(
-    f"At DeepSeek-V3.2's shape the Gluon kernel takes {gl_ds['ms']:.3f} ms against the library's "
-    f"{lib_ds['ms']:.3f} ms: {gl_ds['achieved_TFLOPs']:.0f} TFLOP/s, {gl_ds['achieved_TFLOPs'] / g_roof:.0%} of the "
-    f"bf16 GEMM rate measured in the same run ({g_roof:.0f} TFLOP/s), short of half of it. Overlapping a step's "
-    f"PV with the next step's copies and QKᵀ made it slower ({gl_ov['ms']:.3f} ms): the PV's wait moves after the "
-    f"next QKᵀ is issued, and the gather of the step after that is issued later. What bounds both builds: one "
-    f"program per SM (the query, two key tiles and P take {(64 * 576 * 3 + 64 * 64) * 2 // 1024} KiB of shared "
-    f"memory in bf16), and every step runs its "
-    f"phases one after another (wait for the gather, QKᵀ, a softmax whose row maxima cross the warpgroups through "
-    f"shared memory, P to shared memory, PV) with no second program or warpgroup to fill the tensor cores "
-    f"meanwhile. FlashMLA's sparse prefill kernel gives the gathers to a producer warpgroup; the next section "
-    f"builds that."))
-
-# %% [markdown]
-# ## A producer warpgroup: what sm_90 runs
-# `dsv32ref.kernels.sparse_mla_hopper` is the Gluon kernel above with FlashMLA's schedule: a producer warpgroup
-# resolves each step's rows, gathers them with cp.async into the stage the two consumer warpgroups freed, and
-# stores the stage's 64 validity flags beside it; one `ready` and one `free` mbarrier per stage carry the
-# hand-offs, and the row sums of P are reduced once after the loop instead of across the warpgroups every step.
-# The consumers read the flags from shared memory and load nothing from global memory in their loop.
-# `sparse_mla_paged` runs it on sm_90 for bf16 with DeepSeek's latent widths wherever the top-k is not split (one
-# launch, as before); a config, fp16/fp32, other widths or a split run the Triton kernel. The kernel benchmark
-# timed the Triton kernel beside it in each case:
-
-# %%
-rows = []
-for m in ("deepseek-v3.2", "glm-5.2"):
-    for r in data["results"]:
-        tr = triton_k.get((r["model"], r.get("shape"), r["T"]))
-        if r["kernel"] == "sparse_mla" and r["model"] == m and tr:
-            rows.append([m, r["shape"], r["T"], r["ms"] * 1e3, tr["ms"] * 1e3, f"{tr['ms'] / r['ms']:.2f}x",
-                         f"{r['fraction_of_compute']:.1%}", f"{tr['fraction_of_compute']:.1%}"])
-table(["model", "shape", "T", "sm_90 kernel (us)", "Triton kernel (us)", "speed-up", "sm_90 of GEMM",
-       "Triton of GEMM"], rows, floatfmt=".1f")
-from dsv32ref.experiments.ledger import ASSUMED_SMS  # noqa: E402
-
-ws = json.load(open("../data/sparse_mla_ws_compare.json"))
-cons = V["sm_90 warp-specialized: the consumers' loop"]
-prod = V["sm_90 warp-specialized: the producer's loop"]
-ws_rows = {(r["model"], r["shape"], r["T"], json.dumps(r["config"], sort_keys=True)): r for r in ws["results"]}
-two = ws_rows[("deepseek-v3.2", "one request", 512, json.dumps({"GLUON": True, "WS": True}, sort_keys=True))]
-one = {m: next(r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == m
-               and r["shape"] == "one request" and r["T"] == 512) for m in ("deepseek-v3.2", "glm-5.2")}
-r512 = one["deepseek-v3.2"]
-heads = ModelConfig.preset("deepseek-v3.2").num_attention_heads
-block = 64  # sparse_mla_hopper's BLOCK_H and BLOCK_N: a program's heads, a step's keys
-steps = r512["T"] * (heads // block) * (r512["topk"] // block)  # programs (tokens x head blocks) x steps each
-per_step = r512["flops"] / steps  # the benchmark's FLOP count (QK^T and PV) of one step of one program
-k_roof = data["ceilings"]["bf16_gemm_TFLOPs"]
-step_us = per_step / (k_roof * 1e12 / ASSUMED_SMS) * 1e6  # at the run's GEMM rate shared by the SMs
-took_us = r512["ms"] * 1e3 * ASSUMED_SMS / steps  # what a step took, the steps spread over the SMs
-display(Markdown(
-    f"At 512 query tokens the sm_90 kernel runs at {one['deepseek-v3.2']['fraction_of_compute']:.1%} of the GEMM "
-    f"rate of its run at DeepSeek-V3.2's shape and {one['glm-5.2']['fraction_of_compute']:.1%} at GLM-5.2's. "
-    f"An earlier build of the same schedule (`data/sparse_mla_ws_compare.json`, commit "
-    f"{ws['provenance']['git_commit'][:7]}) resolved the rows in a launch of its own into a workspace: "
-    f"{two['ms'] * 1e3:.0f} us at DeepSeek-V3.2's shape, {two['fraction_of_compute']:.1%} of that run's GEMM rate, "
-    f"against {one['deepseek-v3.2']['ms'] * 1e3:.0f} us here in one launch. Compiled offline "
-    f"(`data/sparse_mla_sass.json`, the table above) the consumers' loop issues {cons['loop_instructions']} "
-    f"instructions a step: {cons['per_step']['HGMMA']} warpgroup MMAs, {cons['per_step']['LDG']} global loads, "
-    f"{cons['per_step']['IMAD']} integer multiply-adds, {cons['per_step']['BAR']} CTA barriers; the producer's "
-    f"{prod['loop_instructions']}, its {prod['per_step']['LDGSTS']} cp.async copies among them. What is left is the "
-    f"schedule: one program per SM, and in it both consumer warpgroups run the same phase at the same time (wait, "
-    f"QKᵀ, a softmax whose row maxima cross the warpgroups through shared memory, P to shared memory, PV), so the "
-    f"tensor cores idle through each softmax. A step's two MMAs ({per_step / 1e6:.1f} MFLOP) would take "
-    f"{step_us:.2f} us at the GEMM rate; at 512 tokens a step took {took_us:.2f} us ({steps} steps over "
-    f"{ASSUMED_SMS} SMs). FlashMLA's kernel has each consumer warpgroup compute S for a different key block, so "
-    f"one warpgroup's softmax runs under the other's MMAs."))
-
-# %% [markdown]
-# ## Splitting the top-k when the programs do not fill the GPU
-# A separate probe run (`--splits-probe`, `data/sparse_mla_splits.json`, its own provenance) timed 1, 2, 4
-# and 8 splits, and the merge launch alone. The default takes the largest power of two that keeps every
-# program in one wave.
-
-# %%
-block_h = split["config"]["BLOCK_H"]
-progs = {m: 64 * (ModelConfig.preset(m).num_attention_heads // block_h) for m in ("deepseek-v3.2", "glm-5.2")}
-display(Markdown("At 64 query tokens, with " + f"{block_h} heads per program: " + ", ".join(
-    f"{m} has {n} programs for the H200's {ASSUMED_SMS} SMs" for m, n in progs.items()) + "."))
-probe = json.load(open("../data/sparse_mla_splits.json"))
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):
-    for j, shape in enumerate(("one request", "decode batch")):
-        rows = [r for r in probe["results"] if r["kernel"] == "sparse_mla" and r["model"] == m and r["shape"] == shape]
-        ns = [r["config"]["NUM_SPLITS"] for r in rows]
-        ax.bar([i + 0.4 * j for i in range(len(ns))], [r["ms"] * 1e3 for r in rows], 0.4, color=OKABE_ITO[j],
-               label=shape)
-    ax.set_xticks([i + 0.2 for i in range(len(ns))], [str(n) for n in ns])
-    merges = [r for r in probe["results"] if r["kernel"] == "sparse_mla_merge" and r["model"] == m]
-    ax.set_xlabel("top-k splits (NUM_SPLITS)")
-    ax.set_ylabel("time (us), 64 query tokens")
-    ax.set_title(f"split-K probe, {m}\nmerge launch alone: " + ", ".join(f"{r['ms'] * 1e3:.1f} us" for r in merges))
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
-    ax.legend(fontsize=8, loc="upper left")
-show(fig)
-glm = {r["T"]: r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == "glm-5.2"
-       and r["shape"] == "one request"}
-print(f"GLM-5.2 one request: 64 tokens in 2 x 16 steps {glm[64]['ms'] * 1e3:.1f} us;")
-print(f"  128 tokens in 32 steps {glm[128]['ms'] * 1e3:.1f} us (the same 128 programs); half of that is "
-      f"{glm[128]['ms'] * 1e3 / 2:.1f} us")
+    f"The consumers' loop issues {per_release} "
+    f"instructions a step, the same {next(iter(cons.values()))['per_step']['HGMMA']} warpgroup MMAs "
+    f"{'in every release' if same_mma else 'NOT in every release'}, no global load, "
+    f"{next(iter(cons.values()))['registers']} registers. `sparse_mla_paged` therefore runs the sm_90 kernel under "
+    f"triton {', '.join(SUPPORTED_TRITON)} (run on the H200 under {prov['triton']} by the GPU tests; compiled "
+    f"offline for the others) and the Triton kernel elsewhere, saying why in `kernel_choice`."))
 
 # %% [markdown]
 # ## The indexer at one decode token
@@ -569,8 +368,6 @@ print(f"  128 tokens in 32 steps {glm[128]['ms'] * 1e3:.1f} us (the same 128 pro
 
 # %%
 dec = [r for r in idx if r["T"] == 1]
-display(Markdown(f"`data/indexer_ab.json`: {ab['provenance']['device']}, commit {ab['provenance']['git_commit'][:12]}, "
-                 f"copy bandwidth {ab['ceilings']['copy_GBps']:.0f} GB/s."))
 display(Markdown(f"Key-cache copies in rotation: {sorted({r['key_copies'] for r in dec})}."))
 table(["model", "context", "scores (us)", "of copy", "top-k (us)", "top-k GB/s", "both (us)", "lean PyTorch (us)",
        "speed-up"],
@@ -594,130 +391,6 @@ axes[0].set_ylabel("time (us), CUDA-graph replay")
 show(fig)
 
 # %% [markdown]
-# How a scores program walks its keys: it holds the query and walks `tiles` key tiles of 64 keys, the loads
-# pipelined `num_stages` deep; where a tile lies in one cache block (a multiple of 64 keys per block), the
-# program's block ids are read once before its loop, so no load in the loop waits on another. A tune run
-# (`python -m dsv32ref.bench.indexer_ab --tune`, `data/indexer_tune.json`, its own provenance) timed the scores pass of
-# every case at the tile count of the rule before it and its double, each at two depths. The defaults it chose
-# (`scores_tiles`, `scores_stages`): as many tiles as leave more than one program per SM, pipelined 3 deep where
-# the third 16 KiB buffer costs no residency (every program resident at once, or a token group), 2 where
-# programs queue, 1 for a single tile. At one decode token:
-
-# %%
-tune = json.load(open("../data/indexer_tune.json"))
-trows = [r for r in tune["results"] if r["T"] == 1]
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):
-    ctxs = sorted({r["context"] for r in trows if r["model"] == m})
-    for i, ctx in enumerate(ctxs):
-        sel = sorted((r for r in trows if r["model"] == m and r["context"] == ctx),
-                     key=lambda r: (r["scores_kw"]["tiles"], r["scores_kw"]["num_stages"]))
-        best = min(r["ms_scores"] for r in sel)
-        for j, r in enumerate(sel):
-            ax.bar(i + 0.2 * (j - 1.5), r["ms_scores"] / best, 0.2, color=OKABE_ITO[j])
-            ax.annotate(f"{r['scores_kw']['tiles']}x{r['scores_kw']['num_stages']}", (i + 0.2 * (j - 1.5),
-                        r["ms_scores"] / best), ha="center", xytext=(0, 2), textcoords="offset points", fontsize=7)
-    ax.axhline(1.0, color=GREY, lw=1)
-    ax.set_xticks(range(len(ctxs)), [f"{c // 1024}k" for c in ctxs])
-    ax.set_ylim(0, 1.9)
-    ax.set_xlabel("context (keys); bars: tiles x pipeline depth")
-    ax.set_ylabel("scores time / the case's fastest")
-    ax.set_title(f"indexer scores tune, one token, {m}")
-show(fig)
-display(Markdown(f"`data/indexer_tune.json`: {tune['provenance']['device']}, commit "
-                 f"{tune['provenance']['git_commit'][:12]}, {len(tune['results'])} timings, every one checked against "
-                 f"the reference: {all(r['ok'] for r in tune['results'])}."))
-
-# %% [markdown]
-# The top-k's chunks come from an earlier probe run (`data/indexer_probe.json`, its own provenance): the radix
-# passes run over about 32 chunks per row.
-
-# %%
-iprobe = json.load(open("../data/indexer_probe.json"))["results"]
-chunks = {}
-for r in iprobe:
-    if "chunk" in r["topk_kw"] and r["T"] == 1:
-        c = chunks.setdefault(r["context"], {})
-        c[r["topk_kw"]["chunk"]] = min(c.get(r["topk_kw"]["chunk"], 1e9), r["ms_topk"] * 1e3)
-table(["context"] + [f"chunk {c} (us)" for c in sorted(next(iter(chunks.values())))],
-      [[ctx] + [v[c] for c in sorted(v)] for ctx, v in chunks.items()], floatfmt=".1f")
-
-# %%
-d32 = {r["model"]: r for r in dec if r["context"] == 32768}
-d128 = {r["model"]: r for r in dec if r["context"] == 131072}
-floor = {r["bytes"]: r for r in ab["results"] if r["kernel"] == "read_floor"}
-f128 = floor[d128["deepseek-v3.2"]["context"] * 2 * 128]
-chained = {(r["model"], r["topk_kw"]["pdl"]): r for r in ab["results"] if r.get("probe") and "pdl" in r["topk_kw"]
-           and r["context"] == 131072}
-display(Markdown(
-    "At one decode token the indexer is " + ", ".join(
-        f"{d32[m]['torch_ms'] / d32[m]['ms']:.2f}x (32k) and {d128[m]['torch_ms'] / d128[m]['ms']:.2f}x (128k) "
-        f"the lean PyTorch path for {m}" for m in d32) + ". "
-    f"The scores pass reads the keys at {d128['deepseek-v3.2']['scores_fraction_of_copy']:.0%} (DeepSeek-V3.2) and "
-    f"{d128['glm-5.2']['scores_fraction_of_copy']:.0%} (GLM-5.2) of the copy bandwidth at 128k (the copy streams "
-    f"2 GiB buffers). A kernel that only reads the same {f128['bytes'] / 1e6:.1f} MB, in the same rotation, takes "
-    f"{f128['ms'] * 1e3:.1f} us ({f128['fraction_of_copy']:.0%}): launch, ramp and tail cost a kernel of this size "
-    f"{1 - f128['fraction_of_copy']:.0%} of the copy rate whatever it computes; the scores pass adds to them the MMAs "
-    f"(DeepSeek-V3.2's 64 heads, twice GLM-5.2's 32, are the slower) and the block-table read before its loop. "
-    f"The top-k is five dependent launches (four radix passes and the compaction), chained by programmatic "
-    f"dependent launch: each starts while the one before runs and waits only before it reads that one's "
-    f"histograms. At 128k that chain takes {chained[('deepseek-v3.2', True)]['ms_topk'] * 1e3:.1f} us, "
-    f"{chained[('deepseek-v3.2', False)]['ms_topk'] * 1e3:.1f} us with plain launches."))
-
-# %% [markdown]
-# ## The indexer against the kernels of earlier commits
-# `python -m dsv32ref.bench.indexer_ab` imports `dsv32ref/kernels/indexer_topk.py` as it was at earlier commits
-# beside the library's and measures every indexer case with each in one run (same inputs, same key-cache
-# rotation, same ceilings). The first is the commit before this round of indexer work (one program per key
-# tile, heads on the MMA's rows, an unchained top-k); the second the build before the block ids left the scores
-# loop and before the tune (each key looked up its block inside the loop, every program 2 deep). From 256
-# tokens a program scores a group of tokens (4 at 64 heads, 8 at 32: 256 MMA columns), reading each key tile
-# once for all of them instead of once per token.
-
-# %%
-base_sha = ab["implementations"][0]
-by = {}
-for r in ab_cases:
-    by.setdefault((r["model"], r["T"], r["context"]), {})[r["implementation"]] = r
-table(["model", "T", "context", f"{base_sha[:7]} (us)", "library (us)", "speed-up", "lean PyTorch (us)",
-       "vs lean"],
-      [[m, T, ctx, v[base_sha]["ms"] * 1e3, v["library"]["ms"] * 1e3, f"{v[base_sha]['ms'] / v['library']['ms']:.2f}x",
-        v[base_sha]["torch_ms"] * 1e3 if v[base_sha].get("torch_ms") else None,
-        f"{v[base_sha]['torch_ms'] / v['library']['ms']:.2f}x" if v[base_sha].get("torch_ms") else None]
-       for (m, T, ctx), v in by.items()], floatfmt=".1f")
-slower = [(k, v) for k, v in by.items() if v["library"]["ms"] > v[base_sha]["ms"]]
-display(Markdown(f"Slower than at {base_sha[:7]} in {len(slower)} of {len(by)} cases" + (": " + "; ".join(
-    f"{m} T={T} {ctx // 1024}k, {v['library']['ms'] * 1e3:.1f} vs {v[base_sha]['ms'] * 1e3:.1f} us"
-    for (m, T, ctx), v in slower) if slower else "") + ". The speed-up runs from " + " to ".join(
-    f"{by[k][base_sha]['ms'] / by[k]['library']['ms']:.2f}x ({k[0]}, T={k[1]}, {k[2] // 1024}k)"
-    for k in (min(by, key=lambda k: by[k][base_sha]["ms"] / by[k]["library"]["ms"]),
-              max(by, key=lambda k: by[k][base_sha]["ms"] / by[k]["library"]["ms"]))) + "."))
-tok = [r for r in ab["results"] if r.get("probe") and "tokens" in r["scores_kw"]]
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-for ax, m in zip(axes, ("deepseek-v3.2", "glm-5.2")):
-    cases = sorted({(r["T"], r["context"]) for r in tok if r["model"] == m})
-    groups = sorted({r["scores_kw"]["tokens"] for r in tok if r["model"] == m})
-    for j, g in enumerate(groups):
-        base_ms = {(r["T"], r["context"]): r["ms_scores"] for r in tok if r["model"] == m and r["scores_kw"]["tokens"] == 1}
-        ys = [next(r["ms_scores"] for r in tok if r["model"] == m and (r["T"], r["context"]) == c
-                   and r["scores_kw"]["tokens"] == g) / base_ms[c] for c in cases]
-        ax.bar([i + 0.8 * j / len(groups) for i in range(len(cases))], ys, 0.8 / len(groups), color=OKABE_ITO[j],
-               label=f"{g} token{'s' if g > 1 else ''} per program")
-    ax.axhline(1.0, color=GREY, lw=1)
-    ax.set_ylim(0, 1.7)  # room above the bars for the legend
-    ax.set_xticks([i + 0.4 - 0.4 / len(groups) for i in range(len(cases))],
-                  [f"T={T}, {ctx // 1024}k" for T, ctx in cases])
-    ax.set_xlabel("query tokens, context (keys)")
-    ax.set_ylabel("scores time / 1 token per program")
-    ax.set_title(f"indexer scores, token groups, {m}")
-    ax.legend(fontsize=8, ncol=2, loc="upper center")
-show(fig)
-
-# %% [markdown]
-# The split path pays for the merge launch, the fp32 partial outputs it writes and reads, and one more
-# program prologue per token: GLM-5.2 at 64 tokens is the lowest fraction of the one-request cases of 64
-# tokens or more (below). The probe file predates `SPLIT_QK`; the split rule it supported is unchanged.
-#
 # ## Reading the numbers
 # The figures quoted here are computed from the data file, not typed in.
 
@@ -730,9 +403,12 @@ def best(kernel, key, model=None, T=None):
 
 for k in ("fused_norm_rope", "fused_q", "fused_q_fp8"):
     print(f"{k:<16} best fraction of copy bandwidth at 8192 tokens: {best(k, 'fraction_of_bound', T=8192):.0%}")
-wins = [r for r in idx if r["context"] >= 32768 and r["torch_ms"]]
+wins = [r for r in idx if r["context"] >= 32768 and r.get("torch_ms")]
 print(f"indexer_topk faster than the lean PyTorch path in {sum(r['ms'] < r['torch_ms'] for r in wins)} of "
       f"{len(wins)} measured cases at >= 32k context")
+d128 = {r["model"]: r for r in dec if r["context"] == 131072}
+print("scores pass at 128k context, one token, of the copy bandwidth: " + ", ".join(
+    f"{m} {r['scores_fraction_of_copy']:.0%}" for m, r in d128.items()))
 for m in ("deepseek-v3.2", "glm-5.2"):
     for shape in ("one request", "decode batch"):
         rows = [r for r in data["results"] if r["kernel"] == "sparse_mla" and r["model"] == m and r["shape"] == shape
@@ -743,21 +419,27 @@ for m in ("deepseek-v3.2", "glm-5.2"):
 
 # %% [markdown]
 # ## Conclusion
-# - `fused_norm_rope` and `fused_q` approach the copy bandwidth once there are thousands of tokens; at
-#   decode sizes they take a few microseconds, which under CUDA graphs is what a launch costs. The fp8
-#   variant of `fused_q` does the Hadamard butterflies in registers and writes half the bytes for the
-#   indexer query; it runs at a lower fraction of the copy bandwidth (the butterflies' shuffles).
-# - `indexer_topk` beats the lean PyTorch path (contiguous keys, bf16 einsum, `torch.topk`) in the cases
-#   counted above: it never writes the [T, H_I, S] logits. At one decode token it is faster by the ratios
-#   printed above. What holds it back there: the scores pass runs below the read-only floor (the MMAs, the
-#   block ids read before its loop), and the floor itself is far from the copy rate at tens of megabytes;
-#   the top-k is five dependent launches. From 256 tokens a program scores a group of tokens, so each key
-#   tile is read once for the group.
-# - `sparse_mla` at 64 query tokens and more runs at the fractions printed above: of the bf16
-#   tensor-core rate, and for a decode batch of GLM-5.2 (memory-bound: every row a distinct HBM read) of
-#   the copy bandwidth. Decode with one or eight tokens is latency-bound: a few steps per program, plus
-#   the prologue and the merge. On sm_90 a warp-specialized Gluon kernel (a producer warpgroup for the
-#   gathers, as FlashMLA's) runs wherever the top-k is not split, faster than the Triton kernel in every such
-#   case (table above), at the fractions of the GEMM rate printed there.
-# - Beside the PR: it measured whole requests through vLLM's kernels on TP4; this notebook measures our
-#   kernels alone on one GPU, each checked against the PyTorch reference in every benchmarked case.
+
+# %%
+sm90 = [(r, triton_k[(r["model"], r["shape"], r["T"])]) for r in data["results"]
+        if r["kernel"] == "sparse_mla" and (r["model"], r["shape"], r["T"]) in triton_k]
+speedups = [tr["ms"] / r["ms"] for r, tr in sm90]
+fracs = [r["fraction_of_compute"] for r, _ in sm90 if r["shape"] == "one request" and r["T"] >= 512]
+reads = ", ".join(f"{r['scores_fraction_of_copy']:.0%} ({m})" for m, r in d128.items())
+display(Markdown(
+    f"- `fused_norm_rope` and `fused_q` approach the copy bandwidth once there are thousands of tokens; at "
+    f"decode sizes they take a few microseconds, which under CUDA graphs is what a launch costs. The fp8 "
+    f"variant of `fused_q` does the Hadamard butterflies in registers and writes half the bytes for the "
+    f"indexer query.\n"
+    f"- `indexer_topk` is faster than the lean PyTorch path in {sum(r['ms'] < r['torch_ms'] for r in wins)} of "
+    f"{len(wins)} cases at 32k context and more: it never writes the [T, H_I, S] logits. At one decode token and "
+    f"128k keys its scores pass reads the keys at "
+    f"{reads} of the copy bandwidth; "
+    f"the top-k is five dependent launches, chained by programmatic dependent launch.\n"
+    f"- `sparse_mla`: where sm_90's warp-specialized kernel runs it is {min(speedups):.2f}x to "
+    f"{max(speedups):.2f}x faster than the Triton kernel on the same inputs, and at 512 query tokens and more "
+    f"it reaches {min(fracs):.0%} to {max(fracs):.0%} of the bf16 GEMM rate measured in the same run. Decode "
+    f"with few tokens splits the top-k across programs and runs the Triton kernel: latency-bound, a few steps "
+    f"per program, plus the prologue and the merge.\n"
+    f"- Beside the PR: it measured whole requests through vLLM's kernels on TP4; this notebook measures our "
+    f"kernels alone on one GPU, each checked against the PyTorch reference in every benchmarked case."))
