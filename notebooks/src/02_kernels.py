@@ -313,9 +313,9 @@ sweep = [r for r in data["sparse_mla_tile_sweep"] if r.get("ok")]
 for m in ("deepseek-v3.2", "glm-5.2"):
     lib = next(r for r in sweep if r["model"] == m and not r["config"])
     best_tr = min((r for r in sweep if r["model"] == m and r["impl"] == "triton"), key=lambda r: r["ms"])
-    print(f"{m}, 512 tokens: the library's pick ({lib['impl']}) {lib['ms'] * 1e3:.0f} us; the fastest of "
-          f"{sum(r['model'] == m and r['impl'] == 'triton' for r in sweep)} Triton tilings {best_tr['ms'] * 1e3:.0f} us")
-    print("    (" + ", ".join(f"{k}={v}" for k, v in best_tr["config"].items()) + ")")
+    print(f"{m}, 512 tokens: the library's pick ({lib['impl']}) {lib['ms'] * 1e3:.0f} us;")
+    print(f"    the fastest of {sum(r['model'] == m and r['impl'] == 'triton' for r in sweep)} Triton tilings "
+          f"{best_tr['ms'] * 1e3:.0f} us (" + ", ".join(f"{k}={v}" for k, v in best_tr["config"].items()) + ")")
 
 # %% [markdown]
 # ## The compiled loop, under each triton release
