@@ -3,7 +3,6 @@ where runs write, and every subcommand answering on a machine without a GPU."""
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -52,17 +51,21 @@ def test_reproduce_runs_each_command_in_a_process_of_its_own(monkeypatch, tmp_pa
     then the table reads that folder beside data/ (here a stand-in run that copies data/'s files)."""
     calls = []
 
-    def fake(args):
+    def fake(args):  # a stand-in run: data/'s file, wide's mean TTFT one millisecond slower
         calls.append(args)
         out = args[args.index("--out") + 1]
         assert os.path.dirname(out) == str(tmp_path)
-        shutil.copy(os.path.join("data", os.path.basename(out)), out)
+        d = json.load(open(os.path.join("data", os.path.basename(out))))
+        if os.path.basename(out).startswith("ttft_"):
+            d["variants"]["wide"]["mean_ms"] += 1.0
+        json.dump(d, open(out, "w"))
 
     monkeypatch.setattr(reproduce, "run_command", fake)
-    rows = reproduce.run("quick", str(tmp_path))
+    rows = {r["what"]: r for r in reproduce.run("quick", str(tmp_path))}
     assert [c[0] for c in calls] == ["ttft", "capture"]
     assert calls[0][calls[0].index("--requests") + 1] == "64" and "quick" in calls[1]
-    assert all(r["live"] == r["recorded"] for r in rows)  # the stand-in run is the recorded one
+    assert rows["wide TTFT mean (ms)"]["live"] == rows["wide TTFT mean (ms)"]["recorded"] + 1.0  # read from the run
+    assert all(r["live"] == r["recorded"] for w, r in rows.items() if "wide" not in w)
     assert "this machine" in capsys.readouterr().out
     calls.clear()
     reproduce.run("full", str(tmp_path))
@@ -71,6 +74,18 @@ def test_reproduce_runs_each_command_in_a_process_of_its_own(monkeypatch, tmp_pa
     assert calls[-1][calls[-1].index("--measured") + 1] == os.path.join(str(tmp_path), "ttft_deepseek-v3.2.json")
     with pytest.raises(ValueError, match="preset must be one of"):
         reproduce.run("medium", str(tmp_path))
+
+
+def test_the_main_job_on_a_gpu_reproduces_into_a_run_folder(monkeypatch, capsys):
+    """`python -m dsv32ref --quick` on a GPU: the summary, then the quick reproduction into runs/<UTC time>/
+    (data/ only with --record)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(reproduce, "run", lambda preset, out_dir: calls.append((preset, out_dir)))
+    assert main(["--quick", "--preset", "tiny-glm-5.2"]) == 0
+    assert calls[0][0] == "quick" and calls[0][1].startswith(os.path.join("runs", "20"))
+    assert main(["--record", "--preset", "tiny-glm-5.2"]) == 0 and calls[1] == ("full", "data")
+    assert "all checks passed" in capsys.readouterr().out
 
 
 def test_runs_write_to_a_folder_of_their_own_unless_asked_to_record(monkeypatch, tmp_path):

@@ -103,7 +103,7 @@ def test_ttft_experiment_under_tensor_parallel(tmp_path):
 
     config = _config().replace(n_routed_experts=4, num_experts_per_tok=2)
     variants = ("narrow", "narrow_out")
-    p = TTFTProtocol(variants=variants, requests=3, warmup=1)
+    p = TTFTProtocol(variants=variants, requests=3, warmup=1, capture_sizes=(8,))  # the prompt's size only
     out = tmp_path / "tp.json"
     spawn(rank_main, 2, p, str(out), "cpu", config, backend="gloo")
     got = json.loads(out.read_text())

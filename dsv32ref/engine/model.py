@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dsv32ref.config import ModelConfig
-from dsv32ref.engine.boundary import FUSED_ATTENTION, Boundary, StaticOutputs, get_boundary
+from dsv32ref.engine.boundary import FUSED_ATTENTION, SPARSE_INDEXER_AND_ATTN, Boundary, StaticOutputs, get_boundary
 from dsv32ref.engine.context import get_forward_context
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.instrument import region
@@ -191,7 +191,7 @@ class EngineDSAAttention(nn.Module):
         self._uv(o_lat, out)
         return out
 
-    @eager_break(name="_sparse_indexer_and_attn")
+    @eager_break(name=SPARSE_INDEXER_AND_ATTN)
     def _sparse_indexer_and_attn(self, q_mqa, q_idx, w_idx, dest):
         """The narrow boundaries' eager region. dest: `out` [T, H * v] where the region owns the latent output
         (then the UV BMM runs here), else the latent output's destination [T, H, kv_lora]: a static buffer to

@@ -22,8 +22,8 @@ Each figure is the median over `repeats` timed loops (time.perf_counter_ns), wit
                        segment's launch while the PIECEWISE graph of one prefill replays (median per entry,
                        in replay order: one region per layer), from the model runner's timed replay
                        (ModelRunner.execute_timed)
-`run` measures all of it in one process, apart from any TTFT measurement, so that the TTFT model
-(dsv32ref.experiments.ttft_model) predicts a run it was not fitted to.
+The TTFT run measures all of it in its own process after its timed requests (what the TTFT model,
+dsv32ref.experiments.ttft_model, is priced with); `run` measures it alone, for one preset.
 Loops of small launches are host-bound (the GPU runs each kernel faster than the host launches it), so the
 loop time per iteration is the host cost.
 """
@@ -230,7 +230,7 @@ def regions_host_us(engines: dict, prompt: list[int], requests: int = 32) -> dic
         if how != "PIECEWISE":
             out[key] = {"runs_as": how}
             continue
-        kinds = [kind for kind, _ in captured.graph.entries]
+        kinds = ["graph" if k == "G" else "eager" for k in captured.graph.pattern.split()]
         plans[key] = (engine, kinds, size, captured.graph.eager_names())
     times = {key: [] for key in plans}
     keys = list(plans)

@@ -94,7 +94,7 @@ class PredictedLedger:
         self.memcpy: Counter = Counter()  # region -> direct cudaMemcpyAsync calls
         self.events: list[tuple[str, str, bool]] = []  # (region, op, direct?) in launch order
         self.graph_launches = 0
-        self.eager_regions = 0  # eager calls between the graph segments (segments - 1, unless splits add some)
+        self.eager_regions = 0  # eager calls between the graph segments (segments - 1)
         self.fused = False  # set while a ONE_KERNEL_ON_CUDA function runs
         self.layer: int | None = None  # the decoder layer running now (None: outside the layers)
         self.by_layer: Counter = Counter()  # (layer, op, direct?) -> count

@@ -147,10 +147,14 @@ def table(recorded_dir: str = "data", live_dir: str | None = None) -> list[dict]
     for k in list(pr) + [k for k in runs["recorded"] if k not in pr]:
         rec, live, note = runs["recorded"].get(k), runs["live"].get(k), NOTES.get(k, "")
         if k.startswith("narrow_copy start-up") and rec and live and rec.split(" size")[0] != live.split(" size")[0]:
-            note = (f"differs: {outside['live', k]:.2f} GiB outside the allocator before capture here, "
-                    f"{outside['recorded', k]:.2f} recorded")
+            here, there = (_gib(outside[side, k]) for side in ("live", "recorded"))
+            note = f"differs: {here} GiB outside the allocator before capture here, {there} recorded"
         rows.append({"what": k, "pr": pr.get(k), "recorded": rec, "live": live, "note": note})
     return rows
+
+
+def _gib(x: float | None) -> str:
+    return "?" if x is None else f"{x:.2f}"
 
 
 def _cell(x) -> str:

@@ -1,5 +1,5 @@
-"""Predict a variant's TTFT from its CPU-predicted launch ledger, the host costs measured once on the GPU
-(dsv32ref.experiments.host_costs, in a process of its own) and its GPU-busy floor.
+"""Predict a variant's TTFT from its CPU-predicted launch ledger, the host costs measured on the GPU in the TTFT
+run's process (dsv32ref.experiments.host_costs) and its GPU-busy floor.
 
 A prefill step is the host's work before the first launch, the forward, then the read-back. The forward is a
 pipeline of layers: the host launches layer l (its graph segment and its eager region) while the GPU runs what

@@ -389,8 +389,8 @@ def scores_stages(tiles: int, tokens: int, programs: int, sms: int) -> int:
 
 def scores_tokens(T: int, H_I: int) -> int:
     """Tokens per program: one below 256 tokens (decode and short prefills: more programs beat shared reads), else
-    as many as fill 256 MMA columns with their heads (a key tile read once for all of them): the H200 probe,
-    data/indexer_ab.json (4 at DeepSeek-V3.2's 64 heads, 8 at GLM-5.2's 32; at 64 tokens 4 were slower)."""
+    as many as fill 256 MMA columns with their heads (a key tile read once for all of them): 4 at DeepSeek-V3.2's
+    64 heads, 8 at GLM-5.2's 32 (an H200 probe, in the git history, found 4 slower at 64 tokens)."""
     return 1 if T < 256 else max(1, 256 // H_I)
 
 

@@ -23,9 +23,9 @@ Two warpgroups share a program: each owns 256 of the 512 output columns in PV an
 
 Addresses. A key's row is block_table[top-k index / BS] * rows_per_block + index % BS: two dependent loads.
 Resolved inside the loop, each thread chains ~16 of them per step, which the compiler serialises under register
-pressure; that, not bandwidth, was the kernel's limit (notebook 02; the variants live in
-dsv32ref.bench.sparse_mla_variants). Here they are resolved once per program before the loop, and each step
-reads the next step's rows while it computes this one.
+pressure; that, not bandwidth, was the kernel's limit (the sweep that showed it is in the git history). Here
+they are resolved once per program before the loop, and each step reads the next step's rows while it computes
+this one.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
 # Graph-safe means: grids depend only on shapes, sequence lengths and block tables are read on the
 # device, outputs go to caller-owned buffers. This notebook runs each kernel against the PyTorch
 # reference on a small shape (interpreted on a CPU, compiled on a GPU), then plots what the H200
-# measured (`data/kernels.json`; the indexer's rows from `data/indexer_ab.json`).
+# measured (`data/kernels.json`).
 
 # %%
 import json
