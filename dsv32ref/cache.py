@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv32ref.checks import check_tensor, is_int
+from dsv32ref.checks import check_int, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 
 __all__ = ["AttentionMetadata", "BlockAllocator", "PagedKVCache", "StepPlan", "gather_tokens"]
@@ -168,12 +168,16 @@ class BlockAllocator:
     """A free list of cache blocks; each sequence id owns a growing list of block ids."""
 
     def __init__(self, num_blocks: int, block_size: int):
+        check_int("BlockAllocator: num_blocks", num_blocks)
+        check_int("BlockAllocator: block_size", block_size)
         self.block_size = block_size
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.tables: dict[int, list[int]] = {}
 
     def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
         """Grow sequence `seq_id` to hold num_tokens tokens; returns its block list."""
+        check_int("BlockAllocator.ensure: seq_id", seq_id, low=0)
+        check_int("BlockAllocator.ensure: num_tokens", num_tokens, low=0)
         table = self.tables.setdefault(seq_id, [])
         need = -(-num_tokens // self.block_size) - len(table)
         if need > len(self.free):
@@ -187,13 +191,20 @@ class BlockAllocator:
         self.free.extend(reversed(self.tables.pop(seq_id, [])))
 
 
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 class PagedKVCache:
     """Per-layer latent and indexer-key caches. Shared (IndexShare) layers have no indexer cache."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"PagedKVCache: num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"PagedKVCache: config: expected a ModelConfig, got {type(config).__name__}")
+        check_int("PagedKVCache: num_blocks", num_blocks)
+        check_int("PagedKVCache: block_size", block_size)
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"PagedKVCache: dtype: expected one of {CACHE_DTYPES}, got {dtype}")
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.latent = [
             torch.zeros(num_blocks, block_size, config.latent_dim, dtype=dtype, device=device)

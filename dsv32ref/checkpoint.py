@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 import zlib
 
 import torch
@@ -126,7 +127,14 @@ def _inventory(where: dict, config: ModelConfig, expected: dict) -> tuple[set, l
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _load_one(name: str, read, where: dict, block, want: torch.Size) -> torch.Tensor | str:
+def _nonfinite(name: str, t: torch.Tensor) -> str | None:
+    """'non-finite: name (n NaN, m inf)', or None where every value is finite."""
+    f = t.float()
+    nan, inf = int(f.isnan().sum()), int(f.isinf().sum())
+    return f"non-finite: {name} ({nan} NaN, {inf} inf of {t.numel()})" if nan or inf else None
+
+
+def _load_one(name: str, read, where: dict, block, want: torch.Size, nonfinite: str) -> torch.Tensor | str:
     """One weight in the model's layout (fp8 blocks dequantised), or the problem with it."""
     t, scale_name = read(name), name + "_scale_inv"
     if t.dtype not in _FLOATS + (torch.float8_e4m3fn,):
@@ -139,27 +147,41 @@ def _load_one(name: str, read, where: dict, block, want: torch.Size) -> torch.Te
         scale = read(scale_name)
         if scale.dtype not in _FLOATS:
             return f"wrong dtype: {scale_name}: {scale.dtype} (expected a float type)"
+        bad = _nonfinite(scale_name, scale)
+        if bad and nonfinite == "raise":
+            return bad
+        if bad:
+            warnings.warn(f"load_pretrained: {bad}", stacklevel=3)
         try:
             t = dequantize_fp8_blocks(t, scale, block)
         except ValueError as e:
             return f"mis-shaped: {scale_name}: {e}"
     if tuple(t.shape) != tuple(want):
         return f"mis-shaped: {name}: expected {list(want)}, got {list(t.shape)}"
+    bad = _nonfinite(name, t)
+    if bad and nonfinite == "raise":
+        return bad
+    if bad:
+        warnings.warn(f"load_pretrained: {bad}", stacklevel=3)
     return t
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
                     device: torch.device | str = "cpu", form: str = "absorbed",
-                    deployed_numerics: bool = False) -> DeepseekV32ForCausalLM:
+                    deployed_numerics: bool = False, nonfinite: str = "raise") -> DeepseekV32ForCausalLM:
     """Build the model from an HF-format directory (config.json + safetensors, single or sharded).
 
-    Raises ValueError naming every missing, unexpected or mis-shaped tensor at once.
+    Raises ValueError naming every missing, unexpected, mis-shaped or non-finite tensor at once. A weight or
+    fp8 scale (`weight_scale_inv`) holding NaN or inf is refused by default; `nonfinite="warn"` loads it with
+    a warning naming the tensor and the count (to inspect a damaged checkpoint).
     """
     from safetensors import safe_open
 
     path = os.fspath(path)
     if dtype not in _FLOATS:
         raise ValueError(f"dtype: expected a float dtype for the model, got {dtype}")
+    if nonfinite not in ("raise", "warn"):
+        raise ValueError(f"nonfinite: expected 'raise' or 'warn', got {nonfinite!r}")
     config = ModelConfig.from_hf(path)
     block = _weight_block(config)
     where = _open_shards(path)
@@ -179,7 +201,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"{os.path.basename(file)}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
 
-    loaded = {name: _load_one(name, read, where, block, expected[name].shape) for name in sorted(names)}
+    loaded = {name: _load_one(name, read, where, block, expected[name].shape, nonfinite) for name in sorted(names)}
     problems += [t for t in loaded.values() if isinstance(t, str)]
     if problems:
         raise ValueError(f"checkpoint {path!r} does not match config ({config.model_type}, "

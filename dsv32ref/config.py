@@ -132,6 +132,9 @@ class ModelConfig:
         return PRESETS[name]
 
     def replace(self, **changes: Any) -> "ModelConfig":
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"ModelConfig.replace: unknown fields {unknown}")
         return dataclasses.replace(self, **changes)
 
     @classmethod

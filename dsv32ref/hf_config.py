@@ -102,6 +102,9 @@ def parse(raw: dict) -> dict[str, Any]:
 def _rope(raw: dict) -> tuple[float, dict | None]:
     """(theta, yarn dict or None) from `rope_parameters` and/or `rope_theta` + `rope_scaling`."""
     forms = []
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ValueError(f"config.json: {key} must be an object or null, got {raw[key]!r}")
     if "rope_parameters" in raw and raw["rope_parameters"] is not None:
         params = dict(raw["rope_parameters"])
         if "rope_theta" not in params:

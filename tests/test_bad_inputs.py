@@ -13,12 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv32ref import AttentionMetadata, ModelConfig, PagedKVCache, load_pretrained, save_pretrained
+from dsv32ref import AttentionMetadata, BlockAllocator, ModelConfig, PagedKVCache, load_pretrained, save_pretrained
 from dsv32ref.cache import gather_tokens, write_tokens
 from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 from dsv32ref.reference import apply_rope, fp8_quantize, indexer_scores, rms_norm, sparse_mla, topk_indices
+from dsv32ref.reference.numerics import fp8_dequantize
+from dsv32ref.reference.rope import RotaryEmbedding
 from dsv32ref.reference.sparse_attention import dense_mla
 from dsv32ref.testing import compare
 from helpers import tiny_model
@@ -160,6 +162,30 @@ def test_checkpoint_tensors(tmp_path, edit, match):
         load_pretrained(_ckpt(tmp_path, edit), dtype=torch.float32)
 
 
+def _poison(name, value, fp8=False):
+    def edit(t):
+        if fp8:  # the weight in fp8 with its one 128 x 128 block's scale
+            t[W], t[W + "_scale_inv"] = t[W].to(torch.float8_e4m3fn), torch.ones(1, 1)
+        t[name] = t[name].clone()
+        t[name].view(-1)[-1] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_poison(W, float("nan")), rf"non-finite: {W} \(1 NaN, 0 inf of "),
+    (_poison("lm_head.weight", float("-inf")), r"non-finite: lm_head.weight \(0 NaN, 1 inf of "),
+    (_poison(W + "_scale_inv", float("inf"), fp8=True), rf"non-finite: {W}_scale_inv \(0 NaN, 1 inf of 1\)"),
+], ids=["nan-weight", "inf-weight", "inf-scale"])
+def test_checkpoint_with_nan_or_inf_is_refused_or_loaded_with_a_warning(tmp_path, edit, match):
+    path = _ckpt(tmp_path, edit)
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(path, dtype=torch.float32)
+    with pytest.warns(UserWarning, match=match):
+        load_pretrained(path, dtype=torch.float32, nonfinite="warn")
+    with pytest.raises(ValueError, match=r"nonfinite: expected 'raise' or 'warn', got 'ignore'"):
+        load_pretrained(path, nonfinite="ignore")
+
+
 def test_checkpoint_files(tmp_path):
     model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
     single = tmp_path / "single"
@@ -282,6 +308,21 @@ REFERENCE_CASES = [
     (lambda: rms_norm(torch.randn(3, 8), torch.ones(7), 1e-6), r"weight: expected shape \[8\], got \[7\]"),
     (lambda: fp8_quantize(torch.randn(2, 100), block=64), r"fp8_quantize: last dim 100 is not a multiple of the block 64"),
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(3, 1)), r"fp8_quantize: scale: expected shape \[2, 1\]"),
+    (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.zeros(2, 1)),
+     r"fp8_quantize: scale: expected finite values > 0, got \[0.0, 0.0\]"),
+    (lambda: fp8_quantize(torch.randn(2, 128), scale=-torch.ones(2, 1)), r"fp8_quantize: scale: expected finite values > 0"),
+    (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.full((2, 1), float("inf"))),
+     r"fp8_quantize: scale: expected finite values > 0, got \[inf, inf\]"),
+    (lambda: fp8_quantize(torch.randn(2, 128), block=0), r"fp8_quantize: block: expected >= 1, got 0"),
+    (lambda: fp8_quantize(torch.ones(2, 128, dtype=torch.int32)), r"fp8_quantize: x: expected a floating-point tensor"),
+    (lambda: fp8_dequantize(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.ones(3)),
+     r"scale: expected shape \[2, 1\], got \[3\]"),
+    (lambda: apply_rope(torch.randn(2, 8), torch.randn(3, 4), torch.randn(3, 4), True), r"cos: expected shape \[2, 4\]"),
+    (lambda: RotaryEmbedding("glm-5.2"), r"RotaryEmbedding: config: expected a ModelConfig, got str"),
+    (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([0.5])), r"positions: expected dtype"),
+    (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([3, -1])),
+     r"positions: expected positions >= 0, got -1"),
+    (lambda: ModelConfig.preset("tiny-glm-5.2").replace(hidden=64), r"ModelConfig.replace: unknown fields \['hidden'\]"),
 ]
 
 
@@ -332,7 +373,14 @@ CACHE_CASES = [
     (lambda: AttentionMetadata.build([0], [2.0], [[0]], 4), r"query_lens\[0\] must be an int, got float 2.0"),
     (lambda: AttentionMetadata.build([], [], [], 4), r"must have one equal, non-zero length"),
     (lambda: AttentionMetadata.build([6], [3], [[0, 1]], 4), r"block_tables\[0\] has 2 blocks of 4 for 9 tokens"),
-    (lambda: PagedKVCache(TINY, 0, 4), r"PagedKVCache: num_blocks=0 and block_size=4 must be >= 1"),
+    (lambda: PagedKVCache(TINY, 0, 4), r"PagedKVCache: num_blocks: expected >= 1, got 0"),
+    (lambda: PagedKVCache(TINY, 4, 4.0), r"PagedKVCache: block_size: expected an int, got float 4.0"),
+    (lambda: PagedKVCache(TINY, 4, 4, dtype=torch.int8), r"PagedKVCache: dtype: expected one of .*got torch.int8"),
+    (lambda: PagedKVCache("glm-5.2", 4, 4), r"PagedKVCache: config: expected a ModelConfig, got str"),
+    (lambda: BlockAllocator(0, 4), r"BlockAllocator: num_blocks: expected >= 1, got 0"),
+    (lambda: BlockAllocator(4, True), r"BlockAllocator: block_size: expected an int, got bool True"),
+    (lambda: BlockAllocator(4, 4).ensure(0, -1), r"BlockAllocator.ensure: num_tokens: expected >= 0, got -1"),
+    (lambda: BlockAllocator(4, 4).ensure("a", 2), r"BlockAllocator.ensure: seq_id: expected an int, got str 'a'"),
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([8]), torch.zeros(1, 8)),
      r"slot_mapping: slots must lie in \[0, 8\), got \[8, 8\]"),
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([1]), torch.zeros(1, 9)), r"rows: expected shape \[1, 8\]"),

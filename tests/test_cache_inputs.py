@@ -58,7 +58,7 @@ def test_cache_layout_and_size():
     assert cache.latent[0].shape == (3, 16, c.kv_lora_rank + c.qk_rope_head_dim)
     assert cache.indexer_k[0].shape == (3, 16, c.index_head_dim) and cache.indexer_k[2] is None
     assert cache.nbytes() == 2 * 3 * 16 * (8 * 40 + 5 * 16)
-    with pytest.raises(ValueError, match="num_blocks=0"):
+    with pytest.raises(ValueError, match="PagedKVCache: num_blocks: expected >= 1, got 0"):
         PagedKVCache(c, 0, 16)
 
 

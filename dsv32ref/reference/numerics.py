@@ -14,6 +14,8 @@ import functools
 
 import torch
 
+from dsv32ref.checks import check_int, check_tensor
+
 FP8_E4M3_MAX = 448.0
 QUANT_BLOCK = 128
 
@@ -48,20 +50,33 @@ def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] -> (fp8 e4m3 values [..., n], fp32 scales [..., n/block]) with ue8m0 scales, or with the
     given scales [..., n/block] (e.g. a kernel's, to compare its values at its own scales)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise ValueError(f"fp8_quantize: x: expected a floating-point tensor, got "
+                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_int("fp8_quantize: block", block)
     n = x.shape[-1]
     if n % block:
         raise ValueError(f"fp8_quantize: last dim {n} is not a multiple of the block {block}")
     xb = x.float().reshape(*x.shape[:-1], n // block, block)  # (..., blocks, block)
     if scale is None:
         scale = ue8m0_scale(xb.abs().amax(-1))
-    elif scale.shape != xb.shape[:-1]:
-        raise ValueError(f"fp8_quantize: scale: expected shape {list(xb.shape[:-1])}, got {list(scale.shape)}")
+    elif not isinstance(scale, torch.Tensor) or scale.shape != xb.shape[:-1]:
+        raise ValueError(f"fp8_quantize: scale: expected shape {list(xb.shape[:-1])}, got "
+                         f"{list(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    elif not (torch.isfinite(scale) & (scale > 0)).all():
+        bad = scale[~(torch.isfinite(scale) & (scale > 0))]
+        raise ValueError(f"fp8_quantize: scale: expected finite values > 0, got {bad[:4].tolist()}")
     q = (xb / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(x.shape), scale
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
+    """fp8 values [..., n] and their scales [..., n/block] -> fp32 [..., n]."""
+    check_int("fp8_dequantize: block", block)
     n = q.shape[-1]
+    if n % block:
+        raise ValueError(f"fp8_dequantize: last dim {n} is not a multiple of the block {block}")
+    check_tensor("scale", scale, shape=tuple(q.shape[:-1]) + (n // block,))
     qb = q.float().reshape(*q.shape[:-1], n // block, block)
     return (qb * scale[..., None]).reshape(q.shape)
 

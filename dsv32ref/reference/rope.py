@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from dsv32ref.checks import check_tensor
 from dsv32ref.config import ModelConfig
 
 
@@ -48,6 +49,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"RotaryEmbedding: config: expected a ModelConfig, got {type(config).__name__}")
         ys = config.rope_scaling or {}
         if float(ys.get("mscale", 1.0)) != float(ys.get("mscale_all_dim", ys.get("mscale", 1.0))):
             # HF would scale cos/sin by the ratio of the two mscales; no released DSA model needs it.
@@ -64,6 +67,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
         """positions [T] int -> (cos, sin), each [T, rope_dim/2] in `dtype` (fp32 unless float64)."""
+        check_tensor("positions", positions, shape=(None,), dtype=(torch.int64, torch.int32))
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"positions: expected positions >= 0, got {int(positions.min())}")
         dt = torch.promote_types(dtype, torch.float32)
         angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
         return angles.cos().to(dt), angles.sin().to(dt)
@@ -77,6 +83,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     d = x.shape[-1]
     if cos.shape[-1] * 2 != d:
         raise ValueError(f"apply_rope: x has {d} rope dims but cos has {cos.shape[-1]} (expected {d // 2})")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, shape=(x.shape[0], d // 2))
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
     c, s = cos.reshape(shape), sin.reshape(shape)  # (T, 1.., d/2): broadcast over heads
     xf = x.to(cos.dtype)
