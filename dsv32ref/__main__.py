@@ -71,11 +71,13 @@ def cmd_reproduce(args) -> int:
 
 
 def cmd_ttft(args) -> int:
-    if _needs_gpu("ttft", args.tp):
-        return 2
     p = ttft.TTFTProtocol(preset=args.model, requests=args.requests, warmup=args.warmup,
                           skip_topk=tuple(args.skip_topk),
                           instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else ())
+    if args.tp < 1:
+        raise ValueError(f"--tp: expected an int >= 1, got {args.tp}")
+    if _needs_gpu("ttft", args.tp):
+        return 2
     out = _out(args, f"ttft_{args.model}" + (f"_tp{args.tp}" if args.tp > 1 else "") + ".json")
     if args.tp > 1:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
@@ -187,7 +189,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return getattr(args, "fn", cmd_summary)(args)
+    try:
+        return getattr(args, "fn", cmd_summary)(args)
+    except ValueError as e:  # a value the experiment refuses (a count of 0, heads that do not divide): say it
+        print(f"dsv32ref: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -780,6 +780,12 @@ def test_cli_rejects_bad_arguments(capsys):
         main(["ttft", "--requests", "many"])
     assert "invalid int value: 'many'" in capsys.readouterr().err
     assert main(["ledger"]) == 2
+    capsys.readouterr()
+    assert main(["ttft", "--requests", "0"]) == 2
+    assert "dsv32ref: error: TTFTProtocol.requests: expected an int >= 1, got 0" in capsys.readouterr().err
+    assert main(["ttft", "--skip-topk", "narow"]) == 2
+    assert "TTFTProtocol.skip_topk: unknown boundaries ['narow']" in capsys.readouterr().err
+    assert main(["ttft", "--tp", "0"]) == 2 and "--tp: expected an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_comparator_arguments():
