@@ -24,16 +24,20 @@ def check_tensor(
 ) -> torch.Tensor:
     """Raise ValueError naming `name` unless `t` is a tensor of the given shape/dtype/device.
 
-    `shape` entries of None match any size. `dense_dims=k`: the last k dims must be laid out row-major
-    without gaps (what a kernel assumes for the strides it is not passed; a dim of size 1 may have any
-    stride). Returns `t`, so calls can be chained in assignments.
+    `shape` entries of None match any size; a leading `...` matches any number of leading dims.
+    `dense_dims=k`: the last k dims must be laid out row-major without gaps (what a kernel assumes for the
+    strides it is not passed; a dim of size 1 may have any stride).
+    Returns `t`, so calls can be chained in assignments.
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if shape is not None:
-        ok = t.dim() == len(shape) and all(e is None or e == a for e, a in zip(shape, t.shape))
+        lead = len(shape) > 0 and shape[0] is Ellipsis  # [..., a, b]: any leading dims, then a, b
+        tail = tuple(shape[1:]) if lead else tuple(shape)
+        dims = tuple(t.shape[t.dim() - len(tail):]) if t.dim() >= len(tail) else None
+        ok = dims is not None and (lead or t.dim() == len(tail)) and all(e is None or e == a for e, a in zip(tail, dims))
         if not ok:
-            want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+            want = "[" + ", ".join("..." if e is Ellipsis else "*" if e is None else str(e) for e in shape) + "]"
             raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
     if dtype is not None:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)

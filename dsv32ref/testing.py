@@ -32,10 +32,14 @@ import torch
 
 from dsv32ref.cache import gather_tokens
 from dsv32ref.checks import check_tensor
+from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, indexer_scores_fp8, quantize_indexer_keys, quantize_latent,
+                                          sparse_mla_fp8)
+from dsv32ref.reference.numerics import fp8_quantize
 from dsv32ref.reference.sparse_attention import sparse_mla
 
 __all__ = ["Comparison", "compare", "assert_close", "eps", "PagedSparseMLAInputs", "paged_sparse_mla_inputs",
-           "reference_sparse_mla_paged"]
+           "reference_sparse_mla_paged", "FP8SparseDecodeInputs", "fp8_sparse_decode_inputs",
+           "reference_sparse_decode_fp8", "FP8IndexerInputs", "fp8_indexer_inputs", "reference_indexer_scores_fp8"]
 
 _EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7,
         torch.float8_e4m3fn: 2.0**-3, torch.float8_e5m2: 2.0**-2}
@@ -250,3 +254,112 @@ def reference_sparse_mla_paged(x: PagedSparseMLAInputs, dtype: torch.dtype = tor
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
+
+
+# ---- the FP8 caches as deployed (dsv32ref.reference.fp8_cache) ----------------------------------------------
+
+def _poison_rows(n: int) -> torch.Tensor:
+    """n FlashMLA rows that read as NaN everywhere (fp8 NaN 0x7F, a valid scale of 1, bf16 NaN k_pe)."""
+    row = torch.cat((torch.full((512,), 0x7F, dtype=torch.uint8), torch.ones(4).view(torch.uint8),
+                     torch.full((64,), float("nan"), dtype=torch.bfloat16).view(torch.uint8)))
+    return row.expand(n, LATENT_ROW_BYTES).clone()
+
+
+@dataclass
+class FP8SparseDecodeInputs:
+    """FlashMLA's sparse decode over its FP8 latent cache: q [T, H, 576] bf16, kv_cache uint8 [num_blocks,
+    block_size, 1, 656] (module dsv32ref.reference.fp8_cache; every row outside the sequences' visible tokens
+    reads as NaN), indices int32 [T, topk] flat slots (block x block_size + offset; -1 none; entries past the
+    cache, num_blocks x block_size and up, none too), the softmax scale; `paged` is what they were made from."""
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    indices: torch.Tensor
+    sm_scale: float
+    paged: PagedSparseMLAInputs
+    d_v: int = 512
+
+
+def fp8_sparse_decode_inputs(num_heads: int = 64, topk: int = 128, context_lens=(300, 64, 1000), block_size: int = 64,
+                             device="cpu", seed: int = 0, sm_scale: float | None = None) -> FP8SparseDecodeInputs:
+    """One decode token per request (its position context_lens[b]), the paged inputs of
+    paged_sparse_mla_inputs (scrambled blocks, -1 padding, out-of-range entries, empty rows) in FlashMLA's
+    FP8 format: visible rows quantised (fp8_cache.quantize_latent), every other row poisoned, positions turned
+    into flat slots through the block table and out-of-range positions into slots past the cache."""
+    x = paged_sparse_mla_inputs(num_heads, 512, 64, topk, context_lens=list(context_lens),
+                                query_lens=[1] * len(context_lens), block_size=block_size, dtype=torch.float32,
+                                seed=seed, sm_scale=sm_scale)
+    nb, bs, _ = x.latent_cache.shape
+    flat = x.latent_cache.view(nb * bs, -1)
+    visible = flat.isfinite().all(-1)  # (NB x BS,)
+    rows = _poison_rows(nb * bs)
+    rows[visible] = quantize_latent(flat[visible])
+    slots = torch.full_like(x.topk_indices, -1)
+    for t in range(x.q.shape[0]):
+        b, idx = int(x.req_indices[t]), x.topk_indices[t].long()
+        ok = (idx >= 0) & (idx < int(x.seq_lens[b]))
+        blocks = x.block_table[b].long()[idx.clamp(0, int(x.seq_lens[b]) - 1) // bs] if int(x.seq_lens[b]) else idx
+        slots[t] = torch.where(ok, blocks * bs + idx % bs, torch.where(idx >= 0, nb * bs + idx, -1)).to(torch.int32)
+    dev = torch.device(device)
+    return FP8SparseDecodeInputs(q=x.q.to(device=dev, dtype=torch.bfloat16), kv_cache=rows.view(nb, bs, 1, -1).to(dev),
+                                 indices=slots.to(dev), sm_scale=x.sm_scale, paged=x)
+
+
+def reference_sparse_decode_fp8(x: FP8SparseDecodeInputs, dtype: torch.dtype = torch.float64
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle on FlashMLA's FP8 format: fp8_cache.sparse_mla_fp8 in `dtype` on the CPU -> (out [T, H, 512],
+    lse [T, H])."""
+    return sparse_mla_fp8(x.q.detach().cpu().to(dtype), x.kv_cache.cpu(), x.indices.cpu(), x.sm_scale, x.d_v)
+
+
+@dataclass
+class FP8IndexerInputs:
+    """DeepGEMM's paged logits over its FP8 key cache: q fp8 e4m3 [T, H_I, D], weights fp32 [T, H_I] (the query's
+    scales folded in), k_cache uint8 [num_blocks, block_kv, 1, D + 4] (its block layout), block_table int32
+    [B, max_blocks], seq_lens int32 [B], req_indices int32 [T], positions int64 [T], the softmax scale."""
+
+    q: torch.Tensor
+    weights: torch.Tensor
+    k_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    req_indices: torch.Tensor
+    positions: torch.Tensor
+    softmax_scale: float
+
+
+def fp8_indexer_inputs(num_heads: int = 32, head_dim: int = 128, context_lens=(0, 200, 1000), query_lens=(5, 1, 2),
+                       block_kv: int = 64, device="cpu", seed: int = 0) -> FP8IndexerInputs:
+    """Requests of different lengths on scrambled blocks of an FP8 key cache (fp8_cache.quantize_indexer_keys),
+    extra blocks of keys that belong to no request, and fp8 queries with their per-head scales in the weights."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    need = [-(-s // block_kv) for s in seq_lens]
+    nb = sum(need) + 2
+    perm = torch.randperm(nb, generator=g).tolist()
+    table = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor(perm[sum(need[:b]): sum(need[:b]) + n], dtype=torch.int32)
+    k_cache = quantize_indexer_keys(torch.randn(nb, block_kv, head_dim, generator=g))
+    T = sum(query_lens)
+    q, q_scale = fp8_quantize(torch.randn(T, num_heads, head_dim, generator=g) * 3, block=head_dim)
+    w = torch.randn(T, num_heads, generator=g) * num_heads ** -0.5 * q_scale[..., 0]
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, query_lens)])
+    req = torch.cat([torch.full((n,), b, dtype=torch.int32) for b, n in enumerate(query_lens)])
+    dev = torch.device(device)
+    return FP8IndexerInputs(q=q.to(dev), weights=w.to(dev), k_cache=k_cache.to(dev), block_table=table.to(dev),
+                            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), req_indices=req.to(dev),
+                            positions=positions.to(dev), softmax_scale=head_dim ** -0.5)
+
+
+def reference_indexer_scores_fp8(x: FP8IndexerInputs) -> torch.Tensor:
+    """The oracle of DeepGEMM's paged logits, float64 on the CPU: [T, max seq_len], -inf past each token's
+    position (causal) and past its sequence."""
+    lens = x.seq_lens.cpu().tolist()
+    out = torch.full((x.q.shape[0], max(lens)), float("-inf"), dtype=torch.float64)
+    for t in range(x.q.shape[0]):
+        b, p = int(x.req_indices[t]), int(x.positions[t])
+        s = indexer_scores_fp8(x.q[t:t + 1].cpu(), x.weights[t:t + 1].cpu().double(), x.k_cache.cpu(),
+                               x.block_table[b].cpu(), lens[b], x.softmax_scale)
+        out[t, : p + 1] = s[0, : p + 1]
+    return out

@@ -1,0 +1,178 @@
+"""The FP8 caches deployed engines keep for DeepSeek-V3.2, byte by byte, and the reference over them.
+
+FlashMLA's sparse latent cache (vLLM's "fp8_ds_mla"): one row of 656 bytes per token,
+
+    bytes   0 - 511   c_kv: 512 fp8 e4m3 values, in order
+    bytes 512 - 527   4 fp32 scales, little-endian; scale i covers c_kv[128 i : 128 (i + 1)]; value = fp8 x scale
+    bytes 528 - 655   k_pe: 64 bf16 values, not quantised (the interleaved RoPE layout of the bf16 cache)
+
+in a uint8 tensor [num_blocks, block_size, 1, 656] whose rows are 656 bytes apart (blocks may be further
+apart). Sparse decode addresses it by flat slots, block x block_size + offset, -1 for none. The scales are
+powers of two: FlashMLA's quantiser (its tests/quant.py) takes s = 2^ceil(log2(max(amax / 448, 1e-4))) per
+128 values, and its kernel multiplies the dequantised values by the scale cast to bf16, exact only for a power
+of two.
+
+DeepGEMM's paged indexer-key cache (what vLLM's indexer keeps: 132 bytes per token at D = 128): per block of
+block_kv tokens,
+
+    bytes 0 .. block_kv x D - 1               the block's keys, token by token: D fp8 e4m3 values each
+    bytes block_kv x D .. block_kv x (D + 4)  one fp32 scale per token, in token order; value = fp8 x scale
+
+in a uint8 tensor [num_blocks, block_kv, 1, D + 4] (the block's bytes, not one row per token). vLLM quantises
+each key with one power-of-two scale, s = 2^ceil(log2(max(amax, 1e-4) / 448)) (ue8m0); block_kv is 64 on sm_90.
+
+The fp8 casts round to nearest even and saturate at +-448. Every quantiser refuses NaN and inf, every
+dequantiser refuses a scale that is not a finite power of two (the formats' own), both name the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv32ref.checks import check_tensor
+from dsv32ref.reference.indexer import indexer_scores
+from dsv32ref.reference.numerics import FP8_E4M3_MAX
+from dsv32ref.reference.sparse_attention import sparse_mla
+
+__all__ = ["LATENT_ROW_BYTES", "dequantize_indexer_keys", "dequantize_latent", "indexer_key_bytes",
+           "indexer_key_parts", "indexer_scores_fp8", "latent_parts", "latent_scale", "quantize_indexer_keys",
+           "quantize_latent", "sparse_mla_fp8"]
+
+D_LAT, D_ROPE, GROUP = 512, 64, 128
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+LATENT_ROW_BYTES = D_LAT + 4 * (D_LAT // GROUP) + 2 * D_ROPE  # 656
+
+
+def _finite(name: str, x: torch.Tensor) -> None:
+    bad = ~torch.isfinite(x)
+    if bad.any():
+        raise ValueError(f"{name}: expected finite values, got {int(bad.sum())} NaN or inf (first at "
+                         f"{tuple(int(i) for i in bad.nonzero()[0])})")
+
+
+def _powers_of_two(name: str, s: torch.Tensor) -> None:
+    ok = torch.isfinite(s) & (s > 0)
+    ok &= torch.where(ok, torch.frexp(s.float()).mantissa == 0.5, False)
+    if not ok.all():
+        raise ValueError(f"{name}: expected finite powers of two > 0, got {s[~ok][:4].tolist()}")
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in fp8 e4m3 (round to nearest even, saturated at +-448), as bytes."""
+    q = (x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8)
+
+
+def latent_scale(amax: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's scale of a 128-value group: 2^ceil(log2(max(amax / 448, 1e-4)))."""
+    return torch.exp2(torch.ceil(torch.log2((amax / FP8_E4M3_MAX).clamp(min=1e-4))))
+
+
+def quantize_latent(latent: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """latent [..., 576] ([c_kv (512) | k_pe (64)], any float dtype) -> rows uint8 [..., 656] (module docstring),
+    with FlashMLA's scales (latent_scale) or the given ones [..., 4] (powers of two: e.g. a row's own, which
+    makes quantize_latent(dequantize_latent(rows), latent_parts(rows)[1]) give back the same bytes)."""
+    check_tensor("latent", latent, shape=(..., D_LAT + D_ROPE), dtype=_FLOATS)
+    _finite("latent", latent)
+    lead = latent.shape[:-1]
+    c_kv = latent[..., :D_LAT].float().reshape(*lead, D_LAT // GROUP, GROUP)  # (..., 4, 128)
+    if scale is None:
+        scale = latent_scale(c_kv.abs().amax(-1))  # (..., 4)
+    else:
+        check_tensor("scale", scale, shape=tuple(lead) + (D_LAT // GROUP,), dtype=torch.float32)
+        _powers_of_two("scale", scale)
+    values = _to_fp8(c_kv, scale[..., None]).reshape(*lead, D_LAT)
+    scales = scale.contiguous().view(torch.uint8).reshape(*lead, 4 * (D_LAT // GROUP))
+    k_pe = latent[..., D_LAT:].to(torch.bfloat16).contiguous().view(torch.uint8)  # (..., 128)
+    return torch.cat((values, scales, k_pe), dim=-1)
+
+
+def latent_parts(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows uint8 [..., 656] -> (c_kv fp8 e4m3 [..., 512], scales fp32 [..., 4], k_pe bf16 [..., 64]), the bytes
+    read as they are laid out."""
+    check_tensor("rows", rows, shape=(..., LATENT_ROW_BYTES), dtype=torch.uint8)
+    rows = rows.contiguous()
+    scale = rows[..., D_LAT:D_LAT + 16].contiguous().view(torch.float32)
+    _powers_of_two("rows: c_kv scales (bytes 512-527)", scale)
+    return (rows[..., :D_LAT].contiguous().view(torch.float8_e4m3fn), scale,
+            rows[..., D_LAT + 16:].contiguous().view(torch.bfloat16))
+
+
+def dequantize_latent(rows: torch.Tensor) -> torch.Tensor:
+    """rows uint8 [..., 656] -> latent fp32 [..., 576]: c_kv = fp8 x scale, k_pe as stored (bf16, exact in fp32)."""
+    values, scale, k_pe = latent_parts(rows)
+    lead = rows.shape[:-1]
+    c_kv = (values.float().reshape(*lead, D_LAT // GROUP, GROUP) * scale[..., None]).reshape(*lead, D_LAT)
+    return torch.cat((c_kv, k_pe.float()), dim=-1)
+
+
+def indexer_key_bytes(head_dim: int) -> int:
+    """Bytes one token's key takes in the indexer cache: head_dim fp8 values and one fp32 scale (132 at 128)."""
+    return head_dim + 4
+
+
+def quantize_indexer_keys(keys: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """keys [num_blocks, block_kv, D] (any float dtype) -> cache uint8 [num_blocks, block_kv, 1, D + 4] in
+    DeepGEMM's block layout (module docstring), one ue8m0 scale per token, or the given scales [num_blocks,
+    block_kv] (powers of two)."""
+    nb, bk, d = check_tensor("keys", keys, shape=(None, None, None), dtype=_FLOATS).shape
+    _finite("keys", keys)
+    k = keys.float()
+    if scale is None:
+        scale = torch.exp2(torch.ceil(torch.log2(k.abs().amax(-1).clamp(min=1e-4) / FP8_E4M3_MAX)))  # (NB, BK)
+    else:
+        check_tensor("scale", scale, shape=(nb, bk), dtype=torch.float32)
+        _powers_of_two("scale", scale)
+    values = _to_fp8(k, scale[..., None]).reshape(nb, bk * d)
+    scales = scale.contiguous().view(torch.uint8).reshape(nb, 4 * bk)
+    return torch.cat((values, scales), dim=-1).view(nb, bk, 1, d + 4)
+
+
+def indexer_key_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cache uint8 [num_blocks, block_kv, 1, D + 4] -> (keys fp8 e4m3 [num_blocks, block_kv, D], scales fp32
+    [num_blocks, block_kv]), the bytes read as they are laid out."""
+    nb, bk, _, w = check_tensor("cache", cache, shape=(None, None, 1, None), dtype=torch.uint8).shape
+    d = w - 4
+    if d < 1:
+        raise ValueError(f"cache: expected a last dim of D + 4 > 4, got {w}")
+    flat = cache.contiguous().view(nb, bk * w)
+    scale = flat[:, bk * d:].contiguous().view(torch.float32)  # (NB, BK)
+    _powers_of_two("cache: key scales (each block's last block_kv x 4 bytes)", scale)
+    return flat[:, : bk * d].contiguous().view(torch.float8_e4m3fn).view(nb, bk, d), scale
+
+
+def dequantize_indexer_keys(cache: torch.Tensor) -> torch.Tensor:
+    """cache uint8 [num_blocks, block_kv, 1, D + 4] -> keys fp32 [num_blocks, block_kv, D]."""
+    values, scale = indexer_key_parts(cache)
+    return values.float() * scale[..., None]
+
+
+def sparse_mla_fp8(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, sm_scale: float,
+                   d_v: int = D_LAT) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's sparse decode over the FP8 latent cache: q [n, H, 576], cache uint8 [NB, BS, 1, 656], slots
+    int32 [n, k] (flat slots block x BS + offset; -1 or out of the cache: none) -> (out [n, H, d_v], lse [n, H]),
+    in q's dtype promoted to fp32 (float64 for float64 q): the reference's sparse_mla on the dequantised rows."""
+    nb, bs = check_tensor("cache", cache, shape=(None, None, 1, LATENT_ROW_BYTES), dtype=torch.uint8).shape[:2]
+    check_tensor("slots", slots, shape=(q.shape[0], None), dtype=torch.int32)
+    dt = torch.promote_types(q.dtype, torch.float32)
+    kv = dequantize_latent(cache.view(nb * bs, LATENT_ROW_BYTES)).to(dt)  # (NB x BS, 576)
+    return sparse_mla(q.to(dt), kv, slots, sm_scale, d_v)
+
+
+def indexer_scores_fp8(q_idx: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table_row: torch.Tensor,
+                       seq_len: int, softmax_scale: float) -> torch.Tensor:
+    """DeepGEMM's paged logits over the FP8 key cache for one sequence: sum_h w[h] relu(q_h . k s), q_idx
+    [n, H_I, D] (fp8 or float), weights [n, H_I] fp32 (with any query scales folded in), the sequence's first
+    seq_len keys read through block_table_row -> [n, seq_len] fp32 (float64 for float64 weights)."""
+    keys = dequantize_indexer_keys(cache)  # (NB, BK, D)
+    nb, bk, d = keys.shape
+    check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
+    pos = torch.arange(seq_len, device=keys.device)
+    if seq_len > block_table_row.shape[0] * bk:
+        raise ValueError(f"block_table_row: a sequence of {seq_len} tokens needs {-(-seq_len // bk)} blocks of {bk}, "
+                         f"the row has {block_table_row.shape[0]}")
+    blocks = block_table_row.to(keys.device).long()[pos // bk]
+    if seq_len and (int(blocks.min()) < 0 or int(blocks.max()) >= nb):
+        raise ValueError(f"block_table_row: a sequence of {seq_len} tokens reads blocks outside [0, {nb})")
+    k = keys.view(nb * bk, d)[blocks * bk + pos % bk]  # (seq_len, D)
+    return indexer_scores(q_idx.float() if q_idx.dtype == torch.float8_e4m3fn else q_idx, k, weights, softmax_scale)

@@ -1,0 +1,181 @@
+"""The FP8 caches as deployed (FlashMLA's 656-byte latent rows, DeepGEMM's paged indexer keys): the bytes where
+the formats put them, round trips bit-exact, the values fp8 rounding gives, the reference over them against the
+bf16 reference, and what a hostile caller passes."""
+
+import struct
+
+import pytest
+import torch
+
+from dsv32ref.reference import indexer_scores, sparse_mla
+from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_indexer_keys, dequantize_latent,
+                                          indexer_key_bytes, indexer_key_parts, indexer_scores_fp8, latent_parts,
+                                          latent_scale, quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
+from dsv32ref.testing import (assert_close, fp8_indexer_inputs, fp8_sparse_decode_inputs, reference_indexer_scores_fp8,
+                              reference_sparse_decode_fp8)
+
+
+def _fp8_byte(v: float) -> int:
+    """The e4m3 byte of a value that is exactly representable (an independent encoder: sign, 4-bit exponent with
+    bias 7, 3-bit mantissa; subnormals below 2^-6)."""
+    sign, a = (0x80 if v < 0 else 0), abs(v)
+    if a == 0:
+        return sign
+    e = max(int(torch.tensor(a).log2().floor()), -6)
+    m = a / 2.0 ** e - (1 if e > -6 or a >= 2 ** -6 else 0)
+    exp_field = e + 7 if a >= 2 ** -6 else 0
+    return sign | exp_field << 3 | int(round(m * 8))
+
+
+def test_latent_row_bytes_sit_where_flashmla_puts_them():
+    """One row, built by hand: group i of c_kv holds +-(i + 1) x 2^(i - 3) patterns whose amax is 448 x 2^-i, so the
+    scales are 2^-i exactly; values, scales (little-endian fp32) and k_pe (bf16) at bytes 0, 512 and 528."""
+    c_kv = torch.zeros(4, 128)
+    for i in range(4):
+        c_kv[i, 0], c_kv[i, 1], c_kv[i, 2 + i] = 448 * 2.0 ** -i, -(2.0 ** -i), 1.5 * 2.0 ** -i
+    k_pe = torch.arange(64, dtype=torch.float32) / 8 - 3
+    row = quantize_latent(torch.cat((c_kv.flatten(), k_pe))[None])[0]
+    assert row.shape == (LATENT_ROW_BYTES,) == (656,) and row.dtype == torch.uint8
+    b = bytes(row.tolist())
+    for i in range(4):
+        assert struct.unpack_from("<f", b, 512 + 4 * i)[0] == 2.0 ** -i, i
+        group = b[128 * i: 128 * (i + 1)]
+        assert group[0] == _fp8_byte(448.0) and group[1] == _fp8_byte(-1.0) and group[2 + i] == _fp8_byte(1.5), i
+        assert sum(group) == group[0] + group[1] + group[2 + i]  # the rest are +0.0
+    assert b[528:] == k_pe.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+
+
+def test_indexer_key_bytes_sit_where_deepgemm_puts_them():
+    """Per block: block_kv x D values token by token, then block_kv fp32 scales; one scale per token."""
+    keys = torch.zeros(2, 4, 8)
+    for blk in range(2):
+        for t in range(4):
+            keys[blk, t, t] = 448.0 * 2.0 ** -(t + blk)  # token t of block blk: scale 2^-(t + blk)
+    cache = quantize_indexer_keys(keys)
+    assert cache.shape == (2, 4, 1, 12) and indexer_key_bytes(128) == 132
+    b = bytes(cache[1].flatten().tolist())
+    for t in range(4):
+        assert b[t * 8 + t] == _fp8_byte(448.0) and struct.unpack_from("<f", b, 32 + 4 * t)[0] == 2.0 ** -(t + 1)
+
+
+def test_round_trips_are_bit_exact_on_any_valid_bytes(seed):
+    """Random bytes of every valid kind (fp8 values but the NaN codes, power-of-two scales, finite bf16 k_pe): read,
+    dequantised and quantised again with their own scales, the same bytes come back; and a quantised row
+    dequantises to fp8(x / s) x s."""
+    g = torch.Generator().manual_seed(seed)
+    n = 64
+    values = torch.randint(0, 256, (n, 512), generator=g, dtype=torch.uint8)
+    values[(values & 0x7F) == 0x7F] = 0  # e4m3fn's NaN codes
+    scales = torch.exp2(torch.randint(-20, 10, (n, 4), generator=g).float())
+    k_pe = torch.randn(n, 64, generator=g).to(torch.bfloat16)
+    rows = torch.cat((values, scales.view(torch.uint8).view(n, 16), k_pe.view(torch.uint8).view(n, 128)), -1)
+    parts = latent_parts(rows)
+    assert torch.equal(parts[1], scales) and torch.equal(parts[2], k_pe)
+    assert torch.equal(quantize_latent(dequantize_latent(rows), parts[1]), rows)
+    keys = torch.randint(0, 256, (3, 8, 16), generator=g, dtype=torch.uint8)
+    keys[(keys & 0x7F) == 0x7F] = 0
+    kscale = torch.exp2(torch.randint(-20, 10, (3, 8), generator=g).float())
+    cache = torch.cat((keys.view(3, 128), kscale.view(torch.uint8).view(3, 32)), -1).view(3, 8, 1, 20)
+    assert torch.equal(quantize_indexer_keys(dequantize_indexer_keys(cache), indexer_key_parts(cache)[1]), cache)
+    x = torch.randn(5, 576, generator=g, dtype=torch.float64) * 10
+    s = latent_scale(x[:, :512].reshape(5, 4, 128).abs().amax(-1).float())
+    want = ((x[:, :512].reshape(5, 4, 128) / s[..., None]).float().to(torch.float8_e4m3fn).double()
+            * s[..., None]).reshape(5, 512)
+    got = dequantize_latent(quantize_latent(x))
+    assert torch.equal(got[:, :512].double(), want) and torch.equal(got[:, 512:], x[:, 512:].to(torch.bfloat16).float())
+
+
+def test_scales_follow_each_format():
+    """FlashMLA's latent: 2^ceil(log2(max(amax / 448, 1e-4))) (so an all-zero group gets 2^-13); DeepGEMM's keys
+    as vLLM quantises them: 2^ceil(log2(max(amax, 1e-4) / 448)); values saturate at 448."""
+    assert latent_scale(torch.tensor([0.0, 448.0, 449.0, 224.0])).tolist() == [2.0 ** -13, 1.0, 2.0, 0.5]
+    z = quantize_latent(torch.zeros(1, 576))
+    assert latent_parts(z)[1].tolist() == [[2.0 ** -13] * 4]
+    k = quantize_indexer_keys(torch.tensor([[[0.0] * 4, [896.0, 1, 0, 0]]]))
+    assert indexer_key_parts(k)[1].tolist() == [[2.0 ** -22, 2.0]]
+    big = torch.zeros(1, 576)
+    big[0, 0], big[0, 1] = 1000.0, -1000.0  # past 448 at a given scale of 1: saturated, not NaN
+    assert latent_parts(quantize_latent(big, torch.ones(1, 4)))[0][0, :2].float().tolist() == [448.0, -448.0]
+
+
+def test_the_fp8_reference_is_the_bf16_one_up_to_fp8_rounding(seed):
+    """sparse_mla_fp8 over a quantised cache against sparse_mla over the cache it came from: within what fp8
+    rounding of c_kv moves a softmax-weighted mean; exactly the reference on the dequantised rows; no valid slot:
+    0 and +inf."""
+    x = fp8_sparse_decode_inputs(num_heads=16, topk=64, context_lens=(40, 200), block_size=16, seed=seed)
+    out, lse = reference_sparse_decode_fp8(x)
+    out32, lse32 = reference_sparse_decode_fp8(x, dtype=torch.float32)
+    assert_close("out fp32 vs fp64", out32, out, dtype=torch.float32, row_dims=2, rtol=2 ** 8, atol=2 ** 8)
+    nb, bs = x.kv_cache.shape[:2]
+    kv = dequantize_latent(x.kv_cache.view(nb * bs, 656)).double()
+    o2, l2 = sparse_mla(x.q.double(), kv, x.indices, x.sm_scale, 512)
+    assert torch.equal(o2, out) and torch.equal(l2, lse)
+    exact = torch.nan_to_num(x.paged.latent_cache.view(nb * bs, -1).double(), nan=0.0)  # before quantisation
+    o3, _ = sparse_mla(x.q.double(), exact, x.indices, x.sm_scale, 512)
+    # out is a softmax-weighted mean of c_kv rows: fp8 moves each value by at most 2^-4 of its group's largest
+    # (and the scores a little with it); measured against the largest |c_kv|, 40 seeds gave at most 0.019
+    err = (o3 - out).abs().max() / exact[:, :512].abs().max()
+    assert err < 2 ** -4, err
+    none = torch.full_like(x.indices[:1], -1)
+    o4, l4 = sparse_mla_fp8(x.q[:1].double(), x.kv_cache, none, x.sm_scale)
+    assert (o4 == 0).all() and torch.isinf(l4).all()
+
+
+def test_unselected_rows_never_count(seed):
+    """Every row outside the sequences' visible tokens reads as NaN (poisoned bytes): the reference never reads
+    one, and the slots past the cache and -1 select nothing."""
+    x = fp8_sparse_decode_inputs(num_heads=16, topk=64, context_lens=(30, 5), block_size=16, seed=seed)
+    out, lse = reference_sparse_decode_fp8(x)
+    assert out.isfinite().all() and not lse.isnan().any()
+    assert (x.indices >= x.kv_cache.shape[0] * x.kv_cache.shape[1]).any() and (x.indices == -1).any()
+    nb, bs = x.kv_cache.shape[:2]
+    assert dequantize_latent(x.kv_cache.view(nb * bs, 656)).isnan().any(-1).sum() > 0
+
+
+def test_fp8_indexer_reference_against_float64_keys(seed):
+    """indexer_scores_fp8 equals the bf16 reference on the dequantised keys gathered independently, -inf past each
+    token's position; against the keys before quantisation it differs by fp8 rounding only."""
+    x = fp8_indexer_inputs(num_heads=8, head_dim=32, context_lens=(0, 70), query_lens=(3, 2), block_kv=16, seed=seed)
+    ref = reference_indexer_scores_fp8(x)
+    keys = dequantize_indexer_keys(x.k_cache).double()  # (NB, BK, D)
+    for t in range(ref.shape[0]):
+        b, p = int(x.req_indices[t]), int(x.positions[t])
+        rows = torch.stack([keys[int(x.block_table[b, s // 16]), s % 16] for s in range(p + 1)])
+        want = indexer_scores(x.q[t:t + 1].double(), rows, x.weights[t:t + 1].double(), x.softmax_scale)[0]
+        assert torch.allclose(ref[t, : p + 1], want, rtol=1e-12, atol=1e-12), t
+        assert torch.isinf(ref[t, p + 1:]).all()
+    with pytest.raises(ValueError, match=r"block_table_row: a sequence of 300 tokens needs 19 blocks of 16, the row"):
+        indexer_scores_fp8(x.q[:1], x.weights[:1], x.k_cache, x.block_table[1], 300, x.softmax_scale)
+    with pytest.raises(ValueError, match=r"block_table_row: a sequence of 70 tokens reads blocks outside"):
+        indexer_scores_fp8(x.q[:1], x.weights[:1], x.k_cache, torch.full((5,), 99, dtype=torch.int32), 70,
+                           x.softmax_scale)
+
+
+BAD = [
+    (lambda: quantize_latent(torch.full((2, 576), float("nan"))), r"latent: expected finite values, got 1152 NaN or inf"),
+    (lambda: quantize_latent(torch.tensor([[float("inf")] + [0.0] * 575])), r"latent: expected finite values, got 1 NaN"),
+    (lambda: quantize_latent(torch.zeros(2, 575)), r"latent: expected shape \[..., 576\], got \[2, 575\]"),
+    (lambda: quantize_latent(torch.zeros(2, 576, dtype=torch.int32)), r"latent: expected dtype"),
+    (lambda: quantize_latent(torch.zeros(2, 576), torch.full((2, 4), 3.0)), r"scale: expected finite powers of two"),
+    (lambda: quantize_latent(torch.zeros(2, 576), torch.zeros(2, 4)), r"scale: expected finite powers of two > 0, got \[0.0"),
+    (lambda: quantize_latent(torch.zeros(2, 576), torch.ones(2, 3)), r"scale: expected shape \[2, 4\]"),
+    (lambda: dequantize_latent(torch.zeros(2, 656, dtype=torch.int8)), r"rows: expected dtype torch.uint8, got torch.int8"),
+    (lambda: dequantize_latent(torch.zeros(2, 640, dtype=torch.uint8)), r"rows: expected shape \[..., 656\]"),
+    (lambda: dequantize_latent(torch.zeros(2, 656, dtype=torch.uint8)),
+     r"rows: c_kv scales \(bytes 512-527\): expected finite powers of two > 0, got \[0.0"),
+    (lambda: quantize_indexer_keys(torch.zeros(2, 4, 8).index_fill_(2, torch.tensor([3]), float("inf"))),
+     r"keys: expected finite values, got 8 NaN or inf"),
+    (lambda: quantize_indexer_keys(torch.zeros(8, 8)), r"keys: expected shape \[\*, \*, \*\], got \[8, 8\]"),
+    (lambda: dequantize_indexer_keys(torch.zeros(2, 4, 12, dtype=torch.uint8)), r"cache: expected shape \[\*, \*, 1, \*\]"),
+    (lambda: dequantize_indexer_keys(torch.zeros(2, 4, 1, 4, dtype=torch.uint8)), r"cache: expected a last dim of D \+ 4"),
+    (lambda: dequantize_indexer_keys(quantize_indexer_keys(torch.ones(1, 2, 4)).index_fill_(3, torch.tensor([1]), 3)),
+     r"cache: key scales .*expected finite powers of two"),
+    (lambda: sparse_mla_fp8(torch.zeros(1, 4, 576), torch.zeros(2, 4, 1, 656, dtype=torch.uint8),
+                            torch.zeros(1, 8, dtype=torch.int64), 0.1), r"slots: expected dtype torch.int32"),
+]
+
+
+@pytest.mark.parametrize("call,match", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_hostile_inputs_are_refused_naming_the_tensor(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
