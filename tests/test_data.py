@@ -83,3 +83,20 @@ def test_the_manifest_lists_every_file_and_who_reads_it():
 
 def test_no_partial_files():
     assert not glob.glob(os.path.join(ROOT, "data", "*.partial.json"))
+
+
+def test_every_data_file_named_in_the_repository_exists():
+    """A docstring, notebook or README that cites a file in data/ cites one that is there (not one re-recorded away)."""
+    missing = []
+    for top in ("dsv32ref", "notebooks", "scripts", "tests"):
+        for path in glob.glob(os.path.join(ROOT, top, "**", "*.*"), recursive=True):
+            if not path.endswith((".py", ".md", ".ipynb")) or ".ipynb_checkpoints" in path:
+                continue
+            with open(path) as f:
+                for name in set(re.findall(r"data/([A-Za-z0-9_.-]+\.json)", f.read())):
+                    if "{" not in name and not os.path.exists(os.path.join(ROOT, "data", name)):
+                        missing.append((os.path.relpath(path, ROOT), name))
+    with open(os.path.join(ROOT, "README.md")) as f:
+        missing += [("README.md", n) for n in re.findall(r"data/([A-Za-z0-9_.-]+\.json)", f.read())
+                    if not os.path.exists(os.path.join(ROOT, "data", n))]
+    assert not missing, missing

@@ -368,7 +368,7 @@ def _check_pow2(caller: str, **values) -> None:
 
 def scores_tiles(rows: int, s_max: int, block_s: int, sms: int) -> int:
     """Key tiles per program: the most (a power of two, at most 16) that leaves more than one program per SM for
-    `rows` token groups (the H200 tune, data/indexer_tune.json: with scores_stages, within 3 % of the best of the
+    `rows` token groups (an H200 tune, in the git history: with scores_stages, within 3 % of the best of the
     tile counts and depths it tried at every benchmarked case). Depends on shapes only (fixed within a graph)."""
     n_tiles = triton.cdiv(s_max, block_s)
     tiles = 1
@@ -381,7 +381,7 @@ def scores_stages(tiles: int, tokens: int, programs: int, sms: int) -> int:
     """How deep a program pipelines its key-tile loads: 1 for one tile (nothing to overlap); 3 where the third
     buffer costs no residency: every program resident at once (at most two per SM), or a token group (its query's
     shared memory already holds it to two per SM); else 2 (more programs than that queue, and a 16 KiB buffer
-    fewer keeps one more of them resident per SM). The H200 tune, data/indexer_tune.json."""
+    fewer keeps one more of them resident per SM). An H200 tune, in the git history."""
     if tiles == 1:
         return 1
     return 3 if tokens > 1 or programs <= 2 * sms else 2
@@ -442,7 +442,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
 
 
 def topk_chunk(rows: int, s_max: int) -> int:
-    """Positions per program of the chunked top-k (the best of the H200 probe, data/indexer_probe.json): about 32
+    """Positions per program of the chunked top-k (the best of an H200 probe, in the git history): about 32
     chunks per row, and with many rows at most 256 programs per pass up to 4096 per chunk (each program of a
     pass reads every chunk histogram of its row); at least 1024, at most 16384 (one block)."""
     per_row = triton.next_power_of_2(triton.cdiv(s_max, 32))
