@@ -32,13 +32,13 @@ import torch
 
 from dsv32ref.cache import gather_tokens
 from dsv32ref.checks import check_tensor
-from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, indexer_scores_fp8, quantize_indexer_keys, quantize_latent,
-                                          sparse_mla_fp8)
+from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_latent, indexer_scores_fp8,
+                                          quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
 from dsv32ref.reference.numerics import fp8_quantize
 from dsv32ref.reference.sparse_attention import sparse_mla
 
 __all__ = ["Comparison", "compare", "assert_close", "eps", "PagedSparseMLAInputs", "paged_sparse_mla_inputs",
-           "reference_sparse_mla_paged", "FP8SparseDecodeInputs", "fp8_sparse_decode_inputs",
+           "reference_sparse_mla_paged", "fp8_latent_rows", "FP8SparseDecodeInputs", "fp8_sparse_decode_inputs",
            "reference_sparse_decode_fp8", "FP8IndexerInputs", "fp8_indexer_inputs", "reference_indexer_scores_fp8"]
 
 _EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7,
@@ -188,7 +188,7 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
                             context_lens=(0, 40, 7), query_lens=(5, 1, 30), block_size: int = 16,
                             dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0,
                             sm_scale: float | None = None, valid_first: bool = False, extra_blocks: int = 3,
-                            ) -> PagedSparseMLAInputs:
+                            kv_cache_dtype: str = "auto") -> PagedSparseMLAInputs:
     """Random paged inputs with every corner a kernel must handle (see the module docstring).
 
     Request b has context_lens[b] cached tokens and query_lens[b] new ones (query token i at position
@@ -196,7 +196,10 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
     random order (valid first if `valid_first`), padded with -1; about one row in eight is empty, and rows
     that are not full carry out-of-range entries (>= seq_len, < the row's cache capacity, so they address real
     NaN slots) unless valid_first. Block ids are a random permutation over num_blocks = sum of blocks needed +
-    extra_blocks."""
+    extra_blocks. kv_cache_dtype "auto": the cache in `dtype`; "fp8": FlashMLA's rows, uint8 [num_blocks, block_size,
+    656] (fp8_latent_rows: visible rows quantised, every other row NaN when read; d_lat 512, d_rope 64)."""
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"paged_sparse_mla_inputs: kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
     if len(context_lens) != len(query_lens) or not query_lens:
         raise ValueError(f"paged_sparse_mla_inputs: context_lens ({len(context_lens)}) and query_lens "
                          f"({len(query_lens)}) must have one equal, non-zero length")
@@ -231,8 +234,10 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
     q = torch.randn(T, num_heads, D, generator=g, dtype=torch.float64)
     qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
     dev = torch.device(device)
+    cache = cache.view(num_blocks, block_size, D)
+    cache = fp8_latent_rows(cache) if kv_cache_dtype == "fp8" else cache.to(dtype)
     return PagedSparseMLAInputs(
-        q=q.to(device=dev, dtype=dtype), latent_cache=cache.view(num_blocks, block_size, D).to(device=dev, dtype=dtype),
+        q=q.to(device=dev, dtype=dtype), latent_cache=cache.to(dev),
         block_table=block_table.to(dev), req_indices=req_indices.to(dev),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), topk_indices=topk_indices.to(dev),
         positions=positions.to(dev), query_start_loc=qsl.to(dev), sm_scale=scale, d_lat=d_lat)
@@ -240,11 +245,13 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
 
 def reference_sparse_mla_paged(x: PagedSparseMLAInputs, dtype: torch.dtype = torch.float64
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oracle on paged inputs: each request's visible rows read through its block-table row, then
-    dsv32ref.reference.sparse_mla in `dtype` (float64 by default) -> (out [T, H, d_lat], lse [T, H]), on the CPU."""
+    """The oracle on paged inputs: each request's visible rows read through its block-table row (FP8 rows
+    dequantised: fp8_cache.dequantize_latent), then dsv32ref.reference.sparse_mla in `dtype` (float64 by default)
+    -> (out [T, H, d_lat], lse [T, H]), on the CPU."""
     check_tensor("x.q", x.q, shape=(None, None, None))
     q = x.q.detach().cpu().to(dtype)
-    cache = x.latent_cache.detach().cpu().to(dtype)
+    cache = x.latent_cache.detach().cpu()
+    cache = (dequantize_latent(cache) if cache.dtype == torch.uint8 else cache).to(dtype)
     qsl, lens = x.query_start_loc.cpu().tolist(), x.seq_lens.cpu().tolist()
     outs, lses = [], []
     for b in range(len(lens)):
@@ -258,11 +265,17 @@ def reference_sparse_mla_paged(x: PagedSparseMLAInputs, dtype: torch.dtype = tor
 
 # ---- the FP8 caches as deployed (dsv32ref.reference.fp8_cache) ----------------------------------------------
 
-def _poison_rows(n: int) -> torch.Tensor:
-    """n FlashMLA rows that read as NaN everywhere (fp8 NaN 0x7F, a valid scale of 1, bf16 NaN k_pe)."""
-    row = torch.cat((torch.full((512,), 0x7F, dtype=torch.uint8), torch.ones(4).view(torch.uint8),
-                     torch.full((64,), float("nan"), dtype=torch.bfloat16).view(torch.uint8)))
-    return row.expand(n, LATENT_ROW_BYTES).clone()
+def fp8_latent_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A float latent cache [..., 576] whose unused slots hold NaN -> FlashMLA's rows uint8 [..., 656]: every
+    finite row quantised (fp8_cache.quantize_latent), every other row poisoned so that it reads as NaN
+    everywhere (fp8 NaN 0x7F, a valid scale of 1, bf16 NaN k_pe)."""
+    flat = cache.reshape(-1, cache.shape[-1])  # (slots, 576)
+    poison = torch.cat((torch.full((512,), 0x7F, dtype=torch.uint8), torch.ones(4).view(torch.uint8),
+                        torch.full((64,), float("nan"), dtype=torch.bfloat16).view(torch.uint8)))
+    rows = poison.to(cache.device).expand(flat.shape[0], LATENT_ROW_BYTES).clone()
+    finite = flat.isfinite().all(-1)
+    rows[finite] = quantize_latent(flat[finite])
+    return rows.view(*cache.shape[:-1], LATENT_ROW_BYTES)
 
 
 @dataclass
@@ -270,7 +283,8 @@ class FP8SparseDecodeInputs:
     """FlashMLA's sparse decode over its FP8 latent cache: q [T, H, 576] bf16, kv_cache uint8 [num_blocks,
     block_size, 1, 656] (module dsv32ref.reference.fp8_cache; every row outside the sequences' visible tokens
     reads as NaN), indices int32 [T, topk] flat slots (block x block_size + offset; -1 none; entries past the
-    cache, num_blocks x block_size and up, none too), the softmax scale; `paged` is what they were made from."""
+    cache, num_blocks x block_size and up, none too), the softmax scale; `paged` is what they were made from
+    (float64: the cache before quantisation)."""
 
     q: torch.Tensor
     kv_cache: torch.Tensor
@@ -287,13 +301,9 @@ def fp8_sparse_decode_inputs(num_heads: int = 64, topk: int = 128, context_lens=
     FP8 format: visible rows quantised (fp8_cache.quantize_latent), every other row poisoned, positions turned
     into flat slots through the block table and out-of-range positions into slots past the cache."""
     x = paged_sparse_mla_inputs(num_heads, 512, 64, topk, context_lens=list(context_lens),
-                                query_lens=[1] * len(context_lens), block_size=block_size, dtype=torch.float32,
+                                query_lens=[1] * len(context_lens), block_size=block_size, dtype=torch.float64,
                                 seed=seed, sm_scale=sm_scale)
     nb, bs, _ = x.latent_cache.shape
-    flat = x.latent_cache.view(nb * bs, -1)
-    visible = flat.isfinite().all(-1)  # (NB x BS,)
-    rows = _poison_rows(nb * bs)
-    rows[visible] = quantize_latent(flat[visible])
     slots = torch.full_like(x.topk_indices, -1)
     for t in range(x.q.shape[0]):
         b, idx = int(x.req_indices[t]), x.topk_indices[t].long()
@@ -301,7 +311,8 @@ def fp8_sparse_decode_inputs(num_heads: int = 64, topk: int = 128, context_lens=
         blocks = x.block_table[b].long()[idx.clamp(0, int(x.seq_lens[b]) - 1) // bs] if int(x.seq_lens[b]) else idx
         slots[t] = torch.where(ok, blocks * bs + idx % bs, torch.where(idx >= 0, nb * bs + idx, -1)).to(torch.int32)
     dev = torch.device(device)
-    return FP8SparseDecodeInputs(q=x.q.to(device=dev, dtype=torch.bfloat16), kv_cache=rows.view(nb, bs, 1, -1).to(dev),
+    return FP8SparseDecodeInputs(q=x.q.to(device=dev, dtype=torch.bfloat16),
+                                 kv_cache=fp8_latent_rows(x.latent_cache).view(nb, bs, 1, -1).to(dev),
                                  indices=slots.to(dev), sm_scale=x.sm_scale, paged=x)
 
 

@@ -3,7 +3,7 @@
     python scripts/sass_sparse_mla.py --out sass-3.6.0.json            (under one triton)
     python scripts/sass_sparse_mla.py --merge sass-*.json --out data/sparse_mla_sass.json
 
-The Triton kernel (dsv32ref.kernels.sparse_mla) and sm_90's warp-specialized Gluon kernel
+The Triton kernel (dsv32ref.kernels.sparse_mla; over the bf16 cache and over FlashMLA's FP8 rows) and sm_90's warp-specialized Gluon kernel
 (dsv32ref.kernels.sparse_mla_hopper: the consumers' loop and the producer's) at DeepSeek-V3.2 sizes, as
 sparse_mla_paged launches them. A kernel that does not compile under this triton is a result too (its error is
 recorded). scripts/sm90_triton_versions.sh runs this under each triton release and merges the files.
@@ -31,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, _sparse_mla_kernel
+from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, FP8_CONFIG, _sparse_mla_kernel
 from dsv32ref.kernels.sparse_mla_hopper import _sparse_mla_ws_kernel
 from dsv32ref.provenance import provenance
 
@@ -40,19 +40,21 @@ POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_table_ptr": "*i32", "
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def _source(cls, fn, const: dict):
+def _source(cls, fn, const: dict, pointers: dict = POINTERS):
     """As at a launch with 16-byte aligned pointers and strides (what the GPU build specialises on)."""
     params = list(inspect.signature(fn.fn).parameters)
-    sig = {p: "constexpr" if p in const else POINTERS.get(p, "fp32" if p == "sm_scale_log2" else "i32") for p in params}
+    sig = {p: "constexpr" if p in const else pointers.get(p, "fp32" if p == "sm_scale_log2" else "i32") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p] not in ("constexpr", "fp32")}
     return cls(fn, sig, constexprs=const, attrs=attrs)
 
 
-def compile_triton_kernel():
-    cfg = DEFAULT_CONFIG
+def compile_triton_kernel(fp8: bool = False):
+    """The Triton kernel over the bf16 cache, or (fp8) over FlashMLA's FP8 rows, with its tiles."""
+    cfg = FP8_CONFIG if fp8 else DEFAULT_CONFIG
     const = dict(D_LAT=512, D_ROPE=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PRECISION="tf32",
-                 NUM_SPLITS=1, VALID_FIRST=False)
-    return triton.compile(_source(ASTSource, _sparse_mla_kernel, const), target=SM90,
+                 NUM_SPLITS=1, VALID_FIRST=False, FP8=fp8)
+    pointers = dict(POINTERS, cache_ptr="*u8") if fp8 else POINTERS
+    return triton.compile(_source(ASTSource, _sparse_mla_kernel, const, pointers), target=SM90,
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
@@ -101,7 +103,8 @@ def _attempt(fn) -> dict:
 
 def counts() -> dict:
     hopper = _attempt(compile_hopper_kernel)
-    rows = {"the Triton kernel": _attempt(lambda: loop_counts(compile_triton_kernel()))}
+    rows = {"the Triton kernel": _attempt(lambda: loop_counts(compile_triton_kernel())),
+            "the Triton kernel, fp8 cache": _attempt(lambda: loop_counts(compile_triton_kernel(fp8=True)))}
     for name, loop in (("sm_90 warp-specialized: the consumers' loop", "HGMMA"),
                        ("sm_90 warp-specialized: the producer's loop", "LDGSTS")):
         rows[name] = hopper if isinstance(hopper, dict) else _attempt(lambda: loop_counts(hopper, loop))

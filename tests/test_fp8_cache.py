@@ -11,8 +11,9 @@ from dsv32ref.reference import indexer_scores, sparse_mla
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_indexer_keys, dequantize_latent,
                                           indexer_key_bytes, indexer_key_parts, indexer_scores_fp8, latent_parts,
                                           latent_scale, quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
-from dsv32ref.testing import (assert_close, fp8_indexer_inputs, fp8_sparse_decode_inputs, reference_indexer_scores_fp8,
-                              reference_sparse_decode_fp8)
+from dsv32ref.kernels.sparse_mla import sparse_mla_paged
+from dsv32ref.testing import (assert_close, fp8_indexer_inputs, fp8_sparse_decode_inputs, paged_sparse_mla_inputs,
+                              reference_indexer_scores_fp8, reference_sparse_decode_fp8, reference_sparse_mla_paged)
 
 
 def _fp8_byte(v: float) -> int:
@@ -179,3 +180,53 @@ BAD = [
 def test_hostile_inputs_are_refused_naming_the_tensor(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ---- the kernels over the FP8 caches --------------------------------------------------------------------------
+
+KERNEL_CASES = [  # the interpreter computes in fp32; compiled, bf16 as deployed
+    pytest.param("cpu", torch.float32, 64, id="cpu-fp32",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the compiled cases")),
+    pytest.param("cuda", torch.bfloat16, 1, id="cuda-bf16", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device,dtype,tol", KERNEL_CASES)
+@pytest.mark.parametrize("splits,valid_first", [(None, False), (1, True), (4, False)])
+def test_sparse_mla_paged_reads_fp8_rows(device, dtype, tol, splits, valid_first, seed):
+    """sparse_mla_paged over FlashMLA's rows equals the float64 reference over the dequantised rows, per element:
+    scrambled blocks, -1 and out-of-range entries, empty rows, every unselected row NaN, outputs poisoned."""
+    cpu = device == "cpu"
+    x = paged_sparse_mla_inputs(num_heads=3 if cpu else 64, topk=16 if cpu else 2048,
+                                context_lens=(0, 21, 5) if cpu else (0, 3000, 100), query_lens=(4, 1, 2) if cpu else (70, 1, 2),
+                                block_size=8 if cpu else 64, dtype=dtype, device=device, seed=seed,
+                                valid_first=valid_first, kv_cache_dtype="fp8")
+    assert x.latent_cache.dtype == torch.uint8 and x.latent_cache.shape[-1] == LATENT_ROW_BYTES
+    T, H = x.q.shape[:2]
+    out = torch.full((T, H, 512), float("nan"), dtype=dtype, device=device)
+    lse = torch.full((T, H), float("nan"), device=device)
+    config = {"BLOCK_N": 8} if cpu else {}
+    config.update({} if splits is None else {"NUM_SPLITS": splits})
+    sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,
+                     out, lse, config=config, valid_first=valid_first)
+    ref, ref_lse = reference_sparse_mla_paged(x)
+    assert_close("out", out, ref, dtype=dtype, row_dims=2, rtol=tol, atol=tol)
+    assert_close("lse", lse, ref_lse, dtype=torch.float32, rtol=64, atol=64)
+
+
+def test_sparse_mla_paged_refuses_what_fp8_rows_cannot_be():
+    """An fp8 cache of the wrong width, for other latent widths, with a float16 q (fp8 x scale can overflow it),
+    or with rows not 16-byte aligned: a ValueError naming the tensor."""
+    x = paged_sparse_mla_inputs(num_heads=2, topk=4, context_lens=(3,), query_lens=(1,), block_size=4,
+                                dtype=torch.float32, kv_cache_dtype="fp8")
+    out, args = torch.empty(1, 2, 512), (x.block_table, x.req_indices, x.seq_lens, x.topk_indices, 0.1)
+    nb, bs, _ = x.latent_cache.shape
+    with pytest.raises(ValueError, match=r"latent_cache: expected shape \[\*, \*, 656\], got \[\d+, 4, 640\]"):
+        sparse_mla_paged(x.q, x.latent_cache[..., :640], *args, out)
+    with pytest.raises(ValueError, match=r"q: expected bfloat16 or float32 with an fp8 latent_cache"):
+        sparse_mla_paged(x.q.half(), x.latent_cache, *args, out.half())
+    with pytest.raises(ValueError, match=r"kv_lora_rank 512 and qk_rope_head_dim 64, got 256 and 64"):
+        sparse_mla_paged(x.q[..., 256:], x.latent_cache, *args, torch.empty(1, 2, 256))
+    wide = torch.zeros(nb, bs, 664, dtype=torch.uint8)[..., 4:660]  # rows 664 bytes apart, starting at byte 4
+    with pytest.raises(ValueError, match=r"latent_cache: fp8 rows and blocks must start 16 bytes apart and aligned"):
+        sparse_mla_paged(x.q, wide, *args, out)

@@ -14,6 +14,10 @@ so about 216 FLOP/byte at H = 128: past the H200's ridge (160-185 FLOP/B measure
 H = 64, half the FLOPs over the same rows: memory-bound if every gathered row comes from HBM (decode batches);
 in a long prefill the rows are shared by many tokens and sit in L2, and the compute bound applies.
 
+FP8 cache (FlashMLA's rows, dsv32ref.reference.fp8_cache): 656 bytes per gathered row instead of 1152, so a
+memory-bound decode reads 57 % of the bytes. Each step loads the fp8 values, their four scales and k_pe, and
+forms c_kv = fp8 x scale in q's dtype (exact: the scales are powers of two) before the same MMAs.
+
 The program. One program owns BLOCK_H = 64 heads of one token (a DeepSeek-V3.2 token takes two) and walks its
 top-k BLOCK_N = 64 keys at a time, as the fused-attention tutorial walks K/V blocks:
     resolve    the program's top-k slice to cache rows, once, into an int32 workspace (below);
@@ -40,6 +44,7 @@ from dsv32ref.checks import (check_keys, check_range, check_same_device, check_s
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.launch import launch
+from dsv32ref.reference.fp8_cache import LATENT_ROW_BYTES
 
 try:  # the warp-specialized Gluon kernel that sm_90 runs (needs triton.experimental.gluon)
     from dsv32ref.kernels import sparse_mla_hopper as _hopper
@@ -105,18 +110,42 @@ def _online_softmax(s, valid, m_i, l_i):
 
 
 @triton.jit
+def _gather_keys(cache_ptr, row, valid, dtype: tl.constexpr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
+                 FP8: tl.constexpr):
+    """The step's latent rows at element offsets row (BLOCK_N,) -> (c_kv (BLOCK_N, D_LAT), k_pe (BLOCK_N, D_ROPE))
+    in dtype. FP8: the cache is bytes, FlashMLA's rows [c_kv fp8 e4m3 (D_LAT) | D_LAT / 128 fp32 scales | k_pe
+    bf16 (D_ROPE)]; c_kv = fp8 x its group's scale, formed in dtype (exact for bf16 and fp32: a power-of-two
+    scale), as FlashMLA's decode does before its bf16 MMAs."""
+    offs_lat = tl.arange(0, D_LAT)
+    offs_rope = tl.arange(0, D_ROPE)
+    if FP8:
+        base = cache_ptr + row  # (BLOCK_N,) byte pointers to the rows
+        vals = tl.load(base.to(tl.pointer_type(tl.float8e4nv))[:, None] + offs_lat[None, :], mask=valid[:, None],
+                       other=0.0)  # (BLOCK_N, D_LAT)
+        scale = tl.load((base + D_LAT).to(tl.pointer_type(tl.float32))[:, None] + tl.arange(0, D_LAT // 128)[None, :],
+                        mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT / 128)
+        groups = tl.reshape(vals.to(dtype), (vals.shape[0], D_LAT // 128, 128))  # (BLOCK_N, D_LAT / 128, 128)
+        k_lat = tl.reshape(groups * scale.to(dtype)[:, :, None], (vals.shape[0], D_LAT))  # (BLOCK_N, D_LAT)
+        k_pe = tl.load((base + D_LAT + 4 * (D_LAT // 128)).to(tl.pointer_type(tl.bfloat16))[:, None] +
+                       offs_rope[None, :], mask=valid[:, None], other=0.0).to(dtype)  # (BLOCK_N, D_ROPE)
+    else:
+        k_lat = tl.load(cache_ptr + row[:, None] + offs_lat[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT)
+        k_pe = tl.load(cache_ptr + row[:, None] + D_LAT + offs_rope[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_ROPE)
+    return k_lat, k_pe
+
+
+@triton.jit
 def _attend(q_row, h_mask, cache_ptr, row, valid, m_i, l_i, acc, sm_scale_log2, seq_len,
-            D_LAT: tl.constexpr, D_ROPE: tl.constexpr, PRECISION: tl.constexpr):
+            D_LAT: tl.constexpr, D_ROPE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One step over BLOCK_N keys: gather their latent rows, S = q K^T, online softmax, O += P V with V = c_kv.
     Per step at BLOCK_H = BLOCK_N = 64 (bf16): 72 KiB gathered, 4.7 MFLOP in QK^T, 4.2 MFLOP in PV."""
     offs_lat = tl.arange(0, D_LAT)
     offs_rope = tl.arange(0, D_ROPE)
-    k_lat = tl.load(cache_ptr + row[:, None] + offs_lat[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT)
-    k_pe = tl.load(cache_ptr + row[:, None] + D_LAT + offs_rope[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D_ROPE)
     # q is read again every step (from L1): a query tile held across the loop beside the branch below makes
     # triton 3.6's software pipeliner fail.
     q_lat = tl.load(q_row + offs_lat[None, :], mask=h_mask[:, None], other=0.0)  # (BLOCK_H, D_LAT)
     q_pe = tl.load(q_row + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0)  # (BLOCK_H, D_ROPE)
+    k_lat, k_pe = _gather_keys(cache_ptr, row, valid, q_lat.dtype, D_LAT, D_ROPE, FP8)
     # QK^T as two dots scaled before they are summed (an add of two dot results would fold into one dot).
     s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION) * sm_scale_log2 + \
         tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
@@ -157,7 +186,7 @@ def _finish(acc, m_i, l_i, t, offs_h, h_mask, split, H, out_ptr, stride_ot, stri
 @triton.jit
 def _sparse_mla_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, H, D_LAT + D_ROPE]
-    cache_ptr, stride_cb, stride_cs,  # latent cache [NB, BS, D_LAT + D_ROPE]
+    cache_ptr, stride_cb, stride_cs,  # latent cache [NB, BS, D_LAT + D_ROPE]; FP8: bytes [NB, BS, 656]
     block_table_ptr, stride_bt,  # [B, max_blocks]
     req_ptr, seq_lens_ptr,  # [T], [B]
     idx_ptr, stride_it,  # top-k [T, K] int32 (token positions, -1 = none)
@@ -168,7 +197,7 @@ def _sparse_mla_kernel(
     H, K, block_size, rows_per_block,  # rows_per_block = stride_cb / stride_cs
     B, max_blocks, num_blocks,  # bounds of req_indices, of a block-table row, of block ids (masked, never read)
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr,
+    PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr, FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -192,7 +221,7 @@ def _sparse_mla_kernel(
     for it in tl.range(it0, it1):
         row_next, valid_next = _step_rows(rows_row_ptr, it + 1, k_end, stride_cs, BLOCK_N)  # in flight meanwhile
         m_i, l_i, acc = _attend(q_row, h_mask, cache_ptr, row, valid, m_i, l_i, acc, sm_scale_log2, seq_len,
-                                D_LAT, D_ROPE, PRECISION)
+                                D_LAT, D_ROPE, PRECISION, FP8)
         row, valid = row_next, valid_next
     _finish(acc, m_i, l_i, t, offs_h, h_mask, split, H, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
             D_LAT, NUM_SPLITS)
@@ -223,7 +252,25 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
 # twice the shared memory: smaller ones, no multi-stage buffering.
 DEFAULT_CONFIG = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2)
 FP32_CONFIG = dict(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=1)
+# FP8 rows are dequantised in registers on their way to the MMA: 32-key steps, the tile that compiles for sm_90a
+# without spills (scripts/sass_sparse_mla.py; 64-key steps spill). Not yet timed against FlashMLA's kernel.
+FP8_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
 CONFIG_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "NUM_SPLITS")
+
+
+def _check_fp8_cache(q, latent_cache, d_lat: int, d_rope: int) -> None:
+    """FlashMLA's FP8 rows: uint8 [NB, BS, 656] (its [NB, BS, 1, 656] without the head dim), for a bf16 or fp32 q
+    of DeepSeek-V3.2's widths; rows and blocks 16-byte aligned (the fp32 scales and bf16 k_pe are read in place)."""
+    check_tensor("latent_cache", latent_cache, shape=(None, None, LATENT_ROW_BYTES), dtype=torch.uint8, dense_dims=1)
+    if (d_lat, d_rope) != (512, 64):
+        raise ValueError(f"sparse_mla_paged: an fp8 latent_cache holds FlashMLA's rows of kv_lora_rank 512 and "
+                         f"qk_rope_head_dim 64, got {d_lat} and {d_rope}")
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"q: expected bfloat16 or float32 with an fp8 latent_cache (fp8 x scale may overflow "
+                         f"float16), got {q.dtype}")
+    if latent_cache.stride(1) % 16 or latent_cache.stride(0) % 16 or latent_cache.data_ptr() % 16:
+        raise ValueError(f"latent_cache: fp8 rows and blocks must start 16 bytes apart and aligned, got strides "
+                         f"{tuple(latent_cache.stride())} at address {latent_cache.data_ptr():#x}")
 
 
 def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse):
@@ -235,7 +282,10 @@ def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indic
     for name, v in (("kv_lora_rank (out.shape[-1])", d_lat), ("qk_rope_head_dim (q.shape[-1] - out.shape[-1])", d_rope)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"sparse_mla_paged: {name} must be a power of two, got {v}")
-    check_tensor("latent_cache", latent_cache, shape=(None, None, D), dtype=q.dtype, dense_dims=1)
+    if latent_cache.dtype == torch.uint8:
+        _check_fp8_cache(q, latent_cache, d_lat, d_rope)
+    else:
+        check_tensor("latent_cache", latent_cache, shape=(None, None, D), dtype=q.dtype, dense_dims=1)
     nb, bs = latent_cache.shape[:2]
     if latent_cache.stride(1) == 0 or latent_cache.stride(0) % latent_cache.stride(1):
         raise ValueError(f"latent_cache: stride(0) must be a multiple of stride(1) > 0 (blocks a whole number of rows "
@@ -270,11 +320,14 @@ def num_splits(T: int, head_blocks: int, sms: int) -> int:
     return 1 << (fill.bit_length() - 1) if fill >= 2 else 1
 
 
-def kernel_choice(q: torch.Tensor, d_lat: int, splits: int, config: dict | None) -> tuple[str, str]:
+def kernel_choice(q: torch.Tensor, d_lat: int, splits: int, config: dict | None, fp8: bool = False
+                  ) -> tuple[str, str]:
     """(the kernel sparse_mla_paged runs, why): "sm_90 warp-specialized" (dsv32ref.kernels.sparse_mla_hopper)
-    or "triton" (the kernel of this module)."""
+    or "triton" (the kernel of this module). fp8: the latent cache holds FlashMLA's FP8 rows."""
     if config:
         reason = "a tile config was given"
+    elif fp8:
+        reason = "an fp8 latent cache (the warp-specialized kernel reads bf16 rows)"
     elif _hopper is None:
         reason = f"triton {triton.__version__} has no triton.experimental.gluon"
     else:
@@ -284,11 +337,13 @@ def kernel_choice(q: torch.Tensor, d_lat: int, splits: int, config: dict | None)
     return "triton", reason
 
 
-def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: int) -> tuple[dict, int, int, bool]:
+def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: int, fp8: bool = False
+                ) -> tuple[dict, int, int, bool]:
     """What sparse_mla_paged launches for q [T, H, D_LAT + D_ROPE] (T >= 1) and K top-k slots -> (tiles, heads
     per program, top-k splits, whether the warp-specialized Gluon kernel runs: `kernel_choice`). Shapes only,
     so it is fixed within a captured graph."""
-    cfg = dict(FP32_CONFIG if q.dtype == torch.float32 else DEFAULT_CONFIG, **(config or {}))
+    base = FP32_CONFIG if q.dtype == torch.float32 else FP8_CONFIG if fp8 else DEFAULT_CONFIG
+    cfg = dict(base, **(config or {}))
     T, H = q.shape[:2]
     block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(H)))
     splits = cfg.get("NUM_SPLITS")
@@ -297,7 +352,7 @@ def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: i
     elif not is_int(splits) or splits < 1 or splits & (splits - 1):
         raise ValueError(f"sparse_mla_paged: NUM_SPLITS must be a power of two, got {splits!r}")
     splits = min(splits, 16, triton.next_power_of_2(triton.cdiv(K, cfg["BLOCK_N"])))
-    return cfg, block_h, splits, kernel_choice(q, d_lat, splits, config)[0] != "triton"
+    return cfg, block_h, splits, kernel_choice(q, d_lat, splits, config, fp8)[0] != "triton"
 
 
 def sparse_mla_paged(
@@ -317,7 +372,9 @@ def sparse_mla_paged(
     """out[t, h] = softmax_j(sm_scale q[t, h] . kv_j) @ c_kv_j over the valid top-k keys of token t.
 
     q             [T, H, D_LAT + D_ROPE]   bf16 / fp16 / fp32 (the absorbed query [q~ | q_pe])
-    latent_cache  [NB, BS, D_LAT + D_ROPE] same dtype, last dim contiguous
+    latent_cache  [NB, BS, D_LAT + D_ROPE] same dtype, last dim contiguous; or uint8 [NB, BS, 656], FlashMLA's
+                                           FP8 rows (dsv32ref.reference.fp8_cache; bf16 or fp32 q, 512 + 64 wide):
+                                           dequantised in the kernel (fp8 x power-of-two scale, exact in q's dtype)
     block_table   int32 [B, max_blocks]; req_indices int32 [T]; seq_lens int32 [B]
     topk_indices  int32 [T, K]             token positions in the sequence; < 0 or >= seq_len: skipped
     out           [T, H, D_LAT]            written in place (caller-owned: graph-safe)
@@ -342,7 +399,7 @@ def sparse_mla_paged(
     if T == 0:
         return out, lse
     K = topk_indices.shape[1]
-    cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms)
+    cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms, latent_cache.dtype == torch.uint8)
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
     if hopper:
         _hopper.sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out,
@@ -377,7 +434,7 @@ def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_ind
         B, block_table.shape[1], latent_cache.shape[0],
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=splits, VALID_FIRST=valid_first,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FP8=latent_cache.dtype == torch.uint8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         launch(_combine_splits_kernel, (T, H), part_o, part_lse, out, out.stride(0), out.stride(1), lse_arg,
