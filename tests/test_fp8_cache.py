@@ -11,6 +11,7 @@ from dsv32ref.reference import indexer_scores, sparse_mla
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_indexer_keys, dequantize_latent,
                                           indexer_key_bytes, indexer_key_parts, indexer_scores_fp8, latent_parts,
                                           latent_scale, quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
+from dsv32ref.kernels.indexer_topk import indexer_scores_paged
 from dsv32ref.kernels.sparse_mla import sparse_mla_paged
 from dsv32ref.testing import (assert_close, fp8_indexer_inputs, fp8_sparse_decode_inputs, paged_sparse_mla_inputs,
                               reference_indexer_scores_fp8, reference_sparse_decode_fp8, reference_sparse_mla_paged)
@@ -230,3 +231,24 @@ def test_sparse_mla_paged_refuses_what_fp8_rows_cannot_be():
     wide = torch.zeros(nb, bs, 664, dtype=torch.uint8)[..., 4:660]  # rows 664 bytes apart, starting at byte 4
     with pytest.raises(ValueError, match=r"latent_cache: fp8 rows and blocks must start 16 bytes apart and aligned"):
         sparse_mla_paged(x.q, wide, *args, out)
+
+
+@pytest.mark.parametrize("device,dtype,tol", KERNEL_CASES)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_indexer_scores_paged_reads_fp8_keys(device, dtype, tol, tokens, seed):
+    """indexer_scores_paged over DeepGEMM's FP8 key blocks equals the float64 reference per element, every visible
+    key of every token; the scores past a token's position are left as they were (NaN here)."""
+    cpu = device == "cpu"
+    x = fp8_indexer_inputs(num_heads=4 if cpu else 64, head_dim=16 if cpu else 128,
+                           context_lens=(0, 37, 9) if cpu else (0, 3000, 100), query_lens=(3, 1, 2) if cpu else (70, 1, 2),
+                           block_kv=8 if cpu else 64, device=device, seed=seed)
+    ref = reference_indexer_scores_fp8(x)
+    cache = x.k_cache.squeeze(2)  # (NB, BK, D + 4): the kernel's cache has no head dim
+    scores = torch.full((x.q.shape[0], ref.shape[1] + 5), float("nan"), device=device)
+    indexer_scores_paged(x.q.to(dtype), x.weights, cache, x.block_table, x.req_indices, x.positions,
+                         x.softmax_scale, scores, block_s=8 if cpu else 64, tokens=tokens)
+    visible = torch.arange(scores.shape[1]) <= x.positions.cpu()[:, None]  # (T, S_MAX)
+    got = torch.where(visible, scores.cpu(), 0.0)
+    want = torch.where(visible, torch.cat((ref, torch.full((ref.shape[0], 5), float("-inf"), dtype=ref.dtype)), 1), 0.0)
+    assert_close("scores", got, want, dtype=torch.float32, row_dims=1, rtol=tol, atol=tol)
+    assert scores.cpu()[~visible].isnan().all()

@@ -61,16 +61,35 @@ def _after_previous(PDL: tl.constexpr):
 
 
 @triton.jit
+def _load_keys(kcache_ptr, blk, row, vis, stride_kb, stride_ks, block_size, dtype: tl.constexpr, D: tl.constexpr,
+               FP8: tl.constexpr):
+    """Keys at rows `row` of blocks `blk` -> (keys (BLOCK_S, D) in dtype, their scales (BLOCK_S,) fp32). FP8: the
+    cache is bytes in DeepGEMM's block layout, a block's block_size x D fp8 values token by token, then its
+    block_size fp32 scales; the scale multiplies the key's scores (it is one per key: the same as scaling the key)."""
+    offs_d = tl.arange(0, D)
+    if FP8:
+        base = kcache_ptr + blk.to(tl.int64) * stride_kb  # the blocks' first bytes
+        k = tl.load((base + row * D).to(tl.pointer_type(tl.float8e4nv))[:, None] + offs_d[None, :], mask=vis[:, None],
+                    other=0.0).to(dtype)  # (BLOCK_S, D), exact in any float dtype
+        k_scale = tl.load((base + block_size * D + 4 * row).to(tl.pointer_type(tl.float32)), mask=vis, other=0.0)
+    else:
+        k_row = blk.to(tl.int64) * stride_kb + row * stride_ks  # (BLOCK_S,)
+        k = tl.load(kcache_ptr + k_row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
+        k_scale = tl.full(row.shape, 1.0, tl.float32)
+    return k, k_scale
+
+
+@triton.jit
 def _indexer_scores_kernel(
     q_ptr, stride_qt, stride_qh,  # q^I [T, H_I, D] (roped)
     w_ptr, stride_wt,  # weights [T, H_I] fp32, already scaled by H_I^-1/2
-    kcache_ptr, stride_kb, stride_ks,  # indexer-key cache [NB, BS, D]
+    kcache_ptr, stride_kb, stride_ks,  # indexer-key cache [NB, BS, D]; FP8: bytes [NB, BS, D + 4] (_load_keys)
     block_table_ptr, stride_bt, req_ptr, pos_ptr,
     scores_ptr, stride_st,  # [T, S_MAX] fp32
     softmax_scale, block_size,
     T, S_MAX, B, max_blocks, num_blocks,  # bounds: tokens, score width, requests, a block-table row, block ids
     H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr, TOKENS: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """Program (i, j): the scores of keys [j TILES BLOCK_S, (j + 1) TILES BLOCK_S) of tokens [i TOKENS,
     (i + 1) TOKENS), a key tile at a time. The tokens of one request share its keys: each tile is read once
@@ -117,11 +136,10 @@ def _indexer_scores_kernel(
                     blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
                     row = offs_s % block_size
                 vis = vis & (blk >= 0) & (blk < num_blocks)  # a key in a block outside the cache scores nothing
-                k_row = blk.to(tl.int64) * stride_kb + row * stride_ks  # (BLOCK_S,)
-                k = tl.load(kcache_ptr + k_row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
+                k, k_scale = _load_keys(kcache_ptr, blk, row, vis, stride_kb, stride_ks, block_size, q.dtype, D, FP8)
                 # keys on the MMA's rows, (token, head) on its columns: the sum over heads stays inside each
                 # warp (with heads on the rows it crossed warps through shared memory: 8-15 % slower, H200)
-                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * softmax_scale  # (BLOCK_S, TOKENS H_I)
+                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * (k_scale * softmax_scale)[:, None]  # (BLOCK_S, TOKENS H_I)
                 # ReLU that keeps NaN, as torch.relu does (compiled, tl.maximum returns the number)
                 part = tl.where(logits < 0.0, 0.0, logits) * w[None, :]
                 for u in tl.static_range(TOKENS):
@@ -344,7 +362,13 @@ def _check_common(q_idx, weights, index_cache, block_table, req_indices, positio
         if v <= 0 or v & (v - 1):
             raise ValueError(f"indexer_topk: {name} must be a power of two, got {v}")
     check_tensor("weights", weights, shape=(T, H_I), dtype=torch.float32, dense_dims=1)
-    check_tensor("index_cache", index_cache, shape=(None, None, D), dtype=q_idx.dtype, dense_dims=1)
+    if index_cache.dtype == torch.uint8:  # DeepGEMM's FP8 keys: each block's bytes in one piece
+        check_tensor("index_cache", index_cache, shape=(None, None, D + 4), dense_dims=2)
+        if index_cache.stride(0) % 16 or index_cache.data_ptr() % 16:
+            raise ValueError(f"index_cache: fp8 blocks must start 16 bytes apart and aligned, got strides "
+                             f"{tuple(index_cache.stride())} at address {index_cache.data_ptr():#x}")
+    else:
+        check_tensor("index_cache", index_cache, shape=(None, None, D), dtype=q_idx.dtype, dense_dims=1)
     B = check_tensor("block_table", block_table, shape=(None, None), dtype=torch.int32, dense_dims=1).shape[0]
     check_tensor("req_indices", req_indices, shape=(T,), dtype=torch.int32, dense_dims=1)
     check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
@@ -399,8 +423,10 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
                          num_stages: int | None = None, num_sms: int | None = None, tokens: int | None = None):
     """scores[t, s] = sum_h weights[t, h] relu(q_idx[t, h] . k[s] * softmax_scale) for s <= positions[t].
 
-    q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D]; scores fp32 [T, S_MAX] (caller-owned;
-    entries past a token's position are left untouched). S_MAX must exceed every position.
+    q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D] in q_idx's dtype, or uint8 [NB, BS, D + 4]:
+    DeepGEMM's FP8 keys (its [NB, BS, 1, D + 4] without the head dim; dsv32ref.reference.fp8_cache), each key's
+    fp8 values times its fp32 scale; scores fp32 [T, S_MAX] (caller-owned; entries past a token's position are
+    left untouched). S_MAX must exceed every position.
     tokens: consecutive tokens per program (default scores_tokens(T, H_I)); tokens of one request share each
     key tile's read. A group that spans requests takes each of them in turn with the other tokens' columns
     masked, so a batch of one token per request (decode) should pass 1: its groups would share nothing and
@@ -435,7 +461,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
             softmax_scale, index_cache.shape[1],
             T, scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
             H_I=H_I, D=D, BLOCK_S=block_s, TILES=tiles, TOKENS=tokens,
-            TILE_IN_BLOCK=index_cache.shape[1] % block_s == 0,
+            TILE_IN_BLOCK=index_cache.shape[1] % block_s == 0, FP8=index_cache.dtype == torch.uint8,
             PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         )
     return scores
