@@ -100,6 +100,24 @@ def test_scales_follow_each_format():
     assert latent_parts(quantize_latent(big, torch.ones(1, 4)))[0][0, :2].float().tolist() == [448.0, -448.0]
 
 
+def test_scales_are_exact_powers_of_two_at_the_boundaries(seed):
+    """amax = 448 x 2^k takes 2^k, the next float32 up 2^(k + 1) (fp32 log2 rounds that quotient down to k: the value
+    would saturate); elsewhere the scale is 2^ceil(log2(max(amax / 448, 1e-4))) computed in float64; zero and
+    subnormal amax take the floor."""
+    from dsv32ref.reference.numerics import pow2_scale, ue8m0_scale
+    k = torch.arange(-12, 40)
+    at = 448.0 * torch.exp2(k.float())
+    up = torch.nextafter(at, torch.tensor(float("inf")))
+    assert torch.equal(pow2_scale(at, -13), torch.exp2(k.float())) and torch.equal(pow2_scale(up, -13), torch.exp2(k + 1.0))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(100_000, generator=g) * torch.exp2(torch.randint(-40, 40, (100_000,), generator=g).float())
+    want = torch.exp2(torch.ceil(torch.log2((x.double() / 448).clamp(min=1e-4))))
+    assert torch.equal(pow2_scale(x, -13).double(), want)
+    want = torch.exp2(torch.ceil(torch.log2(x.double().clamp(min=1e-4) / 448)))
+    assert torch.equal(ue8m0_scale(x).double(), want)
+    assert latent_scale(torch.tensor([0.0, 1e-45])).tolist() == [2.0 ** -13] * 2
+
+
 def test_the_fp8_reference_is_the_bf16_one_up_to_fp8_rounding(seed):
     """sparse_mla_fp8 over a quantised cache against sparse_mla over the cache it came from: within what fp8
     rounding of c_kv moves a softmax-weighted mean; exactly the reference on the dequantised rows; no valid slot:

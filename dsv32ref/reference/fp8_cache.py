@@ -21,8 +21,9 @@ block_kv tokens,
 in a uint8 tensor [num_blocks, block_kv, 1, D + 4] (the block's bytes, not one row per token). vLLM quantises
 each key with one power-of-two scale, s = 2^ceil(log2(max(amax, 1e-4) / 448)) (ue8m0); block_kv is 64 on sm_90.
 
-The fp8 casts round to nearest even and saturate at +-448. Every quantiser refuses NaN and inf, every
-dequantiser refuses a scale that is not a finite power of two (the formats' own), both name the tensor.
+Both scales are computed exactly (numerics.pow2_scale). The fp8 casts round to nearest even and saturate at
++-448. Every quantiser refuses NaN and inf, every dequantiser refuses a scale that is not a finite power of two
+(the formats' own), both name the tensor.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from dsv32ref.checks import check_tensor
 from dsv32ref.reference.indexer import indexer_scores
-from dsv32ref.reference.numerics import FP8_E4M3_MAX
+from dsv32ref.reference.numerics import FP8_E4M3_MAX, pow2_scale, ue8m0_scale
 from dsv32ref.reference.sparse_attention import sparse_mla
 
 __all__ = ["LATENT_ROW_BYTES", "dequantize_indexer_keys", "dequantize_latent", "indexer_key_bytes",
@@ -64,8 +65,9 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def latent_scale(amax: torch.Tensor) -> torch.Tensor:
-    """FlashMLA's scale of a 128-value group: 2^ceil(log2(max(amax / 448, 1e-4)))."""
-    return torch.exp2(torch.ceil(torch.log2((amax / FP8_E4M3_MAX).clamp(min=1e-4))))
+    """FlashMLA's scale of a 128-value group: 2^ceil(log2(max(amax / 448, 1e-4))), at least 2^-13 (numerics.pow2_scale:
+    exact where FlashMLA's fp32 log2 rounds a quotient just above a power of two down)."""
+    return pow2_scale(amax, -13)
 
 
 def quantize_latent(latent: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,7 +121,7 @@ def quantize_indexer_keys(keys: torch.Tensor, scale: torch.Tensor | None = None)
     _finite("keys", keys)
     k = keys.float()
     if scale is None:
-        scale = torch.exp2(torch.ceil(torch.log2(k.abs().amax(-1).clamp(min=1e-4) / FP8_E4M3_MAX)))  # (NB, BK)
+        scale = ue8m0_scale(k.abs().amax(-1))  # (NB, BK)
     else:
         check_tensor("scale", scale, shape=(nb, bk), dtype=torch.float32)
         _powers_of_two("scale", scale)

@@ -41,9 +41,19 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     return (x.to(dt) @ _hadamard_on(x.shape[-1], x.device, dt)).to(x.dtype)
 
 
+def pow2_scale(amax: torch.Tensor, min_exp: int) -> torch.Tensor:
+    """The smallest power of two s = 2^k, k >= min_exp, with amax / s <= 448: 2^max(ceil(log2(amax / 448)), min_exp)
+    in exact arithmetic, read off amax's exponent and mantissa (448 = 0.875 x 2^9). fp32 log2 would round a
+    quotient just above a power of two down to it, and that value would then saturate."""
+    mant, exp = torch.frexp(amax.float())  # amax = mant x 2^exp, mant in [0.5, 1)
+    k = torch.where(amax > 0, exp - 9 + (mant > 0.875).to(exp.dtype), min_exp).clamp(min=min_exp)
+    return torch.exp2(k.float())
+
+
 def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Power-of-two scale so that amax / s <= 448: s = 2^ceil(log2(max(amax, 1e-4) / 448))."""
-    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-4) / FP8_E4M3_MAX)))
+    """Power-of-two scale so that amax / s <= 448: s = 2^ceil(log2(max(amax, 1e-4) / 448)) (at least 2^-22,
+    as 1e-4 / 448 is just above 2^-23)."""
+    return pow2_scale(amax, -22)
 
 
 def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
