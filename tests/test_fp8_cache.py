@@ -6,11 +6,14 @@ import struct
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv32ref.reference import indexer_scores, sparse_mla
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_indexer_keys, dequantize_latent,
                                           indexer_key_bytes, indexer_key_parts, indexer_scores_fp8, latent_parts,
                                           latent_scale, quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
+from dsv32ref.kernels.fp8 import e4m3_bytes, pow2_scale
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged
 from dsv32ref.kernels.sparse_mla import sparse_mla_paged
 from dsv32ref.testing import (assert_close, fp8_indexer_inputs, fp8_sparse_decode_inputs, paged_sparse_mla_inputs,
@@ -199,6 +202,38 @@ BAD = [
 def test_hostile_inputs_are_refused_naming_the_tensor(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+
+@triton.jit
+def _encode_kernel(x_ptr, code_ptr, scale_ptr, n, MIN_EXP: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + o, mask=o < n, other=0.0)
+    tl.store(code_ptr + o, e4m3_bytes(x), mask=o < n)
+    tl.store(scale_ptr + o, pow2_scale(tl.abs(x), MIN_EXP)[0], mask=o < n)
+
+
+def test_kernels_write_the_bytes_torch_writes(seed):
+    """dsv32ref.kernels.fp8 (integer arithmetic) against torch's fp8 cast and the reference's scales: every e4m3
+    value, every midpoint between neighbours (ties to even) and the floats either side of it, values past 448,
+    fp32 subnormals, -0, random values over 2^-14..2^10; NaN and +-inf write NaN."""
+    from dsv32ref.reference.numerics import pow2_scale as reference_scale
+    g = torch.Generator().manual_seed(seed)
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = vals[vals.isfinite()].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    x = torch.cat([vals, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1), -mids,
+                   torch.randn(4096, generator=g) * torch.exp2(torch.randint(-14, 10, (4096,), generator=g).float()),
+                   torch.tensor([448.0, 449.0, 463.9, 464.0, 1e30, -0.0, 1e-45, -1e-40, 2.0 ** -10])])
+    special = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    x = torch.cat((x, special))
+    code, scale = torch.empty(x.shape, dtype=torch.uint8), torch.empty_like(x)
+    for min_exp in (-13, -22):
+        _encode_kernel[(triton.cdiv(x.numel(), 1024),)](x, code, scale, x.numel(), MIN_EXP=min_exp, BLOCK=1024)
+        n = x.numel() - 3
+        assert torch.equal(code[:n], x[:n].clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+        assert torch.equal(scale[:n], reference_scale(x[:n].abs(), min_exp))
+    assert code[-3:].tolist() == [0x7F, 0xFF, 0x7F]
 
 
 # ---- the kernels over the FP8 caches --------------------------------------------------------------------------

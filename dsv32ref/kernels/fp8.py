@@ -1,0 +1,47 @@
+"""Writing fp8 e4m3 in a kernel, byte for byte as the reference's quantisers (dsv32ref.reference.fp8_cache) do.
+
+Integer arithmetic only: Triton's interpreter converts some fp32 values to fp8 wrongly (a rounding that carries
+into the exponent, e.g. 31.2 -> 16 instead of 32), so a cast would write different bytes on the CPU and on the
+GPU; these helpers write the same bytes everywhere, and CPU tests check them against torch's conversion.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["e4m3_bytes", "pow2_scale"]
+
+
+@triton.jit
+def pow2_scale(amax, MIN_EXP: tl.constexpr):
+    """amax >= 0 fp32 (finite) -> (s, 1 / s) fp32: the smallest power of two s = 2^k, k >= MIN_EXP, with
+    amax / s <= 448 (dsv32ref.reference.numerics.pow2_scale). With amax = m 2^E, 1 <= m < 2 and 448 = 1.75 x 2^8:
+    k = E - 8, one more where m > 1.75. Zero and subnormal amax take 2^MIN_EXP."""
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.maximum(k, MIN_EXP)
+    return ((k + 127) << 23).to(tl.float32, bitcast=True), ((127 - k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_bytes(x):
+    """fp32 x -> its fp8 e4m3fn byte (uint8): rounded to nearest even, saturated at +-448; NaN and +-inf -> NaN
+    (0x7F with x's sign), so that a non-finite input reads back as NaN, never as a number."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF  # |x|
+    # |x| >= 2^-6 (a normal e4m3): round the 23-bit mantissa to 3 bits, ties to even; a carry runs into the
+    # exponent, as it should; then rebias the exponent from 127 to 7
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # |x| < 2^-6 (a subnormal e4m3, steps of 2^-9): |x| 2^9 = significand >> (141 - biased exponent), ties to even
+    sig = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - (a >> 23), 1), 31)
+    q = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(a >= (121 << 23), normal, sub)
+    code = tl.where(a > 0x43E00000, 0x7E, code)  # above 448: saturated
+    code = tl.where(a >= 0x7F800000, 0x7F, code)  # inf, NaN: NaN
+    return (code | sign).to(tl.uint8)
