@@ -496,7 +496,7 @@ KERNEL_CASES = [
     (_nr(kv_a_norm_weight=torch.ones(32, dtype=torch.int32)), r"kv_a_norm_weight: expected dtype"),
     (_nr(rms_eps=0.0), r"fused_norm_rope: rms_eps: expected a finite number > 0, got 0.0"),
     (_nr(cos=torch.zeros(0, 4), sin=torch.zeros(0, 4)), r"fused_norm_rope: cos/sin must hold at least one position"),
-    (_nr(cos=torch.zeros(8, 20), sin=torch.zeros(8, 20)), r"latent_cache.shape\[-1\] \(40\) must exceed qk_rope_head_dim"),
+    (_nr(cos=torch.zeros(8, 20), sin=torch.zeros(8, 20)), r"kv.shape\[1\] \(40\) must exceed qk_rope_head_dim"),
     (_nr(index_cache=torch.zeros(3, 4, 16)), r"fused_norm_rope: \['index_cache'\] given without index_k"),
     (_nr(slot_mapping=torch.zeros(2)), r"slot_mapping: expected dtype torch.int64 or torch.int32, got torch.float32"),
     (_fq(q=torch.zeros(2, 4, 6)), r"fused_q: q.shape\[-1\] \(6\) must hold qk_nope_head_dim >= 0"),

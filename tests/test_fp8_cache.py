@@ -305,3 +305,75 @@ def test_indexer_scores_paged_reads_fp8_keys(device, dtype, tol, tokens, seed):
     want = torch.where(visible, torch.cat((ref, torch.full((ref.shape[0], 5), float("-inf"), dtype=ref.dtype)), 1), 0.0)
     assert_close("scores", got, want, dtype=torch.float32, row_dims=1, rtol=tol, atol=tol)
     assert scores.cpu()[~visible].isnan().all()
+
+
+def _norm_rope_inputs(device, dtype, g):
+    """Two requests on scrambled blocks of 8, one padding token (slot -1), DeepSeek-V3.2's latent widths; an
+    outlier in each indexer key, in turn among its rotated values and among the others."""
+    from dsv32ref.cache import AttentionMetadata
+    meta = AttentionMetadata.build([3, 0], [2, 5], [[5, 1], [0, 3]], 8, device)
+    slot = meta.slot_mapping.clone()
+    slot[1] = -1
+    T, f = meta.num_tokens, dict(device=device, dtype=dtype)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(**f)  # noqa: E731
+    outlier = torch.tensor([0, 100] * T, device=device)[:T]  # a rotated value, a kept one
+    return dict(q_c=r(T, 48), q_a_norm_weight=1 + 0.1 * r(48), q_c_out=torch.empty(T, 48, **f), kv=r(T, 576) * 3,
+                kv_a_norm_weight=1 + 0.1 * r(512), positions=meta.positions, slot_mapping=slot, rms_eps=1e-6,
+                index_k=r(T, 128) + 40 * (torch.arange(128, device=device) == outlier[:, None]),
+                k_norm_weight=1 + 0.1 * r(128), k_norm_bias=0.1 * r(128)), 6
+
+
+@pytest.mark.parametrize("device,dtype,tol", KERNEL_CASES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fused_norm_rope_writes_the_fp8_bytes_of_its_bf16_rows(device, dtype, tol, interleaved, seed):
+    """The same launch into float caches and into FP8 ones: the FP8 bytes are the oracle's quantisation of the float
+    rows, slot by slot (fp8 values and scales exactly; k_pe bf16 exactly compiled, to a bf16 step in the
+    interpreter, which truncates fp32 -> bf16); slots not written (padding) keep their bytes."""
+    from dsv32ref.config import ModelConfig
+    from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
+    from dsv32ref.reference import RotaryEmbedding
+    x, nb = _norm_rope_inputs(device, dtype, torch.Generator().manual_seed(seed))
+    cos, sin = RotaryEmbedding(ModelConfig.preset("deepseek-v3.2")).to(device)(torch.arange(64, device=device))
+    lat = torch.full((nb, 8, 576), float("nan"), device=device, dtype=dtype)
+    idx = torch.full((nb, 8, 128), float("nan"), device=device, dtype=dtype)
+    fused_norm_rope(**x, latent_cache=lat, index_cache=idx, cos=cos, sin=sin, indexer_interleaved=interleaved)
+    lat8 = torch.full((nb, 8, 656), 0xAB, device=device, dtype=torch.uint8)
+    idx8 = torch.full((nb, 8, 132), 0xAB, device=device, dtype=torch.uint8)
+    fused_norm_rope(**x, latent_cache=lat8, index_cache=idx8, cos=cos, sin=sin, indexer_interleaved=interleaved)
+    slots = x["slot_mapping"][x["slot_mapping"] >= 0].cpu()
+    want = quantize_latent(lat.view(-1, 576)[slots].cpu())  # (written, 656)
+    got = lat8.view(-1, 656)[slots].cpu()
+    assert torch.equal(got[:, :528], want[:, :528])  # c_kv values and scales
+    k_pe, want_pe = got[:, 528:].contiguous().view(torch.bfloat16), want[:, 528:].contiguous().view(torch.bfloat16)
+    assert_close("k_pe", k_pe, want_pe, dtype=torch.bfloat16, rtol=1 if device == "cpu" else 0, atol=0)
+    blocks = idx8.view(nb, 8 * 132).cpu()  # each block: 8 keys of 128 fp8 values, then their 8 scales
+    keys = quantize_indexer_keys(idx.view(-1, 1, 128)[slots].cpu())  # (written, 1, 1, 132): a block per key
+    for n, s in enumerate(slots.tolist()):
+        b, r = divmod(s, 8)
+        assert torch.equal(blocks[b, r * 128:(r + 1) * 128], keys[n, 0, 0, :128]), s
+        assert torch.equal(blocks[b, 1024 + 4 * r:1024 + 4 * (r + 1)], keys[n, 0, 0, 128:]), s
+    untouched = torch.ones(nb * 8, dtype=torch.bool)
+    untouched[slots] = False
+    assert (lat8.view(-1, 656)[untouched] == 0xAB).all()
+    assert (blocks.view(nb, -1)[:, :1024].reshape(-1, 128)[untouched] == 0xAB).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf - inf
+@pytest.mark.parametrize("device,dtype,tol", KERNEL_CASES)
+def test_a_non_finite_activation_is_written_as_nan(device, dtype, tol, seed):
+    """A NaN in one token's kv and an inf in another's indexer key: those rows read back as NaN (never as numbers, and
+    the scale stays a power of two), the other tokens' rows as before."""
+    from dsv32ref.config import ModelConfig
+    from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
+    from dsv32ref.reference import RotaryEmbedding
+    x, nb = _norm_rope_inputs(device, dtype, torch.Generator().manual_seed(seed))
+    x["kv"][0, 7], x["index_k"][2, 90] = float("nan"), float("inf")
+    cos, sin = RotaryEmbedding(ModelConfig.preset("deepseek-v3.2")).to(device)(torch.arange(64, device=device))
+    lat8 = quantize_latent(torch.zeros(nb, 8, 576)).to(device)  # valid rows of zeros before the write
+    idx8 = quantize_indexer_keys(torch.zeros(nb, 8, 128)).squeeze(2).to(device)
+    fused_norm_rope(**x, latent_cache=lat8, index_cache=idx8, cos=cos, sin=sin)
+    s = x["slot_mapping"].cpu()
+    rows = dequantize_latent(lat8.view(-1, 656)[s[[0, 2, 3]]].cpu())
+    assert rows[0, :512].isnan().all() and rows[1:].isfinite().all()
+    keys = dequantize_indexer_keys(idx8.cpu().unsqueeze(2)).view(-1, 128)[s[[0, 2, 3]]]
+    assert keys[1].isnan().all() and keys[[0, 2]].isfinite().all()

@@ -20,7 +20,9 @@ import triton.language as tl
 
 from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_scale, check_tensor,
                              device_value_checks_on)
+from dsv32ref.kernels.fp8 import e4m3_bytes, pow2_scale
 from dsv32ref.kernels.launch import launch
+from dsv32ref.reference.fp8_cache import LATENT_ROW_BYTES
 
 __all__ = ["fused_norm_rope"]
 
@@ -42,16 +44,84 @@ def _rope_pairs(x_ptr, out_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, INTERLEAVE
 
 
 @triton.jit
+def _layer_norm_at(x_ptr, w_ptr, b_ptr, offs, mean, rstd):
+    """LayerNorm's values at offs of the vector at x_ptr, given its mean and 1 / std (fp32)."""
+    x = tl.load(x_ptr + offs).to(tl.float32)
+    return (x - mean) * rstd * tl.load(w_ptr + offs).to(tl.float32) + tl.load(b_ptr + offs).to(tl.float32)
+
+
+@triton.jit
+def _finite_amax(v):
+    """The largest |v| over v's finite values (0 if none), fp32."""
+    a = tl.abs(v.to(tl.float32))
+    return tl.max(tl.where(a < float("inf"), a, 0.0), axis=0)
+
+
+@triton.jit
+def _store_latent_fp8(row_ptr, c_kv, KV_LORA: tl.constexpr):
+    """c_kv fp32 (KV_LORA,) -> FlashMLA's row at row_ptr (bytes): fp8 values, then one power-of-two fp32 scale per 128
+    (from the group's finite values; a NaN or inf is written as NaN). k_pe, bytes KV_LORA + KV_LORA / 32 on, is the
+    caller's."""
+    groups = tl.reshape(c_kv, (KV_LORA // 128, 128))  # (KV_LORA / 128, 128)
+    amax = tl.max(tl.where(tl.abs(groups) < float("inf"), tl.abs(groups), 0.0), axis=1)  # (KV_LORA / 128,)
+    scale, inv = pow2_scale(amax, -13)
+    codes = e4m3_bytes(groups * inv[:, None])  # (KV_LORA / 128, 128)
+    tl.store(row_ptr + tl.arange(0, KV_LORA), tl.reshape(codes, (KV_LORA,)))
+    tl.store((row_ptr + KV_LORA).to(tl.pointer_type(tl.float32)) + tl.arange(0, KV_LORA // 128), scale)
+
+
+@triton.jit
+def _index_key(x_ptr, w_ptr, b_ptr, cache_ptr, slot, stride_slot, stride_block, block_size, cos_ptr, sin_ptr, ln_eps,
+               D_I: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr):
+    """k^I = RoPE(LayerNorm(x)) on its first ROPE values into the indexer-key cache: a row at slot in the cache's
+    dtype, or (FP8) in DeepGEMM's block layout, the key's fp8 values at slot's place in its block and its ue8m0
+    scale after the block's values. The values are rounded as a cache in x's dtype holds them, then quantised."""
+    oi = tl.arange(0, D_I)
+    x = tl.load(x_ptr + oi).to(tl.float32)
+    mean = tl.sum(x, axis=0) / D_I
+    rstd = tl.rsqrt(tl.sum((x - mean) * (x - mean), axis=0) / D_I + ln_eps)
+    ty: tl.constexpr = x_ptr.dtype.element_ty if FP8 else cache_ptr.dtype.element_ty
+    i = tl.arange(0, ROPE // 2)
+    if INTERLEAVED:
+        a_off, b_off = 2 * i, 2 * i + 1
+    else:
+        a_off, b_off = i, i + ROPE // 2
+    a = _layer_norm_at(x_ptr, w_ptr, b_ptr, a_off, mean, rstd).to(ty).to(tl.float32)
+    b = _layer_norm_at(x_ptr, w_ptr, b_ptr, b_off, mean, rstd).to(ty).to(tl.float32)
+    c = tl.load(cos_ptr + i)
+    s = tl.load(sin_ptr + i)
+    ra = (a * c - b * s).to(ty)
+    rb = (b * c + a * s).to(ty)
+    rest = _layer_norm_at(x_ptr, w_ptr, b_ptr, oi, mean, rstd).to(ty)  # (D_I,): the values past ROPE are kept
+    if FP8:
+        amax = tl.maximum(_finite_amax(tl.where(oi >= ROPE, rest.to(tl.float32), 0.0)),
+                          tl.maximum(_finite_amax(ra), _finite_amax(rb)))  # NaN and inf are written as NaN
+        scale, inv = pow2_scale(amax, -22)
+        block = cache_ptr + (slot // block_size).to(tl.int64) * stride_block
+        row = block + (slot % block_size) * D_I
+        tl.store(row + a_off, e4m3_bytes(ra.to(tl.float32) * inv))
+        tl.store(row + b_off, e4m3_bytes(rb.to(tl.float32) * inv))
+        tl.store(row + oi, e4m3_bytes(rest.to(tl.float32) * inv), mask=oi >= ROPE)
+        tl.store((block + block_size * D_I + 4 * (slot % block_size)).to(tl.pointer_type(tl.float32)), scale)
+    else:
+        row = cache_ptr + slot * stride_slot
+        tl.store(row + a_off, ra)
+        tl.store(row + b_off, rb)
+        tl.store(row + oi, rest, mask=oi >= ROPE)
+
+
+@triton.jit
 def _fused_norm_rope_kernel(
     q_c_ptr, stride_q, q_norm_w_ptr, q_c_out_ptr, stride_qo,  # q_c [T, Q_LORA] -> RMSNorm -> q_c_out
     kv_ptr, stride_kv, kv_norm_w_ptr,  # kv [T, KV_LORA + ROPE] (kv_a_proj_with_mqa output)
-    latent_ptr, stride_lslot,  # latent cache viewed as [NB * BS, KV_LORA + ROPE]
+    latent_ptr, stride_lslot,  # latent cache viewed as [NB * BS, KV_LORA + ROPE]; FP8: bytes [NB * BS, 656]
     ik_ptr, stride_ik, ik_w_ptr, ik_b_ptr,  # indexer key [T, D_I] (wk output), LayerNorm weight/bias
-    icache_ptr, stride_islot,  # indexer-key cache viewed as [NB * BS, D_I]
+    icache_ptr, stride_islot, stride_iblock,  # indexer-key cache [NB, BS, D_I]; FP8: bytes [NB, BS, D_I + 4]
     pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_cs,  # positions [T], slot_mapping [T], cos/sin [P, ROPE/2]
-    rms_eps, ln_eps, n_slots, n_pos,  # bounds: slots in [0, NB * BS), positions in [0, P)
+    rms_eps, ln_eps, n_slots, n_pos, block_size,  # bounds: slots in [0, NB * BS), positions in [0, P)
     Q_LORA: tl.constexpr, BLOCK_Q: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
     D_I: tl.constexpr, HAS_INDEXER: tl.constexpr, INDEXER_INTERLEAVED: tl.constexpr,
+    LATENT_FP8: tl.constexpr, INDEX_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -76,21 +146,41 @@ def _fused_norm_rope_kernel(
         c = c * tl.rsqrt(tl.sum(c * c, axis=0) / KV_LORA + rms_eps)
         wkv = tl.load(kv_norm_w_ptr + ol)
         row = latent_ptr + slot * stride_lslot
-        tl.store(row + ol, (wkv * c.to(wkv.dtype)).to(latent_ptr.dtype.element_ty))
-        _rope_pairs(kv_ptr + t * stride_kv + KV_LORA, row + KV_LORA, cos, sin, ROPE // 2, True)
-
+        if LATENT_FP8:  # c_kv as the model's dtype holds it, quantised; k_pe bf16 after the scales
+            _store_latent_fp8(row, (wkv * c.to(wkv.dtype)).to(kv_ptr.dtype.element_ty).to(tl.float32), KV_LORA)
+            k_pe = (row + KV_LORA + 4 * (KV_LORA // 128)).to(tl.pointer_type(tl.bfloat16))
+        else:
+            tl.store(row + ol, (wkv * c.to(wkv.dtype)).to(latent_ptr.dtype.element_ty))
+            k_pe = row + KV_LORA
+        _rope_pairs(kv_ptr + t * stride_kv + KV_LORA, k_pe, cos, sin, ROPE // 2, True)
         if HAS_INDEXER:
-            # k^I = LayerNorm(wk x), then RoPE on its first ROPE values, into the indexer-key cache
-            oi = tl.arange(0, D_I)
-            k = tl.load(ik_ptr + t * stride_ik + oi).to(tl.float32)
-            mean = tl.sum(k, axis=0) / D_I
-            kc = k - mean
-            k = kc * tl.rsqrt(tl.sum(kc * kc, axis=0) / D_I + ln_eps)
-            k = k * tl.load(ik_w_ptr + oi).to(tl.float32) + tl.load(ik_b_ptr + oi).to(tl.float32)
-            irow = icache_ptr + slot * stride_islot
-            tl.store(irow + oi, k.to(icache_ptr.dtype.element_ty))
-            tl.debug_barrier()  # the rotation re-reads what this program just stored
-            _rope_pairs(irow, irow, cos, sin, ROPE // 2, INDEXER_INTERLEAVED)
+            _index_key(ik_ptr + t * stride_ik, ik_w_ptr, ik_b_ptr, icache_ptr, slot, stride_islot, stride_iblock,
+                       block_size, cos, sin, ln_eps, D_I, ROPE, INDEXER_INTERLEAVED, INDEX_FP8)
+
+
+def _check_aligned(name: str, cache: torch.Tensor) -> None:
+    if cache.data_ptr() % 16 or any(st % 16 for st in cache.stride()[:-2]):
+        raise ValueError(f"{name}: an fp8 cache must start 16-byte aligned, its rows and blocks 16 bytes apart, got "
+                         f"strides {tuple(cache.stride())} at address {cache.data_ptr():#x}")
+
+
+def _check_latent(kv, latent_cache, T: int, rope: int) -> tuple[int, int, int]:
+    """kv [T, kv_lora + rope] and the latent cache [NB, BS, kv_lora + rope] (a float dtype), or FlashMLA's FP8 rows
+    uint8 [NB, BS, 656] (kv_lora 512, rope 64) -> (NB, BS, kv_lora)."""
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    width = check_tensor("kv", kv, shape=(T, None), dtype=floats, dense_dims=1).shape[1]
+    if isinstance(latent_cache, torch.Tensor) and latent_cache.dtype == torch.uint8:
+        check_tensor("latent_cache", latent_cache, shape=(None, None, LATENT_ROW_BYTES), contiguous=True)
+        _check_aligned("latent_cache", latent_cache)
+        if (width, rope) != (576, 64):
+            raise ValueError(f"fused_norm_rope: an fp8 latent_cache holds FlashMLA's rows of kv_lora_rank 512 and "
+                             f"qk_rope_head_dim 64, got kv.shape[1] {width} and qk_rope_head_dim {rope}")
+    else:
+        check_tensor("latent_cache", latent_cache, shape=(None, None, width), dtype=floats, contiguous=True)
+    if width <= rope:
+        raise ValueError(f"fused_norm_rope: kv.shape[1] ({width}) must exceed qk_rope_head_dim "
+                         f"(2 x cos.shape[1] = {rope})")
+    return latent_cache.shape[0], latent_cache.shape[1], width - rope
 
 
 def _check_indexer(index_k, k_norm_weight, k_norm_bias, index_cache, T: int, nb: int, bs: int, rope: int) -> int:
@@ -103,7 +193,11 @@ def _check_indexer(index_k, k_norm_weight, k_norm_bias, index_cache, T: int, nb:
         return 16
     floats = (torch.bfloat16, torch.float16, torch.float32)
     d_i = check_tensor("index_k", index_k, shape=(T, None), dtype=floats, dense_dims=1).shape[1]
-    check_tensor("index_cache", index_cache, shape=(nb, bs, d_i), dtype=floats, contiguous=True)
+    if isinstance(index_cache, torch.Tensor) and index_cache.dtype == torch.uint8:  # DeepGEMM's FP8 key blocks
+        check_tensor("index_cache", index_cache, shape=(nb, bs, d_i + 4), contiguous=True)
+        _check_aligned("index_cache", index_cache)
+    else:
+        check_tensor("index_cache", index_cache, shape=(nb, bs, d_i), dtype=floats, contiguous=True)
     check_tensor("k_norm_weight", k_norm_weight, shape=(d_i,), dtype=floats, dense_dims=1)
     check_tensor("k_norm_bias", k_norm_bias, shape=(d_i,), dtype=floats, dense_dims=1)
     if d_i < rope:
@@ -125,20 +219,17 @@ def fused_norm_rope(
 
     q_c [T, q_lora]; kv [T, kv_lora + rope]; index_k [T, D_I]; cos/sin fp32 [max_pos, rope/2] (a table
     indexed by positions [T]); slot_mapping int64 [T]; caches [NB, BS, width]. kv_lora, rope and D_I must be
-    powers of two.
+    powers of two. A uint8 cache holds FP8 (dsv32ref.reference.fp8_cache), quantised on write from the values a
+    cache in the activations' dtype would hold: latent_cache [NB, BS, 656], FlashMLA's rows (kv_lora 512, rope
+    64: c_kv fp8 with a power-of-two scale per 128, k_pe bf16); index_cache [NB, BS, D_I + 4], DeepGEMM's blocks
+    (fp8 keys, then one ue8m0 scale per key). A NaN or inf is written as fp8 NaN, not folded into a scale.
     """
     floats = (torch.bfloat16, torch.float16, torch.float32)
     T, q_lora = check_tensor("q_c", q_c, shape=(None, None), dtype=floats, dense_dims=1).shape
     check_tensor("q_c_out", q_c_out, shape=(T, q_lora), dtype=q_c.dtype, dense_dims=1)
     check_tensor("q_a_norm_weight", q_a_norm_weight, shape=(q_lora,), dtype=floats, dense_dims=1)
-    nb, bs, width = check_tensor("latent_cache", latent_cache, shape=(None, None, None), dtype=floats,
-                                 contiguous=True).shape
-    check_tensor("kv", kv, shape=(T, width), dtype=floats, dense_dims=1)
     rope = check_rope_table("fused_norm_rope", cos, sin)
-    kv_lora = width - rope
-    if kv_lora <= 0:
-        raise ValueError(f"fused_norm_rope: latent_cache.shape[-1] ({width}) must exceed qk_rope_head_dim "
-                         f"(2 x cos.shape[1] = {rope})")
+    nb, bs, kv_lora = _check_latent(kv, latent_cache, T, rope)
     check_tensor("kv_a_norm_weight", kv_a_norm_weight, shape=(kv_lora,), dtype=floats, dense_dims=1)
     check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
     check_tensor("slot_mapping", slot_mapping, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
@@ -159,13 +250,15 @@ def fused_norm_rope(
     if T == 0:
         return
     dummy = kv  # never dereferenced when HAS_INDEXER is False
+    index_fp8 = has_indexer and index_cache.dtype == torch.uint8
     launch(_fused_norm_rope_kernel, (T,),
         q_c, q_c.stride(0), q_a_norm_weight, q_c_out, q_c_out.stride(0),
-        kv, kv.stride(0), kv_a_norm_weight, latent_cache, width,
+        kv, kv.stride(0), kv_a_norm_weight, latent_cache, latent_cache.stride(1),
         index_k if has_indexer else dummy, index_k.stride(0) if has_indexer else 0,
         k_norm_weight if has_indexer else dummy, k_norm_bias if has_indexer else dummy,
-        index_cache if has_indexer else dummy, d_i,
-        positions, slot_mapping, cos, sin, cos.stride(0), rms_eps, ln_eps, nb * bs, cos.shape[0],
+        index_cache if has_indexer else dummy, d_i, index_cache.stride(0) if has_indexer else 0,
+        positions, slot_mapping, cos, sin, cos.stride(0), rms_eps, ln_eps, nb * bs, cos.shape[0], bs,
         Q_LORA=q_lora, BLOCK_Q=triton.next_power_of_2(q_lora), KV_LORA=kv_lora, ROPE=rope, D_I=d_i,
-        HAS_INDEXER=has_indexer, INDEXER_INTERLEAVED=indexer_interleaved, num_warps=4,
+        HAS_INDEXER=has_indexer, INDEXER_INTERLEAVED=indexer_interleaved,
+        LATENT_FP8=latent_cache.dtype == torch.uint8, INDEX_FP8=index_fp8, num_warps=4,
     )
