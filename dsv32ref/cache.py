@@ -3,6 +3,10 @@
 Layout, per layer:
     latent cache     [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]   rows [c_kv | k_pe]
     indexer-key cache [num_blocks, block_size, index_head_dim]                   only "full" indexer layers
+or, with kv_cache_dtype "fp8", bytes in the layouts deployed engines keep (dsv32ref.reference.fp8_cache):
+    latent cache     uint8 [num_blocks, block_size, 656]   FlashMLA's rows: fp8 c_kv, 4 fp32 scales, bf16 k_pe
+    indexer-key cache uint8 [num_blocks, block_size, index_head_dim + 4]   DeepGEMM's blocks: a block's fp8 keys
+                                                            token by token, then its fp32 scales
 
 A sequence owns a list of blocks (its row of `block_table`); its token at position p lives in slot
 block_table[b, p // block_size] * block_size + p % block_size. A step writes its new tokens through
@@ -21,7 +25,8 @@ import torch
 from dsv32ref.checks import check_int, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 
-__all__ = ["AttentionMetadata", "BlockAllocator", "PagedKVCache", "StepPlan", "gather_tokens"]
+__all__ = ["AttentionMetadata", "BlockAllocator", "KV_CACHE_DTYPES", "LATENT_ROW_BYTES", "PagedKVCache", "StepPlan",
+           "check_kv_cache_dtype", "gather_tokens", "indexer_key_bytes", "token_bytes"]
 
 
 @dataclass
@@ -192,36 +197,75 @@ class BlockAllocator:
 
 
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_LATENT_DIMS = (512, 64)  # (kv_lora_rank, qk_rope_head_dim) FlashMLA's FP8 rows hold
+LATENT_ROW_BYTES = 512 + 4 * (512 // 128) + 2 * 64  # 656: fp8 c_kv, an fp32 scale per 128 values, bf16 k_pe
+
+
+def indexer_key_bytes(head_dim: int) -> int:
+    """Bytes one token's key takes in the FP8 indexer cache: head_dim fp8 values and one fp32 scale (132 at 128)."""
+    return head_dim + 4
+
+
+def token_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[int, int]:
+    """(latent row, indexer key) bytes of one token in one layer: "auto" stores both in `dtype`; "fp8" stores
+    FlashMLA's latent rows (656 bytes) and DeepGEMM's keys (index_head_dim + 4: fp8 values and an fp32 scale)."""
+    if kv_cache_dtype == "fp8":
+        return LATENT_ROW_BYTES, indexer_key_bytes(config.index_head_dim)
+    size = torch.finfo(dtype).bits // 8
+    return config.latent_dim * size, config.index_head_dim * size
 
 
 class PagedKVCache:
-    """Per-layer latent and indexer-key caches. Shared (IndexShare) layers have no indexer cache."""
+    """Per-layer latent and indexer-key caches. Shared (IndexShare) layers have no indexer cache.
+
+    kv_cache_dtype "auto": both in `dtype`, [num_blocks, block_size, width]; "fp8": the layouts deployed engines
+    keep (dsv32ref.reference.fp8_cache), uint8 [num_blocks, block_size, 656] latent rows (kv_lora_rank 512 and
+    qk_rope_head_dim 64) and uint8 [num_blocks, block_size, index_head_dim + 4] key blocks; the kernels read
+    both, the reference's float path refuses them."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):
         if not isinstance(config, ModelConfig):
             raise ValueError(f"PagedKVCache: config: expected a ModelConfig, got {type(config).__name__}")
         check_int("PagedKVCache: num_blocks", num_blocks)
         check_int("PagedKVCache: block_size", block_size)
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"PagedKVCache: dtype: expected one of {CACHE_DTYPES}, got {dtype}")
+        check_kv_cache_dtype("PagedKVCache: kv_cache_dtype", kv_cache_dtype, config)
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
-        self.latent = [
-            torch.zeros(num_blocks, block_size, config.latent_dim, dtype=dtype, device=device)
-            for _ in range(config.num_hidden_layers)
-        ]
-        self.indexer_k = [
-            torch.zeros(num_blocks, block_size, config.index_head_dim, dtype=dtype, device=device)
-            if config.runs_indexer(i) else None
-            for i in range(config.num_hidden_layers)
-        ]
+        self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
+        fp8 = kv_cache_dtype == "fp8"
+        lat, idx = token_bytes(config, dtype, kv_cache_dtype)
+        store = torch.uint8 if fp8 else dtype
+        lat, idx = (lat, idx) if fp8 else (config.latent_dim, config.index_head_dim)  # in elements of `store`
+        self.latent = [torch.zeros(num_blocks, block_size, lat, dtype=store, device=device)
+                       for _ in range(config.num_hidden_layers)]
+        self.indexer_k = [torch.zeros(num_blocks, block_size, idx, dtype=store, device=device)
+                          if config.runs_indexer(i) else None for i in range(config.num_hidden_layers)]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.latent + self.indexer_k if t is not None)
 
 
+def check_kv_cache_dtype(name: str, kv_cache_dtype, config: ModelConfig) -> None:
+    """One of KV_CACHE_DTYPES; "fp8" only for the latent widths FlashMLA's rows hold (512 + 64)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"{name}: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp8" and (config.kv_lora_rank, config.qk_rope_head_dim) != FP8_LATENT_DIMS:
+        raise ValueError(f"{name}: 'fp8' stores FlashMLA's rows of kv_lora_rank 512 and qk_rope_head_dim 64, the "
+                         f"model has {config.kv_lora_rank} and {config.qk_rope_head_dim}")
+
+
+def _check_float_cache(cache: torch.Tensor) -> None:
+    if not cache.is_floating_point():
+        raise ValueError(f"cache: the reference reads and writes float caches, got {cache.dtype} (an fp8 cache: "
+                         f"dsv32ref.reference.fp8_cache dequantises it)")
+
+
 def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
     """cache [NB, BS, D] <- rows [T, D] at slot_mapping [T] (flattened slot ids)."""
+    _check_float_cache(cache)
     nb, bs, d = cache.shape
     check_tensor("rows", rows, shape=(slot_mapping.shape[0], d))
     if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= nb * bs):
@@ -232,6 +276,7 @@ def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Te
 
 def gather_tokens(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len token rows [seq_len, D] of one sequence, read through its block-table row."""
+    _check_float_cache(cache)
     nb, bs, d = cache.shape
     pos = torch.arange(seq_len, device=cache.device)
     blocks = block_table_row.to(cache.device).long()[pos // bs]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from dsv32ref.cache import KV_CACHE_DTYPES
 from dsv32ref.checks import check_int, is_int
 from dsv32ref.engine.boundary import Boundary, get_boundary
 from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
@@ -27,6 +28,8 @@ class EngineConfig:
     seed: int = 0
     num_sms: int | None = None  # SMs sparse_mla's split-K fills (None: the device's; set it to predict a GPU's
     # launches on a CPU)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": FlashMLA's latent rows and DeepGEMM's
+    # indexer keys (dsv32ref.cache), quantised on write, read by the kernels
     skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's
     # scoring and selection (their result is known: every key); eager regions and graph-less steps only
 
@@ -41,6 +44,9 @@ class EngineConfig:
         for name in ("num_blocks", "num_sms"):
             if getattr(self, name) is not None:
                 check_int(f"EngineConfig.{name}", getattr(self, name))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         for name in ("skip_short_topk", "estimate_graph_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}: expected a bool, got {getattr(self, name)!r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv32ref.cache import PagedKVCache
+from dsv32ref.cache import PagedKVCache, token_bytes
 from dsv32ref.config import ModelConfig
 from dsv32ref.graphs.breakable import CudaGraphBackend
 from dsv32ref.graphs.runner import CUDAGraphMode
@@ -22,12 +22,11 @@ from dsv32ref.graphs.runner import CUDAGraphMode
 __all__ = ["kv_bytes_per_token", "plan_kv_cache"]
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """Cache bytes one token takes over all layers: its latent row [c_kv | k_pe] in every layer, and its indexer
-    key in every layer that runs its indexer."""
-    values = sum(config.latent_dim + (config.index_head_dim if config.runs_indexer(i) else 0)
-                 for i in range(config.num_hidden_layers))
-    return values * torch.finfo(dtype).bits // 8
+    key in every layer that runs its indexer (dsv32ref.cache.token_bytes)."""
+    latent, key = token_bytes(config, dtype, kv_cache_dtype)
+    return sum(latent + (key if config.runs_indexer(i) else 0) for i in range(config.num_hidden_layers))
 
 
 def plan_kv_cache(runner) -> tuple[int, dict]:
@@ -52,7 +51,7 @@ def plan_kv_cache(runner) -> tuple[int, dict]:
     budget = total * ec.gpu_memory_utilization - peak - estimate
     ledger = dict(total=total, weights=weights, profile_peak=peak, peak_activations=peak - weights,
                   graph_estimate=estimate, graph_estimate_detail=detail, budget=budget)
-    per_block = ec.block_size * kv_bytes_per_token(runner.config, runner.dtype)
+    per_block = ec.block_size * kv_bytes_per_token(runner.config, runner.dtype, ec.kv_cache_dtype)
     num_blocks = min(int(budget // per_block), usable)
     if num_blocks < 1:
         raise RuntimeError(
@@ -66,7 +65,7 @@ def _profile_cache(runner) -> PagedKVCache:
     """A throwaway cache the largest prefill step fits in."""
     ec = runner.ec
     return PagedKVCache(runner.config, -(-ec.max_num_batched_tokens // ec.block_size) + 1, ec.block_size,
-                        runner.dtype, runner.device)
+                        runner.dtype, runner.device, ec.kv_cache_dtype)
 
 
 def _estimate_graph_memory(runner, cache: PagedKVCache) -> tuple[int, dict]:

@@ -12,12 +12,12 @@ import traceback
 
 import torch
 
-from dsv32ref.cache import PagedKVCache
+from dsv32ref.cache import PagedKVCache, check_kv_cache_dtype
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import EngineConfig
 from dsv32ref.engine.context import ForwardContext, set_forward_context
 from dsv32ref.engine.input_batch import InputBatch, PreparedStep
-from dsv32ref.engine.memory import plan_kv_cache
+from dsv32ref.engine.memory import kv_bytes_per_token, plan_kv_cache
 from dsv32ref.engine.model import EngineModel
 from dsv32ref.graphs.breakable import CaptureError, CudaGraphBackend
 from dsv32ref.graphs.emulated import RecordingBackend
@@ -33,6 +33,7 @@ class ModelRunner:
         another can share it)."""
         if model.boundary != ec.spec:
             raise ValueError(f"model: built for boundary {model.boundary.name!r}, the engine runs {ec.boundary!r}")
+        check_kv_cache_dtype("EngineConfig.kv_cache_dtype", ec.kv_cache_dtype, config)
         self.config, self.ec, self.model, self.device, self.dtype = config, ec, model, device, dtype
         model.static_outputs.reserve(ec.max_step_tokens, model.embed_tokens)  # before profiling: the budget sees it
         self.batch = InputBatch(config, ec, device)
@@ -40,12 +41,13 @@ class ModelRunner:
         if kv_cache is None:
             num_blocks, ledger = plan_kv_cache(self)
             self.memory.update(ledger)
-            kv_cache = PagedKVCache(config, num_blocks, ec.block_size, dtype, device)
+            kv_cache = PagedKVCache(config, num_blocks, ec.block_size, dtype, device, ec.kv_cache_dtype)
         else:
             self._check_cache(kv_cache)
             self.memory["shared_kv_cache"] = True
         self.kv_cache = kv_cache
-        self.memory.update(kv_cache=kv_cache.nbytes(), num_blocks=kv_cache.num_blocks)
+        self.memory.update(kv_cache=kv_cache.nbytes(), num_blocks=kv_cache.num_blocks, kv_cache_dtype=ec.kv_cache_dtype,
+                           kv_tokens_per_gib=2 ** 30 // kv_bytes_per_token(config, dtype, ec.kv_cache_dtype))
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         backend = (lambda: CudaGraphBackend(pool)) if device.type == "cuda" else RecordingBackend
         self.graphs = self.graph_runner(backend, kv_cache, on_capture=self._record_capture)
@@ -54,10 +56,12 @@ class ModelRunner:
     def _check_cache(self, kv_cache) -> None:
         if not isinstance(kv_cache, PagedKVCache):
             raise ValueError(f"kv_cache: expected a PagedKVCache, got {type(kv_cache).__name__}")
-        want = (self.config.num_hidden_layers, self.ec.block_size, self.device.type, self.dtype)
-        got = (len(kv_cache.latent), kv_cache.block_size, kv_cache.latent[0].device.type, kv_cache.latent[0].dtype)
+        want = (self.config.num_hidden_layers, self.ec.block_size, self.device.type, self.dtype, self.ec.kv_cache_dtype)
+        got = (len(kv_cache.latent), kv_cache.block_size, kv_cache.latent[0].device.type, kv_cache.dtype,
+               kv_cache.kv_cache_dtype)
         if got != want:
-            raise ValueError(f"kv_cache: expected (layers, block_size, device, dtype) = {want}, got {got}")
+            raise ValueError(f"kv_cache: expected (layers, block_size, device, dtype, kv_cache_dtype) = {want}, "
+                             f"got {got}")
 
     # ---- what memory planning and capture run -----------------------------------------------------------
     def graph_runner(self, backend, kv_cache: PagedKVCache, on_capture=None) -> GraphRunner:

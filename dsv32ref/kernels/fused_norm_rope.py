@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv32ref.cache import LATENT_ROW_BYTES
 from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_scale, check_tensor,
                              device_value_checks_on)
 from dsv32ref.kernels.fp8 import e4m3_bytes, pow2_scale
 from dsv32ref.kernels.launch import launch
-from dsv32ref.reference.fp8_cache import LATENT_ROW_BYTES
 
 __all__ = ["fused_norm_rope"]
 

@@ -139,7 +139,8 @@ def _indexer_scores_kernel(
                 k, k_scale = _load_keys(kcache_ptr, blk, row, vis, stride_kb, stride_ks, block_size, q.dtype, D, FP8)
                 # keys on the MMA's rows, (token, head) on its columns: the sum over heads stays inside each
                 # warp (with heads on the rows it crossed warps through shared memory: 8-15 % slower, H200)
-                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION) * (k_scale * softmax_scale)[:, None]  # (BLOCK_S, TOKENS H_I)
+                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_S, TOKENS H_I)
+                logits = logits * (k_scale * softmax_scale)[:, None]
                 # ReLU that keeps NaN, as torch.relu does (compiled, tl.maximum returns the number)
                 part = tl.where(logits < 0.0, 0.0, logits) * w[None, :]
                 for u in tl.static_range(TOKENS):
@@ -362,7 +363,8 @@ def _check_common(q_idx, weights, index_cache, block_table, req_indices, positio
         if v <= 0 or v & (v - 1):
             raise ValueError(f"indexer_topk: {name} must be a power of two, got {v}")
     check_tensor("weights", weights, shape=(T, H_I), dtype=torch.float32, dense_dims=1)
-    if index_cache.dtype == torch.uint8:  # DeepGEMM's FP8 keys: each block's bytes in one piece
+    if isinstance(index_cache, torch.Tensor) and index_cache.dtype == torch.uint8:
+        # DeepGEMM's FP8 keys: each block's bytes in one piece
         check_tensor("index_cache", index_cache, shape=(None, None, D + 4), dense_dims=2)
         if index_cache.stride(0) % 16 or index_cache.data_ptr() % 16:
             raise ValueError(f"index_cache: fp8 blocks must start 16 bytes apart and aligned, got strides "

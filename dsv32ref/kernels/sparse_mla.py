@@ -40,11 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv32ref.cache import LATENT_ROW_BYTES
 from dsv32ref.checks import (check_keys, check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.launch import launch
-from dsv32ref.reference.fp8_cache import LATENT_ROW_BYTES
 
 try:  # the warp-specialized Gluon kernel that sm_90 runs (needs triton.experimental.gluon)
     from dsv32ref.kernels import sparse_mla_hopper as _hopper
@@ -282,7 +282,7 @@ def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indic
     for name, v in (("kv_lora_rank (out.shape[-1])", d_lat), ("qk_rope_head_dim (q.shape[-1] - out.shape[-1])", d_rope)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"sparse_mla_paged: {name} must be a power of two, got {v}")
-    if latent_cache.dtype == torch.uint8:
+    if isinstance(latent_cache, torch.Tensor) and latent_cache.dtype == torch.uint8:
         _check_fp8_cache(q, latent_cache, d_lat, d_rope)
     else:
         check_tensor("latent_cache", latent_cache, shape=(None, None, D), dtype=q.dtype, dense_dims=1)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv32ref.cache import FP8_LATENT_DIMS, LATENT_ROW_BYTES, indexer_key_bytes
 from dsv32ref.checks import check_tensor
 from dsv32ref.reference.indexer import indexer_scores
 from dsv32ref.reference.numerics import FP8_E4M3_MAX, pow2_scale, ue8m0_scale
@@ -39,9 +40,8 @@ __all__ = ["LATENT_ROW_BYTES", "dequantize_indexer_keys", "dequantize_latent", "
            "indexer_key_parts", "indexer_scores_fp8", "latent_parts", "latent_scale", "quantize_indexer_keys",
            "quantize_latent", "sparse_mla_fp8"]
 
-D_LAT, D_ROPE, GROUP = 512, 64, 128
+D_LAT, D_ROPE, GROUP = FP8_LATENT_DIMS + (128,)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-LATENT_ROW_BYTES = D_LAT + 4 * (D_LAT // GROUP) + 2 * D_ROPE  # 656
 
 
 def _finite(name: str, x: torch.Tensor) -> None:
@@ -106,11 +106,6 @@ def dequantize_latent(rows: torch.Tensor) -> torch.Tensor:
     lead = rows.shape[:-1]
     c_kv = (values.float().reshape(*lead, D_LAT // GROUP, GROUP) * scale[..., None]).reshape(*lead, D_LAT)
     return torch.cat((c_kv, k_pe.float()), dim=-1)
-
-
-def indexer_key_bytes(head_dim: int) -> int:
-    """Bytes one token's key takes in the indexer cache: head_dim fp8 values and one fp32 scale (132 at 128)."""
-    return head_dim + 4
 
 
 def quantize_indexer_keys(keys: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""The engine with kv_cache_dtype="fp8": FlashMLA's latent rows and DeepGEMM's indexer keys, written and read by the
+kernels under every boundary, against the same engine with float caches; what the option costs in memory."""
+
+import pytest
+import torch
+
+from dsv32ref.cache import AttentionMetadata, PagedKVCache, token_bytes
+from dsv32ref.config import ModelConfig
+from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput, from_reference
+from dsv32ref.engine.memory import kv_bytes_per_token
+from dsv32ref.graphs import CUDAGraphMode
+from dsv32ref.reference.fp8_cache import quantize_indexer_keys, quantize_latent
+from dsv32ref.testing import assert_close
+from helpers import tiny_model
+
+CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run")
+
+
+def _fp8_model(seed):
+    """The tiny DeepSeek-V3.2 with FlashMLA's latent widths (512 + 64), the only ones its FP8 rows hold."""
+    return tiny_model("tiny-deepseek-v3.2", dtype=torch.float32, seed=seed, kv_lora_rank=512, qk_rope_head_dim=64,
+                      index_head_dim=64)
+
+
+def _run(ref, boundary, kv_cache_dtype, prompts):
+    """A prefill of the prompts in one step, then one decode step -> (logits [2, requests, vocab], engine)."""
+    ec = EngineConfig(boundary=boundary, mode=CUDAGraphMode.NONE, max_model_len=64, max_num_seqs=4,
+                      max_num_batched_tokens=32, block_size=8, capture_sizes=[1, 2, 4, 8, 16, 32],
+                      kv_cache_dtype=kv_cache_dtype)
+    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, boundary))
+    toks, _ = eng.step(StepInput([(r, p, 0) for r, p in enumerate(prompts)]))
+    logits = [eng.last_logits]
+    eng.step(StepInput([(r, [t], len(p)) for r, (p, t) in enumerate(zip(prompts, toks))]))
+    return torch.stack(logits + [eng.last_logits]), eng
+
+
+@CPU
+def test_fp8_engine_writes_the_float_engines_rows_quantised_and_every_boundary_agrees(seed):
+    """Layer 0's cache (its rows depend on the prompt alone): the FP8 engine's bytes are the oracle's quantisation of
+    the float engine's rows, slot by slot. Every boundary gives the same FP8 logits, bit for bit. (How far they are
+    from the float engine's is not asserted: on this tiny model with dummy weights the difference ranges, seed to
+    seed, from several to tens of percent of a row's largest logit, the cause not yet isolated: the router's and
+    the indexer's discrete choices both can turn fp8 rounding into large changes.)"""
+    ref = _fp8_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, ref.config.vocab_size, (n,), generator=g).tolist() for n in (11, 5)]
+    base, eng_auto = _run(ref, "narrow", "auto", prompts)
+    results = {b: _run(ref, b, "fp8", prompts) for b in BOUNDARIES}
+    fp8, eng = results["narrow"]
+    for b, (logits, _) in results.items():
+        assert torch.equal(logits, fp8), b
+    lat, lat8 = eng_auto.runner.kv_cache.latent[0], eng.runner.kv_cache.latent[0]
+    written = torch.cat([_slots(eng, r, len(p)) for r, p in enumerate(prompts)])  # the prompts' slots
+    assert torch.equal(_slots(eng_auto, 0, 12), _slots(eng, 0, 12))
+    want = quantize_latent(lat.view(-1, 576)[written])
+    got = lat8.view(-1, 656)[written]
+    assert torch.equal(got[:, :528], want[:, :528])
+    assert_close("k_pe", got[:, 528:].contiguous().view(torch.bfloat16), want[:, 528:].contiguous().view(torch.bfloat16),
+                 dtype=torch.bfloat16, rtol=1, atol=0)
+    keys = quantize_indexer_keys(eng_auto.runner.kv_cache.indexer_k[0].view(-1, 1, 64)[written])
+    blocks = eng.runner.kv_cache.indexer_k[0].view(-1, 8 * 68)
+    for n, s in enumerate(written.tolist()):
+        assert torch.equal(blocks[s // 8, (s % 8) * 64:(s % 8 + 1) * 64], keys[n, 0, 0, :64])
+    assert fp8.isfinite().all() and base.isfinite().all()
+
+
+def _slots(eng, seq_id, n):
+    """The cache slots of a sequence's first n tokens."""
+    table = torch.tensor(eng.allocator.ensure(seq_id, n))
+    pos = torch.arange(n)
+    return table[pos // eng.ec.block_size] * eng.ec.block_size + pos % eng.ec.block_size
+
+
+def test_what_an_fp8_cache_costs_and_refuses():
+    """Bytes per token per layer: DeepSeek-V3.2 bf16 (1152, 256), FP8 (656, 132); the engine's ledger counts them;
+    an FP8 cache for other latent widths, an unknown kv_cache_dtype, and the reference's float path over an FP8
+    cache are refused naming the field."""
+    ds = ModelConfig.preset("deepseek-v3.2")
+    assert token_bytes(ds, torch.bfloat16) == (1152, 256) and token_bytes(ds, torch.bfloat16, "fp8") == (656, 132)
+    full = sum(ds.runs_indexer(i) for i in range(ds.num_hidden_layers))
+    assert kv_bytes_per_token(ds, torch.bfloat16, "fp8") == 656 * ds.num_hidden_layers + 132 * full
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype: expected one of \('auto', 'fp8'\), got 'fp8_e5m2'"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
+    tiny = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: 'fp8' stores FlashMLA's rows of kv_lora_rank 512 and "
+                                         r"qk_rope_head_dim 64, the model has 32 and 8"):
+        LLMEngine(tiny.config, EngineConfig(kv_cache_dtype="fp8", max_model_len=64, max_num_seqs=2,
+                                            max_num_batched_tokens=8, num_blocks=4), device="cpu", dtype=torch.float32,
+                  model=from_reference(tiny, "narrow"))
+    ref = _fp8_model(0)
+    cache = PagedKVCache(ref.config, 4, 8, torch.float32, kv_cache_dtype="fp8")
+    assert cache.latent[0].shape == (4, 8, 656) and cache.indexer_k[0].shape == (4, 8, 68)
+    assert cache.nbytes() == 4 * 8 * kv_bytes_per_token(ref.config, torch.float32, "fp8")
+    meta = AttentionMetadata.build([0], [3], [[0]], 8)
+    with pytest.raises(ValueError, match=r"cache: the reference reads and writes float caches, got torch.uint8"):
+        ref(torch.tensor([1, 2, 3]), cache, meta)
