@@ -785,6 +785,8 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "dsv32ref: error: TTFTProtocol.requests: expected an int >= 1, got 0" in capsys.readouterr().err
     assert main(["ttft", "--skip-topk", "narow"]) == 2
     assert "TTFTProtocol.skip_topk: unknown boundaries ['narow']" in capsys.readouterr().err
+    assert main(["ttft", "--fp8-kv", "nnone"]) == 2
+    assert "TTFTProtocol.fp8_kv: unknown boundaries ['nnone']" in capsys.readouterr().err
     assert main(["ttft", "--tp", "0"]) == 2 and "--tp: expected an int >= 1, got 0" in capsys.readouterr().err
 
 

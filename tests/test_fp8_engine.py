@@ -94,3 +94,11 @@ def test_what_an_fp8_cache_costs_and_refuses():
     meta = AttentionMetadata.build([0], [3], [[0]], 8)
     with pytest.raises(ValueError, match=r"cache: the reference reads and writes float caches, got torch.uint8"):
         ref(torch.tensor([1, 2, 3]), cache, meta)
+
+
+def test_the_ttft_protocol_runs_fp8_arms_beside_the_others():
+    """`--fp8-kv narrow` adds the arm narrow+fp8: the narrow boundary on an engine with the FP8 KV cache."""
+    from dsv32ref.experiments.ttft import TTFTProtocol
+    p = TTFTProtocol(variants=("narrow", "none"), fp8_kv=("narrow", "none"))
+    assert p.arms()[2:] == [("narrow+fp8", "narrow", {"kv_cache_dtype": "fp8"}),
+                            ("none+fp8", "none", {"kv_cache_dtype": "fp8"})]

@@ -492,7 +492,7 @@ def test_launchers_reject_bad_inputs():
                            torch.zeros(2, dtype=torch.long), 0.1, torch.zeros(2, 8), torch.zeros(2, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="out: expected dtype torch.int32, got torch.int64"):
         topk_from_scores(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"kv: expected shape \[2, 40\], got \[2, 41\]"):
+    with pytest.raises(ValueError, match=r"latent_cache: expected shape \[\*, \*, 41\], got \[3, 4, 40\]"):  # kv is 41 wide
         fused_norm_rope(torch.zeros(2, 48), torch.ones(48), torch.zeros(2, 48), torch.zeros(2, 41), torch.ones(32),
                         torch.zeros(3, 4, 40), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                         torch.zeros(8, 4), torch.zeros(8, 4), 1e-6)

@@ -36,9 +36,10 @@ __all__ = ["TTFTProtocol", "anatomy", "run"]
 class TTFTProtocol:
     """What one TTFT run measures. `skip_topk`: boundaries that also run as `<boundary>+skip` (the
     short-prefill top-k skip on: the prompt has fewer keys than index_topk, so eager regions skip the indexer's
-    scoring and selection). `instrument_ab`: boundaries that also run as `<boundary>+ranges`, every request with
-    every named region and eager range open (what the instrument costs when it is on); TTFT of the plain arms is
-    always timed with it off. Then the step's anatomy over `anatomy_requests` more requests, and on a GPU the
+    scoring and selection). `fp8_kv`: boundaries that also run as `<boundary>+fp8`, with the FP8 KV cache
+    (EngineConfig.kv_cache_dtype "fp8"), their tokens beside the others'. `instrument_ab`: boundaries that also
+    run as `<boundary>+ranges`, every request with every named region and eager range open (what the instrument
+    costs when it is on); TTFT of the plain arms is always timed with it off. Then the step's anatomy over `anatomy_requests` more requests, and on a GPU the
     host costs of the TTFT model (dsv32ref.experiments.host_costs) in the same process."""
 
     preset: str = "glm-5.2"
@@ -50,6 +51,7 @@ class TTFTProtocol:
     seed: int = 0
     variants: tuple[str, ...] = BOUNDARIES
     skip_topk: tuple[str, ...] = ()
+    fp8_kv: tuple[str, ...] = ()
     instrument_ab: tuple[str, ...] = ()
     anatomy_requests: int = 32
     host_costs: bool = True
@@ -59,14 +61,15 @@ class TTFTProtocol:
             v = getattr(self, name)
             if not is_int(v) or v < low:
                 raise ValueError(f"TTFTProtocol.{name}: expected an int >= {low}, got {v!r}")
-        for name in ("variants", "skip_topk", "instrument_ab"):
+        for name in ("variants", "skip_topk", "fp8_kv", "instrument_ab"):
             unknown = [v for v in getattr(self, name) if v not in BOUNDARIES]
             if unknown or (name == "variants" and not self.variants):
                 raise ValueError(f"TTFTProtocol.{name}: unknown boundaries {unknown}; expected some of {BOUNDARIES}")
 
     def arms(self) -> list[tuple[str, str, dict]]:
-        """(name, boundary, EngineConfig switches) of every engine: the boundaries, then their +skip arms."""
-        return [arm(v) for v in self.variants] + [arm(f"{v}+skip") for v in self.skip_topk]
+        """(name, boundary, EngineConfig switches) of every engine: the boundaries, then their +skip and +fp8 arms."""
+        return ([arm(v) for v in self.variants] + [arm(f"{v}+skip") for v in self.skip_topk] +
+                [arm(f"{v}+fp8") for v in self.fp8_kv])
 
 
 def anatomy(engines: dict, prompts_: list[list[int]]) -> dict:
@@ -142,7 +145,8 @@ def _arm_result(eng: LLMEngine, cap_s: float, t: dict, p: TTFTProtocol, prompt: 
     return {**stats(t["ttft_ms"]), "ttft_ms": t["ttft_ms"], "req_per_s": p.requests / t["wall_s"], "capture_s": cap_s,
             "prefill_runs_as": eng.runner.graphs.lookup(p.prompt_len, False)[0], "ledger": led,
             "ttft_over_floor": statistics.fmean(t["ttft_ms"]) / floor if floor else None, "anatomy": anat,
-            "skip_short_topk": eng.ec.skip_short_topk}
+            "skip_short_topk": eng.ec.skip_short_topk, "kv_cache_dtype": eng.ec.kv_cache_dtype,
+            "kv_tokens_per_gib": eng.runner.memory["kv_tokens_per_gib"]}
 
 
 def _print_arm(v: str, r: dict) -> None:

@@ -11,6 +11,8 @@ Work per query token with S visible keys (DeepSeek-V3.2: H_I = 64, D = 128):
     scores: FLOPs = 2 H_I D S (+ H_I S for the weighting); bytes >= S D 2 (keys, bf16) + S 4 (scores out)
             -> 63 FLOP/byte: memory-bound on the key reads (one decode token at 128k context: 33.6 MB of keys)
     top-k:  5 passes over the S fp32 scores (4 histogram passes + 1 selection pass), writes k int32
+With the FP8 key cache (DeepGEMM's blocks: fp8 keys, then one fp32 scale per key) a key is D + 4 bytes, 132
+instead of 256 at D = 128; the keys are upcast exactly and each key's scale multiplies its scores.
 
 Decode is the case the indexer exists for: one token, a long context. One program per 64 keys then makes
 thousands of tiny programs that each reload the query; a program instead walks `tiles` key tiles with the
