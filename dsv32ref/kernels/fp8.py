@@ -1,8 +1,11 @@
-"""Writing fp8 e4m3 in a kernel, byte for byte as the reference's quantisers (dsv32ref.reference.fp8_cache) do.
+"""Writing fp8 e4m3 (and bf16) in a kernel, byte for byte as the reference's quantisers (dsv32ref.reference.fp8_cache)
+and torch's casts do.
 
 Integer arithmetic only: Triton's interpreter converts some fp32 values to fp8 wrongly (a rounding that carries
-into the exponent, e.g. 31.2 -> 16 instead of 32), so a cast would write different bytes on the CPU and on the
-GPU; these helpers write the same bytes everywhere, and CPU tests check them against torch's conversion.
+into the exponent, e.g. 31.2 -> 16 instead of 32) and truncates fp32 to bf16 where the GPU rounds to nearest
+even, so a cast would write different bytes on the CPU and on the GPU; these helpers write the same bytes
+everywhere, and CPU tests check them against torch's conversion. A cache of FP8 values amplifies any such
+difference: a value one bf16 step away rounds to another fp8 value once in a few tries.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["e4m3_bytes", "pow2_scale"]
+__all__ = ["cast", "e4m3_bytes", "pow2_scale", "round_bf16"]
 
 
 @triton.jit
@@ -45,3 +48,21 @@ def e4m3_bytes(x):
     code = tl.where(a > 0x43E00000, 0x7E, code)  # above 448: saturated
     code = tl.where(a >= 0x7F800000, 0x7F, code)  # inf, NaN: NaN
     return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 x -> fp32 holding the bf16 nearest to x (ties to even; NaN stays NaN, overflow goes to inf): a cast to
+    bf16 of the result is exact, under the interpreter too."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def cast(x, ty: tl.constexpr):
+    """x (any float) to ty as the GPU casts, on every machine (bf16: through round_bf16)."""
+    x = x.to(tl.float32)
+    if ty == tl.bfloat16:
+        x = round_bf16(x)
+    return x.to(ty)

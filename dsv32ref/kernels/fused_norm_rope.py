@@ -21,7 +21,7 @@ import triton.language as tl
 from dsv32ref.cache import LATENT_ROW_BYTES
 from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_scale, check_tensor,
                              device_value_checks_on)
-from dsv32ref.kernels.fp8 import e4m3_bytes, pow2_scale
+from dsv32ref.kernels.fp8 import cast, e4m3_bytes, pow2_scale
 from dsv32ref.kernels.launch import launch
 
 __all__ = ["fused_norm_rope"]
@@ -39,8 +39,8 @@ def _rope_pairs(x_ptr, out_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, INTERLEAVE
     b = tl.load(x_ptr + b_off).to(tl.float32)
     c = tl.load(cos_ptr + i)
     s = tl.load(sin_ptr + i)
-    tl.store(out_ptr + a_off, (a * c - b * s).to(out_ptr.dtype.element_ty))
-    tl.store(out_ptr + b_off, (b * c + a * s).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + a_off, cast(a * c - b * s, out_ptr.dtype.element_ty))
+    tl.store(out_ptr + b_off, cast(b * c + a * s, out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -86,13 +86,13 @@ def _index_key(x_ptr, w_ptr, b_ptr, cache_ptr, slot, stride_slot, stride_block, 
         a_off, b_off = 2 * i, 2 * i + 1
     else:
         a_off, b_off = i, i + ROPE // 2
-    a = _layer_norm_at(x_ptr, w_ptr, b_ptr, a_off, mean, rstd).to(ty).to(tl.float32)
-    b = _layer_norm_at(x_ptr, w_ptr, b_ptr, b_off, mean, rstd).to(ty).to(tl.float32)
+    a = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, a_off, mean, rstd), ty).to(tl.float32)
+    b = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, b_off, mean, rstd), ty).to(tl.float32)
     c = tl.load(cos_ptr + i)
     s = tl.load(sin_ptr + i)
-    ra = (a * c - b * s).to(ty)
-    rb = (b * c + a * s).to(ty)
-    rest = _layer_norm_at(x_ptr, w_ptr, b_ptr, oi, mean, rstd).to(ty)  # (D_I,): the values past ROPE are kept
+    ra = cast(a * c - b * s, ty)
+    rb = cast(b * c + a * s, ty)
+    rest = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, oi, mean, rstd), ty)  # (D_I,): the values past ROPE are kept
     if FP8:
         amax = tl.maximum(_finite_amax(tl.where(oi >= ROPE, rest.to(tl.float32), 0.0)),
                           tl.maximum(_finite_amax(ra), _finite_amax(rb)))  # NaN and inf are written as NaN
@@ -135,7 +135,7 @@ def _fused_norm_rope_kernel(
     x = tl.load(q_c_ptr + t * stride_q + oq, mask=mq, other=0.0).to(tl.float32)
     x = x * tl.rsqrt(tl.sum(x * x, axis=0) / Q_LORA + rms_eps)
     wq = tl.load(q_norm_w_ptr + oq, mask=mq, other=0.0)
-    tl.store(q_c_out_ptr + t * stride_qo + oq, (wq * x.to(wq.dtype)).to(q_c_out_ptr.dtype.element_ty), mask=mq)
+    tl.store(q_c_out_ptr + t * stride_qo + oq, cast(wq * x.to(wq.dtype), q_c_out_ptr.dtype.element_ty), mask=mq)
 
     # A slot outside the cache, or a position outside cos/sin, writes nothing (as a padding token's -1 slot);
     # the launcher's debug mode (dsv32ref.checks.checking_device_values) raises on them instead.
@@ -147,10 +147,10 @@ def _fused_norm_rope_kernel(
         wkv = tl.load(kv_norm_w_ptr + ol)
         row = latent_ptr + slot * stride_lslot
         if LATENT_FP8:  # c_kv as the model's dtype holds it, quantised; k_pe bf16 after the scales
-            _store_latent_fp8(row, (wkv * c.to(wkv.dtype)).to(kv_ptr.dtype.element_ty).to(tl.float32), KV_LORA)
+            _store_latent_fp8(row, cast(wkv * c.to(wkv.dtype), kv_ptr.dtype.element_ty).to(tl.float32), KV_LORA)
             k_pe = (row + KV_LORA + 4 * (KV_LORA // 128)).to(tl.pointer_type(tl.bfloat16))
         else:
-            tl.store(row + ol, (wkv * c.to(wkv.dtype)).to(latent_ptr.dtype.element_ty))
+            tl.store(row + ol, cast(wkv * c.to(wkv.dtype), latent_ptr.dtype.element_ty))
             k_pe = row + KV_LORA
         _rope_pairs(kv_ptr + t * stride_kv + KV_LORA, k_pe, cos, sin, ROPE // 2, True)
         if HAS_INDEXER:
