@@ -200,6 +200,7 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 KV_CACHE_DTYPES = ("auto", "fp8")
 FP8_LATENT_DIMS = (512, 64)  # (kv_lora_rank, qk_rope_head_dim) FlashMLA's FP8 rows hold
 LATENT_ROW_BYTES = 512 + 4 * (512 // 128) + 2 * 64  # 656: fp8 c_kv, an fp32 scale per 128 values, bf16 k_pe
+FP8_PARTS = ("latent", "indexer")  # what an "fp8" cache stores in FP8 (both, as deployed; one alone for studies)
 
 
 def indexer_key_bytes(head_dim: int) -> int:
@@ -221,11 +222,13 @@ class PagedKVCache:
 
     kv_cache_dtype "auto": both in `dtype`, [num_blocks, block_size, width]; "fp8": the layouts deployed engines
     keep (dsv32ref.reference.fp8_cache), uint8 [num_blocks, block_size, 656] latent rows (kv_lora_rank 512 and
-    qk_rope_head_dim 64) and uint8 [num_blocks, block_size, index_head_dim + 4] key blocks; the kernels read
-    both, the reference's float path refuses them."""
+    qk_rope_head_dim 64) and uint8 [num_blocks, block_size, index_head_dim + 4] key blocks; the kernels and the
+    reference model read and write both. fp8_parts: which of the two "fp8" stores in FP8 (the other stays in
+    `dtype`), to tell their errors apart; deployed engines store both."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
+                 fp8_parts: tuple[str, ...] = FP8_PARTS):
         if not isinstance(config, ModelConfig):
             raise ValueError(f"PagedKVCache: config: expected a ModelConfig, got {type(config).__name__}")
         check_int("PagedKVCache: num_blocks", num_blocks)
@@ -233,15 +236,16 @@ class PagedKVCache:
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"PagedKVCache: dtype: expected one of {CACHE_DTYPES}, got {dtype}")
         check_kv_cache_dtype("PagedKVCache: kv_cache_dtype", kv_cache_dtype, config)
+        if not isinstance(fp8_parts, tuple) or not fp8_parts or not set(fp8_parts) <= set(FP8_PARTS):
+            raise ValueError(f"PagedKVCache: fp8_parts: expected a non-empty tuple of {FP8_PARTS}, got {fp8_parts!r}")
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
-        fp8 = kv_cache_dtype == "fp8"
-        lat, idx = token_bytes(config, dtype, kv_cache_dtype)
-        store = torch.uint8 if fp8 else dtype
-        lat, idx = (lat, idx) if fp8 else (config.latent_dim, config.index_head_dim)  # in elements of `store`
-        self.latent = [torch.zeros(num_blocks, block_size, lat, dtype=store, device=device)
+        fp8_lat, fp8_idx = (kv_cache_dtype == "fp8" and part in fp8_parts for part in FP8_PARTS)
+        lat = (torch.uint8, LATENT_ROW_BYTES) if fp8_lat else (dtype, config.latent_dim)  # (store, width)
+        idx = (torch.uint8, indexer_key_bytes(config.index_head_dim)) if fp8_idx else (dtype, config.index_head_dim)
+        self.latent = [torch.zeros(num_blocks, block_size, lat[1], dtype=lat[0], device=device)
                        for _ in range(config.num_hidden_layers)]
-        self.indexer_k = [torch.zeros(num_blocks, block_size, idx, dtype=store, device=device)
+        self.indexer_k = [torch.zeros(num_blocks, block_size, idx[1], dtype=idx[0], device=device)
                           if config.runs_indexer(i) else None for i in range(config.num_hidden_layers)]
 
     def nbytes(self) -> int:
@@ -274,12 +278,17 @@ def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Te
     cache.view(nb * bs, d).index_copy_(0, slot_mapping, rows.to(cache.dtype))
 
 
+def token_slots(block_table_row: torch.Tensor, seq_len: int, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Flat slots int64 [seq_len] of a sequence's first seq_len tokens, through its block-table row."""
+    pos = torch.arange(seq_len, device=block_table_row.device)
+    blocks = block_table_row.long()[pos // block_size]
+    if seq_len and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
+        raise ValueError(f"block_table: sequence of {seq_len} tokens reads blocks outside [0, {num_blocks})")
+    return blocks * block_size + pos % block_size
+
+
 def gather_tokens(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len token rows [seq_len, D] of one sequence, read through its block-table row."""
     _check_float_cache(cache)
     nb, bs, d = cache.shape
-    pos = torch.arange(seq_len, device=cache.device)
-    blocks = block_table_row.to(cache.device).long()[pos // bs]
-    if seq_len and (int(blocks.min()) < 0 or int(blocks.max()) >= nb):
-        raise ValueError(f"block_table: sequence of {seq_len} tokens reads blocks outside [0, {nb})")
-    return cache.view(nb * bs, d)[blocks * bs + pos % bs]
+    return cache.view(nb * bs, d)[token_slots(block_table_row.to(cache.device), seq_len, nb, bs)]

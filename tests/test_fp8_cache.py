@@ -11,8 +11,9 @@ import triton.language as tl
 
 from dsv32ref.reference import indexer_scores, sparse_mla
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_indexer_keys, dequantize_latent,
-                                          indexer_key_bytes, indexer_key_parts, indexer_scores_fp8, latent_parts,
-                                          latent_scale, quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
+                                          gather_indexer_keys, gather_latent, indexer_key_bytes, indexer_key_parts,
+                                          indexer_scores_fp8, latent_parts, latent_scale, quantize_indexer_keys,
+                                          quantize_latent, sparse_mla_fp8, write_indexer_keys, write_latent)
 from dsv32ref.kernels.fp8 import e4m3_bytes, pow2_scale
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged
 from dsv32ref.kernels.sparse_mla import sparse_mla_paged
@@ -148,10 +149,10 @@ def test_unselected_rows_never_count(seed):
     """Every row outside the sequences' visible tokens reads as NaN (poisoned bytes): the reference never reads
     one, and the slots past the cache and -1 select nothing."""
     x = fp8_sparse_decode_inputs(num_heads=16, topk=64, context_lens=(30, 5), block_size=16, seed=seed)
+    nb, bs = x.kv_cache.shape[:2]
+    x.indices[0, -1], x.indices[1, -1] = nb * bs + 5, -1  # one of each, whatever the draw gave
     out, lse = reference_sparse_decode_fp8(x)
     assert out.isfinite().all() and not lse.isnan().any()
-    assert (x.indices >= x.kv_cache.shape[0] * x.kv_cache.shape[1]).any() and (x.indices == -1).any()
-    nb, bs = x.kv_cache.shape[:2]
     assert dequantize_latent(x.kv_cache.view(nb * bs, 656)).isnan().any(-1).sum() > 0
 
 
@@ -377,3 +378,30 @@ def test_a_non_finite_activation_is_written_as_nan(device, dtype, tol, seed):
     assert rows[0, :512].isnan().all() and rows[1:].isfinite().all()
     keys = dequantize_indexer_keys(idx8.cpu().unsqueeze(2)).view(-1, 128)[s[[0, 2, 3]]]
     assert keys[1].isnan().all() and keys[[0, 2]].isfinite().all()
+
+
+def test_token_writes_land_where_the_block_layouts_put_them(seed):
+    """write_latent / write_indexer_keys token by token, in scrambled slot order, give the bytes the whole-block
+    quantisers give; gather_* read them back through a block table as the dequantised values, in position order."""
+    g = torch.Generator().manual_seed(seed)
+    nb, bs, d = 5, 8, 64
+    latent, keys = torch.randn(nb, bs, 576, generator=g) * 3, torch.randn(nb, bs, d, generator=g)
+    slots = torch.randperm(nb * bs, generator=g)
+    lat_cache = torch.zeros(nb, bs, LATENT_ROW_BYTES, dtype=torch.uint8)
+    key_cache = torch.zeros(nb, bs, d + 4, dtype=torch.uint8)
+    write_latent(lat_cache, slots, latent.view(-1, 576)[slots])
+    write_indexer_keys(key_cache, slots, keys.view(-1, d)[slots])
+    assert torch.equal(lat_cache, quantize_latent(latent))
+    assert torch.equal(key_cache.view(nb, bs, 1, d + 4), quantize_indexer_keys(keys))
+    table = torch.tensor([3, 0, 4], dtype=torch.int32)
+    pos = torch.arange(20)
+    want = table.long()[pos // bs] * bs + pos % bs
+    assert torch.equal(gather_latent(lat_cache, table, 20), dequantize_latent(lat_cache.view(-1, 656)[want]))
+    assert torch.equal(gather_indexer_keys(key_cache, table, 20), dequantize_indexer_keys(
+        key_cache.view(nb, bs, 1, d + 4)).view(-1, d)[want])
+    with pytest.raises(ValueError, match=r"slot_mapping: slots must lie in \[0, 40\), got \[0, 40\]"):
+        write_latent(lat_cache, torch.tensor([0, 40]), latent.view(-1, 576)[:2])
+    with pytest.raises(ValueError, match=r"keys: expected shape \[\*, 64\]"):
+        write_indexer_keys(key_cache, slots[:2], torch.randn(2, 32))
+    with pytest.raises(ValueError, match=r"block_table: sequence of 20 tokens reads blocks outside \[0, 5\)"):
+        gather_latent(lat_cache, torch.tensor([3, 0, 5], dtype=torch.int32), 20)

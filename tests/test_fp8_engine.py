@@ -4,7 +4,7 @@ kernels under every boundary, against the same engine with float caches; what th
 import pytest
 import torch
 
-from dsv32ref.cache import AttentionMetadata, PagedKVCache, token_bytes
+from dsv32ref.cache import AttentionMetadata, PagedKVCache, token_bytes, write_tokens
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.engine.memory import kv_bytes_per_token
@@ -23,7 +23,8 @@ def _fp8_model(seed):
 
 
 def _run(ref, boundary, kv_cache_dtype, prompts):
-    """A prefill of the prompts in one step, then one decode step -> (logits [2, requests, vocab], engine)."""
+    """A prefill of the prompts in one step, then one decode step -> (logits [2, requests, vocab], engine, the
+    prefill's sampled tokens)."""
     ec = EngineConfig(boundary=boundary, mode=CUDAGraphMode.NONE, max_model_len=64, max_num_seqs=4,
                       max_num_batched_tokens=32, block_size=8, capture_sizes=[1, 2, 4, 8, 16, 32],
                       kv_cache_dtype=kv_cache_dtype)
@@ -31,32 +32,28 @@ def _run(ref, boundary, kv_cache_dtype, prompts):
     toks, _ = eng.step(StepInput([(r, p, 0) for r, p in enumerate(prompts)]))
     logits = [eng.last_logits]
     eng.step(StepInput([(r, [t], len(p)) for r, (p, t) in enumerate(zip(prompts, toks))]))
-    return torch.stack(logits + [eng.last_logits]), eng
+    return torch.stack(logits + [eng.last_logits]), eng, toks
 
 
 @CPU
 def test_fp8_engine_writes_the_float_engines_rows_quantised_and_every_boundary_agrees(seed):
     """Layer 0's cache (its rows depend on the prompt alone): the FP8 engine's bytes are the oracle's quantisation of
     the float engine's rows, slot by slot. Every boundary gives the same FP8 logits, bit for bit. (How far they are
-    from the float engine's is not asserted: on this tiny model with dummy weights the difference ranges, seed to
-    seed, from several to tens of percent of a row's largest logit, the cause not yet isolated: the router's and
-    the indexer's discrete choices both can turn fp8 rounding into large changes.)"""
+    from the float engine's is the accuracy study's subject: dsv32ref.experiments.fp8_accuracy.)"""
     ref = _fp8_model(seed)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, ref.config.vocab_size, (n,), generator=g).tolist() for n in (11, 5)]
-    base, eng_auto = _run(ref, "narrow", "auto", prompts)
+    base, eng_auto, _ = _run(ref, "narrow", "auto", prompts)
     results = {b: _run(ref, b, "fp8", prompts) for b in BOUNDARIES}
-    fp8, eng = results["narrow"]
-    for b, (logits, _) in results.items():
+    fp8, eng, _ = results["narrow"]
+    for b, (logits, _, _) in results.items():
         assert torch.equal(logits, fp8), b
     lat, lat8 = eng_auto.runner.kv_cache.latent[0], eng.runner.kv_cache.latent[0]
     written = torch.cat([_slots(eng, r, len(p)) for r, p in enumerate(prompts)])  # the prompts' slots
     assert torch.equal(_slots(eng_auto, 0, 12), _slots(eng, 0, 12))
     want = quantize_latent(lat.view(-1, 576)[written])
     got = lat8.view(-1, 656)[written]
-    assert torch.equal(got[:, :528], want[:, :528])
-    assert_close("k_pe", got[:, 528:].contiguous().view(torch.bfloat16), want[:, 528:].contiguous().view(torch.bfloat16),
-                 dtype=torch.bfloat16, rtol=1, atol=0)
+    assert torch.equal(got, want)  # k_pe too: the kernels round to bf16 as torch does, under the interpreter too
     keys = quantize_indexer_keys(eng_auto.runner.kv_cache.indexer_k[0].view(-1, 1, 64)[written])
     blocks = eng.runner.kv_cache.indexer_k[0].view(-1, 8 * 68)
     for n, s in enumerate(written.tolist()):
@@ -91,9 +88,34 @@ def test_what_an_fp8_cache_costs_and_refuses():
     cache = PagedKVCache(ref.config, 4, 8, torch.float32, kv_cache_dtype="fp8")
     assert cache.latent[0].shape == (4, 8, 656) and cache.indexer_k[0].shape == (4, 8, 68)
     assert cache.nbytes() == 4 * 8 * kv_bytes_per_token(ref.config, torch.float32, "fp8")
-    meta = AttentionMetadata.build([0], [3], [[0]], 8)
     with pytest.raises(ValueError, match=r"cache: the reference reads and writes float caches, got torch.uint8"):
-        ref(torch.tensor([1, 2, 3]), cache, meta)
+        write_tokens(cache.latent[0], torch.tensor([0]), torch.zeros(1, 576))
+    with pytest.raises(ValueError, match=r"fp8_parts: expected a non-empty tuple of \('latent', 'indexer'\), got \('kv',\)"):
+        PagedKVCache(ref.config, 4, 8, torch.float32, kv_cache_dtype="fp8", fp8_parts=("kv",))
+    half = PagedKVCache(ref.config, 4, 8, torch.float32, kv_cache_dtype="fp8", fp8_parts=("indexer",))
+    assert half.latent[0].dtype == torch.float32 and half.indexer_k[0].shape == (4, 8, 68)
+
+
+@CPU
+def test_the_fp8_engine_is_the_reference_model_over_an_fp8_cache(seed):
+    """The reference model, stepping through the engine's steps on its own FP8 cache (quantised on write by the
+    oracle, dequantised on read), gives the engine's FP8 logits. Layer 0's bytes are equal; in deeper layers
+    the kernels' fp32 sums and torch's differ in the last bit, which flips an fp8 rounding in one or two values
+    of a few thousand, so the logits agree to about 1e-3 of the row's largest (2^13 fp32 steps), not to fp32
+    rounding: a wrong byte, scale or slot moves them by a hundred times that."""
+    ref = _fp8_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, ref.config.vocab_size, (n,), generator=g).tolist() for n in (11, 5)]
+    fp8, eng, sampled = _run(ref, "narrow", "fp8", prompts)
+    tables = [eng.allocator.ensure(r, len(p) + 1) for r, p in enumerate(prompts)]
+    cache = PagedKVCache(ref.config, eng.runner.kv_cache.num_blocks, 8, torch.float32, kv_cache_dtype="fp8")
+    with torch.no_grad():
+        ids = torch.tensor(prompts[0] + prompts[1])
+        first = ref(ids, cache, AttentionMetadata.build([0, 0], [11, 5], tables, 8))
+        ends = torch.tensor([10, 15])
+        second = ref(torch.tensor(sampled), cache, AttentionMetadata.build([11, 5], [1, 1], tables, 8))
+    assert_close("prefill logits", fp8[0], first[ends], rtol=2**13, atol=2**13)
+    assert_close("decode logits", fp8[1], second, rtol=2**13, atol=2**13)
 
 
 def test_the_ttft_protocol_runs_fp8_arms_beside_the_others():

@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import torch
 
-from dsv32ref.cache import FP8_LATENT_DIMS, LATENT_ROW_BYTES, indexer_key_bytes
+from dsv32ref.cache import FP8_LATENT_DIMS, LATENT_ROW_BYTES, indexer_key_bytes, token_slots
 from dsv32ref.checks import check_tensor
 from dsv32ref.reference.indexer import indexer_scores
 from dsv32ref.reference.numerics import FP8_E4M3_MAX, pow2_scale, ue8m0_scale
 from dsv32ref.reference.sparse_attention import sparse_mla
 
-__all__ = ["LATENT_ROW_BYTES", "dequantize_indexer_keys", "dequantize_latent", "indexer_key_bytes",
-           "indexer_key_parts", "indexer_scores_fp8", "latent_parts", "latent_scale", "quantize_indexer_keys",
-           "quantize_latent", "sparse_mla_fp8"]
+__all__ = ["LATENT_ROW_BYTES", "dequantize_indexer_keys", "dequantize_latent", "gather_indexer_keys",
+           "gather_latent", "indexer_key_bytes", "indexer_key_parts", "indexer_scores_fp8", "latent_parts",
+           "latent_scale", "quantize_indexer_keys", "quantize_latent", "sparse_mla_fp8", "write_indexer_keys",
+           "write_latent"]
 
 D_LAT, D_ROPE, GROUP = FP8_LATENT_DIMS + (128,)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -173,3 +174,65 @@ def indexer_scores_fp8(q_idx: torch.Tensor, weights: torch.Tensor, cache: torch.
         raise ValueError(f"block_table_row: a sequence of {seq_len} tokens reads blocks outside [0, {nb})")
     k = keys.view(nb * bk, d)[blocks * bk + pos % bk]  # (seq_len, D)
     return indexer_scores(q_idx.float() if q_idx.dtype == torch.float8_e4m3fn else q_idx, k, weights, softmax_scale)
+
+
+# ---- token by token, as an engine's cache is written and read (the reference model over an FP8 cache) ----
+
+def _block_shape(cache: torch.Tensor, width: int | None) -> tuple[int, int, int]:
+    """(NB, BS, row width) of an engine's cache uint8 [NB, BS, width] or the formats' [NB, BS, 1, width]."""
+    shape = (None, None, 1, width) if isinstance(cache, torch.Tensor) and cache.dim() == 4 else (None, None, width)
+    check_tensor("cache", cache, shape=shape, dtype=torch.uint8)
+    return cache.shape[0], cache.shape[1], cache.shape[-1]
+
+
+def _slots(name: str, slot_mapping: torch.Tensor, n_rows: int, nb: int, bs: int) -> torch.Tensor:
+    check_tensor(name, slot_mapping, shape=(n_rows,), dtype=(torch.int32, torch.int64))
+    if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= nb * bs):
+        raise ValueError(f"{name}: slots must lie in [0, {nb * bs}), got [{int(slot_mapping.min())}, "
+                         f"{int(slot_mapping.max())}]")
+    return slot_mapping.long()
+
+
+def write_latent(cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
+    """cache uint8 [NB, BS, 656] (or [NB, BS, 1, 656]) <- latent [T, 576] quantised (quantize_latent) at
+    slot_mapping [T] (flat slots)."""
+    nb, bs, _ = _block_shape(cache, LATENT_ROW_BYTES)
+    slots = _slots("slot_mapping", slot_mapping, latent.shape[0], nb, bs)
+    cache.view(nb * bs, LATENT_ROW_BYTES).index_copy_(0, slots, quantize_latent(latent))
+
+
+def gather_latent(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len latent rows of one sequence, dequantised -> fp32 [seq_len, 576]."""
+    nb, bs, _ = _block_shape(cache, LATENT_ROW_BYTES)
+    rows = cache.view(nb * bs, LATENT_ROW_BYTES)[token_slots(block_table_row, seq_len, nb, bs)]
+    return dequantize_latent(rows)
+
+
+def write_indexer_keys(cache: torch.Tensor, slot_mapping: torch.Tensor, keys: torch.Tensor) -> None:
+    """cache uint8 [NB, BS, D + 4] (or [NB, BS, 1, D + 4]) <- keys [T, D], each quantised with its own ue8m0
+    scale, at slot_mapping [T]: the key's D bytes at its offset among the block's keys, its scale's 4 bytes at
+    its offset among the block's scales."""
+    nb, bs, w = _block_shape(cache, None)
+    d = w - 4
+    check_tensor("keys", keys, shape=(None, d), dtype=_FLOATS)
+    slots = _slots("slot_mapping", slot_mapping, keys.shape[0], nb, bs)
+    packed = quantize_indexer_keys(keys[:, None, :]).view(-1, d + 4)  # (T, D + 4): a block of one key
+    flat = cache.view(nb, bs * (d + 4))
+    block, off = slots // bs, slots % bs
+    cols = off[:, None] * d + torch.arange(d, device=cache.device)  # (T, D)
+    flat[block[:, None], cols] = packed[:, :d]
+    cols = bs * d + off[:, None] * 4 + torch.arange(4, device=cache.device)  # (T, 4)
+    flat[block[:, None], cols] = packed[:, d:]
+
+
+def gather_indexer_keys(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len keys of one sequence, dequantised -> fp32 [seq_len, D] (only their bytes are read)."""
+    nb, bs, w = _block_shape(cache, None)
+    d = w - 4
+    slots = token_slots(block_table_row, seq_len, nb, bs)
+    flat = cache.view(nb, bs * w)
+    block, off = slots[:, None] // bs, slots[:, None] % bs
+    values = flat[block, off * d + torch.arange(d, device=cache.device)]  # (S, D) fp8 bytes
+    scale = flat[block, bs * d + off * 4 + torch.arange(4, device=cache.device)].contiguous().view(torch.float32)
+    _powers_of_two("cache: key scales (each block's last block_kv x 4 bytes)", scale)  # (S, 1)
+    return values.view(torch.float8_e4m3fn).float() * scale

@@ -21,6 +21,7 @@ from torch import nn
 
 from dsv32ref.cache import AttentionMetadata, gather_tokens, write_tokens
 from dsv32ref.config import ModelConfig
+from dsv32ref.reference import fp8_cache
 from dsv32ref.reference.indexer import Indexer, indexer_scores, topk_indices
 from dsv32ref.reference.norms import RMSNorm
 from dsv32ref.reference.numerics import QUANT_BLOCK, fp8_round_trip
@@ -32,10 +33,26 @@ FORMS = ("absorbed", "naive")
 
 @dataclass
 class LayerCache:
-    """One layer's views into the paged caches; index_k is None on IndexShare ("shared") layers."""
+    """One layer's views into the paged caches; index_k is None on IndexShare ("shared") layers. Each is a float
+    cache or an FP8 one (uint8: dsv32ref.reference.fp8_cache), written quantised and read dequantised."""
 
-    latent: torch.Tensor  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-    index_k: torch.Tensor | None  # [num_blocks, block_size, index_head_dim]
+    latent: torch.Tensor  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (FP8: 656 bytes)
+    index_k: torch.Tensor | None  # [num_blocks, block_size, index_head_dim] (FP8: index_head_dim + 4 bytes)
+
+    def write(self, slot_mapping: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor | None) -> None:
+        fp8 = self.latent.dtype == torch.uint8
+        (fp8_cache.write_latent if fp8 else write_tokens)(self.latent, slot_mapping, latent)
+        if index_k is not None:
+            fp8 = self.index_k.dtype == torch.uint8
+            (fp8_cache.write_indexer_keys if fp8 else write_tokens)(self.index_k, slot_mapping, index_k)
+
+    def latent_rows(self, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+        fp8 = self.latent.dtype == torch.uint8
+        return (fp8_cache.gather_latent if fp8 else gather_tokens)(self.latent, block_table_row, seq_len)
+
+    def index_keys(self, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+        fp8 = self.index_k.dtype == torch.uint8
+        return (fp8_cache.gather_indexer_keys if fp8 else gather_tokens)(self.index_k, block_table_row, seq_len)
 
 
 class DeepseekV32Attention(nn.Module):
@@ -107,12 +124,11 @@ class DeepseekV32Attention(nn.Module):
         """
         T, H = x.shape[0], self.num_heads
         q_c, q_nope, q_pe, c_kv, k_pe = self.project(x, cos, sin)
-        write_tokens(cache.latent, meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1))  # (T, 576)
+        k_idx = self.indexer.key(x, cos, sin) if self.indexer is not None else None  # (T, D_I)
+        cache.write(meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1), k_idx)  # (T, 576)
 
         # ---- indexer: this layer's own top-k, or the shared one ----
         if self.indexer is not None:
-            k_idx = self.indexer.key(x, cos, sin)  # (T, D_I)
-            write_tokens(cache.index_k, meta.slot_mapping, k_idx)
             q_idx = self.indexer.query(q_c, cos, sin)  # (T, H_I, D_I)
             w_idx = self.indexer.weights(x)  # (T, H_I)
             topk = self._run_indexer(q_idx, w_idx, cache, meta)
@@ -129,7 +145,7 @@ class DeepseekV32Attention(nn.Module):
             q_mqa = torch.cat((q_lat, q_pe), dim=-1)  # (T, H, 576)
         for b in range(meta.num_reqs):
             t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-            kv = gather_tokens(cache.latent, meta.block_table[b], meta.seq_lens_cpu[b])  # (S, 576)
+            kv = cache.latent_rows(meta.block_table[b], meta.seq_lens_cpu[b])  # (S, 576)
             if self.form == "absorbed":
                 o_lat, _ = sparse_mla(q_mqa[t0:t1], kv.to(q_mqa.dtype), topk[t0:t1], self.softmax_scale, self.kv_lora_rank)
                 o[t0:t1] = torch.einsum("thc,hvc->thv", o_lat, self.W_UV)  # W_UV o_lat
@@ -141,7 +157,7 @@ class DeepseekV32Attention(nn.Module):
         topk = torch.full((q_idx.shape[0], self.config.index_topk), -1, dtype=torch.int32, device=q_idx.device)
         for b in range(meta.num_reqs):
             t0, t1 = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-            k_idx = gather_tokens(cache.index_k, meta.block_table[b], meta.seq_lens_cpu[b])  # (S, D_I)
+            k_idx = cache.index_keys(meta.block_table[b], meta.seq_lens_cpu[b]).to(q_idx.dtype)  # (S, D_I)
             scores = indexer_scores(q_idx[t0:t1], k_idx, w_idx[t0:t1], self.indexer.softmax_scale)  # (n, S)
             topk[t0:t1] = topk_indices(scores, meta.positions[t0:t1], self.config.index_topk)
         return topk
