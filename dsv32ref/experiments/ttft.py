@@ -241,9 +241,11 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
         torch.cuda.empty_cache()
     if p.instrument_ab:
         _instrument_ab(result, timed, p, lead)
-    tokens = [t["tokens"] for t in timed.values()]
+    tokens = [t["tokens"] for v, t in timed.items() if not v.endswith("+fp8")]  # the arms of one cache format
     result["same_tokens_across_variants"] = all(t == tokens[0] for t in tokens)
     result["first_tokens"] = tokens[0]  # of every timed request: compares runs (one GPU vs TP) token by token
+    result["tokens_equal_to_first_arm"] = {  # per arm, the fraction of requests whose token is the first arm's
+        v: sum(a == b for a, b in zip(t["tokens"], tokens[0])) / max(1, len(tokens[0])) for v, t in timed.items()}
     if "wide" in result["variants"] and "narrow" in result["variants"]:
         result["wide_over_narrow"] = result["variants"]["wide"]["mean_ms"] / result["variants"]["narrow"]["mean_ms"]
     if out:
