@@ -13,6 +13,8 @@
     dsv32ref timeline           one profiled request per boundary (GPU)              -> timeline_<model>.json
     dsv32ref hostcosts          the TTFT model's host costs (GPU)                    -> host_costs_<model>.json
     dsv32ref kernels            the kernel benchmark (GPU)                           -> kernels.json
+    dsv32ref fp8-speed          the FP8 KV cache against bf16: decode, indexer scores (GPU) -> fp8_speed.json
+    dsv32ref fp8-accuracy       the FP8 KV cache against bf16 and float64 caches, on the CPU -> fp8_accuracy.json
     dsv32ref ledger --predict   launch ledger of each boundary, on a CPU             -> ledger_predicted_<model>.json
 
 A run's files go to runs/<UTC time>/ (or --out PATH); --record writes them into data/, over what is recorded
@@ -29,9 +31,11 @@ import sys
 import torch
 
 from dsv32ref import summary
+from dsv32ref.bench import fp8 as fp8_bench
 from dsv32ref.bench import kernels as kernel_bench
 from dsv32ref.config import PRESETS
-from dsv32ref.experiments import capture_memory, host_costs, ledger, regimes, reproduce, timeline, ttft, ttft_model
+from dsv32ref.experiments import (capture_memory, fp8_accuracy, host_costs, ledger, regimes, reproduce, timeline, ttft,
+                                  ttft_model)
 from dsv32ref.parallel import spawn
 from dsv32ref.results import write_result
 
@@ -122,6 +126,17 @@ def cmd_kernels(args) -> int:
     return kernel_bench.main(["--out", _out(args, "kernels.json")] + (["--quick"] if args.quick else []))
 
 
+def cmd_fp8_speed(args) -> int:
+    return fp8_bench.main(["--out", _out(args, "fp8_speed.json")] + (["--quick"] if args.quick else []))
+
+
+def cmd_fp8_accuracy(args) -> int:
+    if args.tokens < 1:
+        raise ValueError(f"--tokens: expected an int >= 1, got {args.tokens}")
+    fp8_accuracy.run(tokens=args.tokens, out=_out(args, "fp8_accuracy.json"))
+    return 0
+
+
 def cmd_ledger(args) -> int:
     if not args.predict:
         print("the measured ledger comes with `dsv32ref ttft` (GPU); use --predict for the CPU prediction")
@@ -162,6 +177,10 @@ def _parser() -> argparse.ArgumentParser:
                             ("hostcosts", cmd_hostcosts, "the TTFT model's host costs (GPU)")):
         add(name, fn, help_).add_argument("--model", default="glm-5.2", choices=MODELS)
     add("kernels", cmd_kernels, "the kernel benchmark (GPU)").add_argument("--quick", action="store_true")
+    add("fp8-speed", cmd_fp8_speed, "the FP8 KV cache against bf16: sparse MLA decode, indexer scores (GPU)"
+        ).add_argument("--quick", action="store_true")
+    add("fp8-accuracy", cmd_fp8_accuracy, "the FP8 KV cache against bf16 and float64 caches (CPU)"
+        ).add_argument("--tokens", type=int, default=200, help="greedy tokens generated per arm")
     led = add("ledger", cmd_ledger, "launch ledger of each eager boundary")
     led.add_argument("--predict", action="store_true", help="predict on the CPU from the model structure")
     led.add_argument("--model", default="glm-5.2", choices=MODELS)

@@ -3,13 +3,14 @@
 #   DSV32REF_GIT_COMMIT=<sha> bash scripts/gpu_experiments.sh OUTDIR STEP [STEP ...]
 # Steps, in the order given (each writes OUTDIR/<file> and OUTDIR/<step>.log; data/README.md says which
 # files of data/ each one records):
-#   tests      every gpu-marked test                                          -> pytest_gpu.txt
+#   tests      every gpu-marked test (of TESTS_FILES, default tests/)           -> pytest_gpu.txt
 #   nanplant   the NaN indexer test against a planted bug (tl.maximum for the ReLU, which drops NaN compiled):
 #              it must fail; the tree is restored after                       -> nanplant.txt
 #   main       the main job, `python -m dsv32ref --quick`, timed; data/ must be unchanged afterwards -> main.log
 #   kernels    the kernel benchmark                                           -> kernels.json
-#   ttft       TTFT + ledger of every boundary and the top-k skip (MODELS), the instrument A/B for AB_MODEL
-#              (default glm-5.2)                                              -> ttft_<model>.json
+#   ttft       TTFT + ledger of every boundary and the top-k skip (MODELS), the instrument A/B and the FP8 KV
+#              cache's arms (narrow, none) for AB_MODEL (default glm-5.2)     -> ttft_<model>.json
+#   fp8        the FP8 KV cache against bf16: decode and indexer scores       -> fp8_speed.json
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary   -> capture_memory_glm-5.2_h16.json
 #   regimes    TTFT against prompt length, decode TPOT, every variant          -> regimes_glm-5.2.json
 #   timeline   one profiled request per boundary on a time axis               -> timeline_glm-5.2.json
@@ -24,7 +25,7 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     tests)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu ${TESTS_FILES:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$OUT/pytest_gpu.txt" | tail -6 ;;
     nanplant)
       cp dsv32ref/kernels/indexer_topk.py /tmp/indexer_topk.py
@@ -46,12 +47,15 @@ for step in "$@"; do
       grep "sparse_mla .* T=512\|^ceilings" "$OUT/kernels.log" | tail -6 ;;
     ttft)
       for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
-        ab=$([ "$model" = "${AB_MODEL:-glm-5.2}" ] && echo --instrument-ab)
+        ab=$([ "$model" = "${AB_MODEL:-glm-5.2}" ] && echo --instrument-ab --fp8-kv narrow none)
         timeout 330 dsv ttft --model "$model" $ab --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
         tail -14 "$OUT/ttft_$model.log"
       done ;;
+    fp8)
+      timeout 300 python3 -m dsv32ref fp8-speed --out "$OUT/fp8_speed.json" > "$OUT/fp8.log" 2>&1; echo "fp8 rc $?"
+      grep "B=128\|B=1 " "$OUT/fp8.log" | tail -12 ;;
     capture)
-      timeout 300 dsv capture --model glm-5.2 --heads-per-rank 16 --out "$OUT/capture_memory_glm-5.2_h16.json" \
+      timeout 300 dsv capture --model glm-5.2 --heads-per-rank 16 ${CAPTURE_ARGS:-} --out "$OUT/capture_memory_glm-5.2_h16.json" \
         > "$OUT/capture.log"; tail -10 "$OUT/capture.log" ;;
     regimes)
       timeout 300 dsv regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" > "$OUT/regimes.log"; tail -5 "$OUT/regimes.log" ;;

@@ -24,7 +24,8 @@ def test_main_job_runs_and_passes_its_checks(capsys):
 
 
 @CPU
-@pytest.mark.parametrize("cmd", ["reproduce", "ttft", "capture", "regimes", "timeline", "hostcosts", "kernels"])
+@pytest.mark.parametrize("cmd", ["reproduce", "ttft", "capture", "regimes", "timeline", "hostcosts", "kernels",
+                                 "fp8-speed"])
 def test_gpu_subcommands_say_what_they_need_on_a_cpu(cmd, capsys):
     assert main([cmd]) == 2
     out = capsys.readouterr()

@@ -1,0 +1,179 @@
+"""The FP8 KV cache against the bf16 cache on one GPU: sparse MLA decode and the indexer's scores pass.
+
+    python -m dsv32ref.bench.fp8 --out data/fp8_speed.json [--quick]
+
+Both caches hold the same values (the bf16 cache is the FP8 cache dequantised: an fp8 value times a power of
+two is exact in bf16), so the two kernels compute the same function and are checked against each other (outputs
+poisoned first). Decode: B requests of one token, each with its own ctx-token cache and index_topk random
+visible slots, at 16, 64 and 128 heads (a TP4, TP2 and TP1 rank of GLM-5.2/DeepSeek-V3.2's heads); the bytes
+each kernel must read are its rows (1152 bf16, 656 FP8 per token) once each. Indexer: B requests of one token
+at ctx keys, bf16 keys (256 bytes) against DeepGEMM's FP8 keys (132 bytes). Caches smaller than 1 GiB rotate
+through copies (bench.kernels.Rotation), so every timed call reads HBM. Times are CUDA-graph replays, medians;
+the copy bandwidth and GEMM rate are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from dsv32ref.bench.kernels import (BLOCK_SIZE, COPIES, DEV, Rotation, Run, decode_batch, shapes, slots_of, start_run,
+                                    timed)
+from dsv32ref.checks import rel_err
+from dsv32ref.kernels import grid
+from dsv32ref.kernels.indexer_topk import indexer_scores_paged
+from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan, sparse_mla_paged
+from dsv32ref.reference.fp8_cache import (dequantize_indexer_keys, dequantize_latent, quantize_indexer_keys,
+                                          quantize_latent)
+
+BF16 = torch.bfloat16
+CHUNK = 1 << 20  # tokens quantised at a time (bounds the fp32 temporaries)
+DECODE_BATCHES, CONTEXTS, HEADS = (1, 16, 64, 128), (8192, 32768, 131072), (16, 64, 128)
+
+
+def copies_for(nbytes: int) -> int:
+    """Copies of a cache of nbytes that together pass 1 GiB (at most COPIES): each timed call reads HBM."""
+    return max(1, min(COPIES, math.ceil((1 << 30) / nbytes)))
+
+
+def latent_caches(n_tokens: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 [NB, BS, d], FP8 rows uint8 [NB, BS, 656]) holding the same values: random rows quantised, the
+    bf16 cache their dequantisation."""
+    nb = n_tokens // BLOCK_SIZE
+    bf = torch.randn(nb, BLOCK_SIZE, d, device=DEV, dtype=BF16)
+    rows = torch.empty(nb, BLOCK_SIZE, 656, device=DEV, dtype=torch.uint8)
+    flat_bf, flat_rows = bf.view(-1, d), rows.view(-1, 656)
+    for t0 in range(0, n_tokens, CHUNK):
+        flat_rows[t0:t0 + CHUNK] = quantize_latent(flat_bf[t0:t0 + CHUNK])
+        flat_bf[t0:t0 + CHUNK] = dequantize_latent(flat_rows[t0:t0 + CHUNK]).to(BF16)
+    return bf, rows
+
+
+def key_caches(n_tokens: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 keys [NB, BS, d], DeepGEMM's FP8 blocks uint8 [NB, BS, d + 4]) holding the same values."""
+    nb = n_tokens // BLOCK_SIZE
+    keys = torch.randn(nb, BLOCK_SIZE, d, device=DEV, dtype=BF16)
+    blocks = torch.empty(nb, BLOCK_SIZE, d + 4, device=DEV, dtype=torch.uint8)
+    per = max(1, CHUNK // BLOCK_SIZE)
+    for b0 in range(0, nb, per):
+        q = quantize_indexer_keys(keys[b0:b0 + per])  # (n, BS, 1, d + 4)
+        blocks[b0:b0 + per] = q.view(-1, BLOCK_SIZE, d + 4)
+        keys[b0:b0 + per] = dequantize_indexer_keys(q).to(BF16)
+    return keys, blocks
+
+
+def _speedup_row(kind: str, case: dict, t_bf: dict, t_fp8: dict, bytes_bf: float, bytes_fp8: float, ceil: dict) -> dict:
+    copy = ceil["copy_GBps"]
+    return dict(case, kernel=kind, ms_bf16=t_bf["ms"], ms_fp8=t_fp8["ms"], bytes_bf16=bytes_bf, bytes_fp8=bytes_fp8,
+                speedup=t_bf["ms"] / t_fp8["ms"], fraction_of_copy_bf16=bytes_bf / t_bf["ms"] / 1e6 / copy,
+                fraction_of_copy_fp8=bytes_fp8 / t_fp8["ms"] / 1e6 / copy, timing=t_fp8["timing"])
+
+
+def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[dict]:
+    """sparse_mla_paged decode at B requests x ctx tokens, each head count in `heads`, bf16 against FP8 rows."""
+    d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], z["k"]
+    r = decode_batch(B, ctx)
+    n = copies_for(r["nblocks"] * BLOCK_SIZE * D * 2)
+    caches = [latent_caches(r["nblocks"] * BLOCK_SIZE, D) for _ in range(n)]
+    topk = (torch.rand(B, k, device=DEV) * ctx).int()  # (B, k) random visible positions
+    distinct = torch.unique(slots_of(r["block_table"], topk.long(), r["req"])).numel()
+    rows = []
+    for H in heads:
+        q = torch.randn(B, H, D, device=DEV, dtype=BF16)
+        outs = {f: torch.empty(B, H, d_lat, device=DEV, dtype=BF16) for f in ("bf16", "fp8")}
+        lse = {f: torch.empty(B, H, device=DEV) for f in ("bf16", "fp8")}
+        rot = Rotation(n)
+        calls = {f: (lambda f=f, j=j: sparse_mla_paged(q, caches[rot()][j], r["block_table"], r["req"], r["seq_lens"],
+                                                       topk, z["config"].softmax_scale, outs[f], lse[f]))
+                 for j, f in enumerate(("bf16", "fp8"))}
+        for f in calls:
+            outs[f].fill_(float("nan"))
+            rot.i = -1
+            calls[f]()
+        sms = grid.num_sms(q.device, None, "bench_fp8")
+        plan = {f: launch_plan(q, d_lat, k, None, sms, fp8=f == "fp8") for f in calls}
+        case = {"model": z["name"], "B": B, "context": ctx, "heads": H, "topk": k, "copies": n,
+                "impl": {f: kernel_choice(q, d_lat, plan[f][2], None, fp8=f == "fp8")[0] for f in calls},
+                "splits": {f: plan[f][2] for f in calls},
+                "rel_err_fp8_vs_bf16": max(rel_err(outs["fp8"], outs["bf16"]), rel_err(lse["fp8"], lse["bf16"])),
+                "flops": 2 * B * H * k * (D + d_lat)}
+        case["ok"] = case["rel_err_fp8_vs_bf16"] <= 1e-2 and not outs["fp8"].isnan().any().item()
+        t = {}
+        for f in ("bf16", "fp8", "bf16", "fp8"):  # interleaved: the second of each pair is kept
+            rot.i = -1
+            t[f] = timed(calls[f])
+        fixed = 2 * B * H * (D + d_lat) + 4 * B * k + 8 * B * H
+        rows.append(_speedup_row("sparse_mla_decode", case, t["bf16"], t["fp8"], distinct * D * 2 + fixed,
+                                 distinct * 656 + fixed, ceil))
+    del caches
+    return rows
+
+
+def bench_scores(z: dict, B: int, ctx: int, ceil: dict) -> dict:
+    """indexer_scores_paged for B decode tokens (one per request, at its last of ctx positions), bf16 keys
+    against FP8 keys; each request's keys are its own."""
+    d, h = z["d_i"], z["h_i"]
+    r = decode_batch(B, ctx)
+    n = copies_for(r["nblocks"] * BLOCK_SIZE * d * 2)
+    caches = [key_caches(r["nblocks"] * BLOCK_SIZE, d) for _ in range(n)]
+    q = torch.randn(B, h, d, device=DEV, dtype=BF16)
+    w = torch.randn(B, h, device=DEV) * h ** -0.5
+    scores = {f: torch.empty(B, ctx, device=DEV) for f in ("bf16", "fp8")}
+    rot = Rotation(n)
+    calls = {f: (lambda f=f, j=j: indexer_scores_paged(q, w, caches[rot()][j], r["block_table"], r["req"],
+                                                       r["positions"], d ** -0.5, scores[f], tokens=1))
+             for j, f in enumerate(("bf16", "fp8"))}
+    for f in calls:
+        scores[f].fill_(float("nan"))
+        rot.i = -1
+        calls[f]()
+    case = {"model": z["name"], "B": B, "context": ctx, "index_n_heads": h, "copies": n,
+            "rel_err_fp8_vs_bf16": rel_err(scores["fp8"], scores["bf16"])}
+    case["ok"] = case["rel_err_fp8_vs_bf16"] <= 1e-2 and not scores["fp8"].isnan().any().item()
+    t = {}
+    for f in ("bf16", "fp8", "bf16", "fp8"):
+        rot.i = -1
+        t[f] = timed(calls[f])
+    fixed = 2 * B * h * d + 4 * B * h + 4 * B * ctx  # the query, its weights, the scores written
+    del caches
+    return _speedup_row("indexer_scores", case, t["bf16"], t["fp8"], B * ctx * d * 2 + fixed,
+                        B * ctx * (d + 4) + fixed, ceil)
+
+
+def _line(r: dict) -> str:
+    what = f"H={r['heads']}" if "heads" in r else f"H_I={r['index_n_heads']}"
+    return (f"{r['kernel']:<18} B={r['B']:<4} ctx={r['context']:<7} {what:<6} bf16 {r['ms_bf16'] * 1e3:8.1f} us "
+            f"({r['fraction_of_copy_bf16']:4.0%} of copy)  fp8 {r['ms_fp8'] * 1e3:8.1f} us "
+            f"({r['fraction_of_copy_fp8']:4.0%})  x{r['speedup']:.2f}  ok={r['ok']}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="data/fp8_speed.json")
+    ap.add_argument("--quick", action="store_true", help="two batch sizes, two contexts (smoke run)")
+    args = ap.parse_args(argv)
+    if (start := start_run()) is None:
+        return 2
+    run = Run(args.out, start[1], start[0])
+    z = shapes("glm-5.2")
+    batches, contexts = ((1, 64), (8192, 131072)) if args.quick else (DECODE_BATCHES, CONTEXTS)
+    for ctx in contexts:
+        for B in batches:
+            for r in bench_decode(z, B, ctx, HEADS, run.ceil):
+                run.add(r, _line(r))
+            r = bench_scores(z, B, ctx, run.ceil)
+            run.add(r, _line(r))
+            torch.cuda.empty_cache()
+    status = run.finish()
+    for r in run.results:
+        r["fraction_of_copy_bf16"] = r["bytes_bf16"] / r["ms_bf16"] / 1e6 / run.ceil["copy_GBps"]
+        r["fraction_of_copy_fp8"] = r["bytes_fp8"] / r["ms_fp8"] / 1e6 / run.ceil["copy_GBps"]
+    run.save(complete=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
