@@ -20,7 +20,7 @@ OUT=${1:?output dir}; shift
 mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
-dsv() { python3 -m dsv32ref "$@" 2>&1 | tr '\r' '\n' | grep -v "\] [0-9]*/[0-9]*$"; }
+dsv() { local limit=$1; shift; timeout "$limit" python3 -m dsv32ref "$@" 2>&1 | tr '\r' '\n' | grep -v "\] [0-9]*/[0-9]*$"; }
 for step in "$@"; do
   start=$(date +%s)
   case $step in
@@ -48,19 +48,19 @@ for step in "$@"; do
     ttft)
       for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
         ab=$([ "$model" = "${AB_MODEL:-glm-5.2}" ] && echo --instrument-ab --fp8-kv narrow none)
-        timeout 330 dsv ttft --model "$model" $ab --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
+        dsv 330 ttft --model "$model" $ab --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
         tail -14 "$OUT/ttft_$model.log"
       done ;;
     fp8)
       timeout 300 python3 -m dsv32ref fp8-speed --out "$OUT/fp8_speed.json" > "$OUT/fp8.log" 2>&1; echo "fp8 rc $?"
       grep "B=128\|B=1 " "$OUT/fp8.log" | tail -12 ;;
     capture)
-      timeout 300 dsv capture --model glm-5.2 --heads-per-rank 16 ${CAPTURE_ARGS:-} --out "$OUT/capture_memory_glm-5.2_h16.json" \
+      dsv 300 capture --model glm-5.2 --heads-per-rank 16 ${CAPTURE_ARGS:---no-threshold} --out "$OUT/capture_memory_glm-5.2_h16.json" \
         > "$OUT/capture.log"; tail -10 "$OUT/capture.log" ;;
     regimes)
-      timeout 300 dsv regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" > "$OUT/regimes.log"; tail -5 "$OUT/regimes.log" ;;
+      dsv 300 regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" > "$OUT/regimes.log"; tail -5 "$OUT/regimes.log" ;;
     timeline)
-      timeout 150 dsv timeline --model glm-5.2 --out "$OUT/timeline_glm-5.2.json" > "$OUT/timeline.log"; tail -5 "$OUT/timeline.log" ;;
+      dsv 150 timeline --model glm-5.2 --out "$OUT/timeline_glm-5.2.json" > "$OUT/timeline.log"; tail -5 "$OUT/timeline.log" ;;
     nbval)
       timeout 400 python3 -m pytest -q -p no:cacheprovider notebooks 2>&1 | tee "$OUT/nbval.txt" | tail -6 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
