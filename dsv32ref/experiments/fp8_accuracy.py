@@ -38,9 +38,11 @@ from dsv32ref.provenance import provenance
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
 from dsv32ref.results import write_result
 
-ARMS = {"float64": (torch.float64, "auto", ("latent", "indexer")), "bf16": (torch.bfloat16, "auto", ("latent", "indexer")),
-        "fp8": (torch.float64, "fp8", ("latent", "indexer")), "fp8 latent": (torch.float64, "fp8", ("latent",)),
-        "fp8 indexer": (torch.float64, "fp8", ("indexer",))}
+BOTH = ("latent", "indexer")
+ARMS = {  # name: (cache dtype, kv_cache_dtype, the parts in FP8)
+    "float64": (torch.float64, "auto", BOTH), "bf16": (torch.bfloat16, "auto", BOTH),
+    "fp8": (torch.float64, "fp8", BOTH),
+    "fp8 latent": (torch.float64, "fp8", ("latent",)), "fp8 indexer": (torch.float64, "fp8", ("indexer",))}
 BLOCK_SIZE = 16
 SHAPES = dict(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=64, index_topk=16, vocab_size=256)
 
@@ -141,8 +143,8 @@ def study(model, prompt: list[int], n: int) -> dict:
     out = {"prompt_len": len(prompt), "generated": n, "index_topk": model.config.index_topk, "arms": {}}
     for arm in ARMS:
         same = [a == b for a, b in zip(gen[arm], gen["float64"])]
-        out["arms"][arm] = dict(compare(runs[arm], runs["float64"]), tokens=gen[arm],
-                                greedy_agreement=sum(same) / n, first_divergence=same.index(False) if False in same else None)
+        out["arms"][arm] = dict(compare(runs[arm], runs["float64"]), tokens=gen[arm], greedy_agreement=sum(same) / n,
+                                first_divergence=same.index(False) if False in same else None)
     return out
 
 
