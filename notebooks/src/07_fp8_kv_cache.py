@@ -1,0 +1,280 @@
+# %% [markdown]
+# # The FP8 KV cache: the bytes, what they cost in accuracy, what they buy in memory and speed
+#
+# vLLM's pull request "[Perf] Narrow DeepSeek V3.2 eager CUDA graph region" measured GLM-5.2 with an FP8 KV
+# cache. Serving engines that run DeepSeek-V3.2's sparse attention keep two caches in FP8: FlashMLA's latent
+# rows (656 bytes per token instead of 1152 in bf16) and DeepGEMM's indexer keys (132 bytes instead of 256).
+# This notebook draws both layouts from bytes our quantisers write (`dsv32ref.reference.fp8_cache`), computes
+# what they save per token, and reads from `data/` what the FP8 cache did to accuracy (the reference model on
+# the CPU, `python -m dsv32ref fp8-accuracy`), to kernel time (one H200, `python -m dsv32ref fp8-speed`) and to
+# the PR's TTFT protocol (the `+fp8` arms of `python -m dsv32ref ttft`).
+
+# %%
+import json
+
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import Markdown, display
+
+from dsv32ref.cache import LATENT_ROW_BYTES, indexer_key_bytes, token_bytes
+from dsv32ref.config import ModelConfig
+from dsv32ref.engine.memory import kv_bytes_per_token
+from dsv32ref.reference.fp8_cache import (dequantize_latent, indexer_key_parts, latent_parts, quantize_indexer_keys,
+                                          quantize_latent)
+from dsv32ref.report import GREY, OKABE_ITO, show, table
+
+
+def load(name):
+    with open(f"../data/{name}") as fh:
+        return json.load(fh)
+
+
+acc, speed, ttft = load("fp8_accuracy.json"), load("fp8_speed.json"), load("ttft_glm-5.2.json")
+for name, d in (("accuracy", acc), ("speed", speed), ("TTFT", ttft)):
+    p = d["provenance"]
+    print(f"{name:<9} {p['device']}, torch {p['torch']}, triton {p['triton']}, {p['date'][:10]}, "
+          f"commit {p['git_commit'][:10]}")
+
+# %% [markdown]
+# ## The two layouts, byte by byte
+# One latent row of 576 values, quantised as FlashMLA stores it: 512 fp8 e4m3 values of `c_kv`, four fp32
+# scales (one per 128 values, each a power of two), then the 64 `k_pe` values in bf16, untouched. And one block
+# of DeepGEMM's indexer-key cache: the block's 64 keys of 128 fp8 values each, then their 64 fp32 scales.
+
+# %%
+g = torch.Generator().manual_seed(0)
+spread = torch.cat((torch.tensor([0.1, 1.0, 10.0, 100.0]).repeat_interleave(128), torch.ones(64)))  # (576,)
+latent = torch.randn(1, 576, generator=g) * spread  # c_kv groups of four magnitudes, then k_pe
+row = quantize_latent(latent)[0]  # (656,) bytes
+values, scales, k_pe = latent_parts(row)
+back = dequantize_latent(row)
+print(f"row: {row.numel()} bytes = {values.numel()} fp8 + {4 * scales.numel()} scale bytes + {2 * k_pe.numel()} "
+      f"k_pe bytes")
+print("scales (one per 128 values):", scales.tolist())
+print("bytes 512-527 (the scales, little-endian fp32):", row[512:528].tolist())
+err = ((back[:512] - latent[0, :512]).abs() / latent[0, :512].abs()).view(4, 128).amax(-1)
+print("largest relative error per group:", [f"{e:.3f}" for e in err.tolist()])
+print("k_pe read back exactly as bf16:", torch.equal(back[512:], latent[0, 512:].to(torch.bfloat16).float()))
+
+keys = torch.randn(1, 64, 128, generator=g) * torch.logspace(-2, 2, 64)[None, :, None]
+block = quantize_indexer_keys(keys)  # (1, 64, 1, 132)
+kv, ks = indexer_key_parts(block)
+print(f"\nkey block: {block.numel()} bytes = {kv.numel()} fp8 values, then {4 * ks.numel()} scale bytes; "
+      f"{indexer_key_bytes(128)} bytes per token")
+
+fig, axes = plt.subplots(2, 1, figsize=(9, 3.2))
+for ax, parts, total, title in (
+        (axes[0], [("c_kv: 512 fp8 e4m3", 512, OKABE_ITO[0]), ("4 fp32 scales", 16, OKABE_ITO[1]),
+                   ("k_pe: 64 bf16", 128, OKABE_ITO[2])], LATENT_ROW_BYTES, "FlashMLA's latent row (one token)"),
+        (axes[1], [("64 keys x 128 fp8 e4m3", 64 * 128, OKABE_ITO[3]), ("64 fp32 scales", 256, OKABE_ITO[5])],
+         64 * 132, "DeepGEMM's indexer-key block (64 tokens)")):
+    start = 0
+    for label, n, color in parts:
+        ax.barh(0, n, left=start, color=color, edgecolor="black")
+        ax.text(start + n / 2, 0, f"{label}\n[{start}, {start + n})", ha="center", va="center", fontsize=8)
+        start += n
+    ax.set_xlim(0, total)
+    ax.set_yticks([])
+    ax.set_title(title)
+    ax.set_xlabel("byte offset")
+    ax.set_ylabel("bytes")
+show(fig)
+
+# %% [markdown]
+# ## Memory per token
+# Bytes one token takes in every layer's caches (`dsv32ref.engine.memory.kv_bytes_per_token`): the latent row
+# in each layer, the indexer key in each layer that runs its own indexer (GLM-5.2's IndexShare layers reuse
+# another's selection and keep no keys).
+
+# %%
+rows = []
+for name in ("deepseek-v3.2", "glm-5.2"):
+    c = ModelConfig.preset(name)
+    own = sum(c.runs_indexer(i) for i in range(c.num_hidden_layers))
+    b16, f8 = (kv_bytes_per_token(c, torch.bfloat16, k) for k in ("auto", "fp8"))
+    lat16, key16 = token_bytes(c, torch.bfloat16)
+    lat8, key8 = token_bytes(c, torch.bfloat16, "fp8")
+    rows.append([name, f"{c.num_hidden_layers} / {own}", f"{lat16} + {key16}", f"{lat8} + {key8}", b16 // 1024,
+                 f8 // 1024, f8 / b16, int(2**30 // b16), int(2**30 // f8)])
+table(["model", "layers / with keys", "bf16 B (latent + key)", "fp8 B", "bf16 KiB/token", "fp8 KiB/token",
+       "fp8 / bf16", "bf16 tokens/GiB", "fp8 tokens/GiB"], rows)
+ratio = rows[0][6]
+display(Markdown(f"The FP8 cache holds {1 / ratio:.2f} x the tokens of the bf16 cache in the same memory "
+                 f"(DeepSeek-V3.2; GLM-5.2 {1 / rows[1][6]:.2f} x)."))
+
+# %% [markdown]
+# ## Accuracy
+# The reference model in float64 over five caches (`dsv32ref.experiments.fp8_accuracy`): float64 (the
+# reference), bf16, FP8 as deployed, and FP8 for one part alone (the latent rows, or the indexer keys), on tiny
+# DeepSeek-V3.2 shapes at FlashMLA's latent widths with index_topk well below the sequence; once with our dummy
+# weights and once with a checkpoint written by transformers. Teacher-forced over the float64 arm's sequence:
+# the attention output's error per layer, the overlap of the indexer's top-k, the logits' error and top-1
+# agreement; free-running: greedy agreement with the float64 arm's tokens.
+
+# %%
+arms = [a for a in acc["arms"] if a != "float64"]
+rows = []
+for model, r in acc["models"].items():
+    for arm in arms:
+        a = r["arms"][arm]
+        rows.append([model.replace(" seed ", ", init "), arm, a["greedy_agreement"], a["first_divergence"],
+                     a["top1_agreement"], a["logits_rel_err_median"], max(a["attn_rel_rms_per_layer"]),
+                     min(a["topk_overlap_per_layer"])])
+first = next(iter(acc["models"].values()))
+print(f"prompt {first['prompt_len']} tokens, {first['generated']} generated, index_topk {first['index_topk']}")
+table(["model", "cache", "greedy agree", "parts at", "top-1 agree", "logits err (median)", "attn err (worst layer)",
+       "top-k overlap (min)"], rows, floatfmt=".3f")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+colors = dict(zip(arms, [GREY] + OKABE_ITO[:3]))
+for model, r in acc["models"].items():
+    style = "-" if model.startswith("transformers") else ":"
+    for arm in arms:
+        a = r["arms"][arm]
+        label = arm if model == next(m for m in acc["models"] if m.startswith("transformers")) else None
+        axes[0].plot(a["attn_rel_rms_per_layer"], style, color=colors[arm], marker="o", label=label)
+        axes[1].plot(a["topk_overlap_per_layer"], style, color=colors[arm], marker="o")
+axes[0].set_yscale("log")
+axes[0].set_ylim(top=8)  # room for the legend above the curves
+n_layers = len(first["arms"]["fp8"]["attn_rel_rms_per_layer"])
+for ax in axes:
+    ax.set_xticks(range(n_layers))
+axes[0].set_title("attention output error per layer")
+axes[0].set_xlabel("layer")
+axes[0].set_ylabel("RMS(diff) / RMS(float64 cache)")
+axes[0].legend(fontsize=7, ncol=2, loc="upper left", title="cache (solid: transformers; dotted: dummy)",
+               title_fontsize=7)
+axes[1].set_title("indexer top-k overlap with the float64 cache's")
+axes[1].set_xlabel("layer")
+axes[1].set_ylabel("shared selected positions (fraction)")
+show(fig)
+
+# %%
+def mean_over(kind, arm, metric):
+    """metric(arm's result) averaged over the runs of one kind of model ("dummy" or "transformers")."""
+    vals = [metric(r["arms"][arm]) for m, r in acc["models"].items() if m.startswith(kind)]
+    return sum(vals) / len(vals)
+
+
+def worst_attn(a):
+    return max(a["attn_rel_rms_per_layer"])
+
+
+def logits_err(a):
+    return a["logits_rel_err_median"]
+
+
+att = {arm: mean_over("transformers", arm, worst_attn) for arm in arms}
+lg = {arm: mean_over("transformers", arm, logits_err) for arm in arms}
+dummy_bf16 = mean_over("dummy", "bf16", worst_attn)
+keys_vs_latent = "more" if att["fp8 indexer"] > att["fp8 latent"] else "less"
+display(Markdown(
+    f"On the checkpoints written by transformers (its initialiser; averaged over both draws) the worst layer's "
+    f"attention error is {att['bf16']:.1e} with a bf16 cache and {att['fp8']:.1e} with the FP8 cache "
+    f"({att['fp8'] / att['bf16']:.1f} x); the latent rows alone give {att['fp8 latent']:.1e}, the indexer keys "
+    f"alone {att['fp8 indexer']:.1e}. The median logits error is {lg['bf16']:.1e} (bf16), {lg['fp8']:.1e} (FP8), "
+    f"{lg['fp8 latent']:.1e} (latent only), {lg['fp8 indexer']:.1e} (keys only). The keys alone do "
+    f"{keys_vs_latent} harm than the latent rows alone, though a key takes "
+    f"{indexer_key_bytes(128) / LATENT_ROW_BYTES:.0%} of a latent row's bytes (DeepSeek-V3.2's widths): a key's "
+    f"error moves the indexer's "
+    f"selection (the top-k overlap drops), and a changed selection changes the attention output by more than a "
+    f"rounded value does. Our dummy weights make a chaotic model (the worst layer's error is already "
+    f"{dummy_bf16:.1e} with a bf16 cache, and greedy decoding parts within a few tokens): there only the order of "
+    f"the caches carries over. These are tiny random models: how a trained model's outputs move is not measured "
+    f"here."))
+
+# %% [markdown]
+# ## Speed on the H200
+# `sparse_mla_paged` decode over the bf16 cache and over FlashMLA's FP8 rows, B requests of one token, each
+# with its own context and `index_topk` = 2048 selected rows, at 16, 64 and 128 heads (a TP4, TP2 and TP1 rank
+# of GLM-5.2 or DeepSeek-V3.2); and the indexer's scores pass over bf16 and FP8 keys. Both caches hold the same
+# values, so the two kernels are checked against each other; bytes are the rows each must read once. Times are
+# CUDA-graph replays (medians), the copy bandwidth is measured in the same run.
+
+# %% nbval-ignore
+dec = [r for r in speed["results"] if r["kernel"] == "sparse_mla_decode"]
+sco = [r for r in speed["results"] if r["kernel"] == "indexer_scores"]
+print(f"copy bandwidth {speed['ceilings']['copy_GBps']:.0f} GB/s; all checks ok: "
+      f"{all(r['ok'] for r in speed['results'])}")
+table(["B", "context", "heads", "bf16 us", "fp8 us", "fp8 speed-up", "bf16 % of copy", "fp8 % of copy"],
+      [[r["B"], r["context"], r["heads"], r["ms_bf16"] * 1e3, r["ms_fp8"] * 1e3, r["speedup"],
+        100 * r["fraction_of_copy_bf16"], 100 * r["fraction_of_copy_fp8"]] for r in dec if r["context"] == 32768],
+      floatfmt=".1f")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+ctx = max(r["context"] for r in dec)
+for i, h in enumerate(sorted({r["heads"] for r in dec})):
+    pts = sorted((r["B"], r["speedup"]) for r in dec if r["heads"] == h and r["context"] == ctx)
+    axes[0].plot(*zip(*pts), marker="o", color=OKABE_ITO[i], label=f"{h} heads")
+axes[0].axhline(1.0, color=GREY, lw=1)
+axes[0].axhline(1152 / 656, color=GREY, lw=1, ls="--", label="bytes ratio 1152 / 656")
+axes[0].set_xscale("log", base=2)
+axes[0].set_title(f"sparse MLA decode, {ctx // 1024}k context")
+axes[0].set_xlabel("requests (one token each)")
+axes[0].set_ylabel("bf16 time / FP8 time")
+axes[0].legend(fontsize=8)
+for i, c in enumerate(sorted({r["context"] for r in sco})):
+    pts = sorted((r["B"], 100 * r["fraction_of_copy_fp8"]) for r in sco if r["context"] == c)
+    axes[1].plot(*zip(*pts), marker="o", color=OKABE_ITO[i], label=f"FP8 keys, {c // 1024}k")
+    pts = sorted((r["B"], 100 * r["fraction_of_copy_bf16"]) for r in sco if r["context"] == c)
+    axes[1].plot(*zip(*pts), marker="s", ls=":", color=OKABE_ITO[i], label=f"bf16 keys, {c // 1024}k")
+axes[1].set_xscale("log", base=2)
+axes[1].set_title("indexer scores: bytes read / time")
+axes[1].set_xlabel("requests (one token each)")
+axes[1].set_ylabel("% of the measured copy bandwidth")
+axes[1].legend(fontsize=7)
+show(fig)
+
+# %%
+big = [r for r in dec if r["B"] == max(x["B"] for x in dec)]
+worst, best = min(big, key=lambda r: r["speedup"]), max(big, key=lambda r: r["speedup"])
+s128 = [r for r in sco if r["B"] == max(x["B"] for x in sco) and r["context"] == ctx][0]
+s1 = [r for r in sco if r["B"] == 1 and r["context"] == ctx][0]
+slower = sum(r["speedup"] < 1 for r in dec)
+display(Markdown(
+    f"Our FP8 decode is slower than our bf16 decode at {slower} of the {len(dec)} shapes measured: at "
+    f"{worst['B']} requests it takes "
+    f"{1 / worst['speedup']:.1f} x the bf16 time at {worst['heads']} heads and {1 / best['speedup']:.1f} x at "
+    f"{best['heads']} heads, reaching {100 * worst['fraction_of_copy_fp8']:.0f} % of the copy bandwidth where "
+    f"bf16 reaches {100 * worst['fraction_of_copy_bf16']:.0f} %. The bytes are not what limits it. The likely "
+    f"reason (not yet profiled): the kernel dequantises each 32-key step in registers (fp8 to bf16, times the "
+    f"group's scale) on the way to the MMA, on the critical path of every step, where FlashMLA's kernel gives "
+    f"that work warps of its own. The indexer's scores pass gains less than its bytes promise: at {s128['B']} "
+    f"requests and "
+    f"{ctx // 1024}k keys FP8 keys take {s128['ms_fp8'] * 1e3:.0f} us against {s128['ms_bf16'] * 1e3:.0f} us "
+    f"({s128['speedup']:.2f} x; {100 * s128['fraction_of_copy_fp8']:.0f} % of the copy bandwidth), and for "
+    f"one request {s1['ms_fp8'] * 1e3:.1f} us against {s1['ms_bf16'] * 1e3:.1f} us."))
+
+# %% [markdown]
+# ## The PR's TTFT protocol with the FP8 cache
+# The `+fp8` arms run the same engine with `kv_cache_dtype="fp8"` (both caches in FP8, written by the fused
+# norm-and-RoPE kernel, read by the sparse kernels), in the same run as the bf16 arms: 8-token prompts, one
+# output token, GLM-5.2's attention at full size with the MoE reduced, one GPU.
+
+# %%
+vs = ttft["variants"]
+rows = [[v, vs[v]["kv_cache_dtype"], vs[v]["mean_ms"], vs[v]["median_ms"], vs[v]["ttft_over_floor"],
+         vs[v]["kv_tokens_per_gib"], ttft["tokens_equal_to_first_arm"][v]]
+        for v in ("narrow", "narrow+fp8", "none", "none+fp8")]
+table(["arm", "kv cache", "mean ms", "median ms", "TTFT / floor", "KV tokens per GiB", "tokens = bf16's"], rows)
+
+# %% [markdown]
+# ## Conclusion
+
+# %%
+n, n8, z, z8 = (vs[v] for v in ("narrow", "narrow+fp8", "none", "none+fp8"))
+display(Markdown(
+    f"- Memory: the FP8 cache stores a DeepSeek-V3.2 token in {ratio:.2f} of the bf16 bytes; the engine's "
+    f"start-up gives {n8['kv_tokens_per_gib'] / n['kv_tokens_per_gib']:.2f} x the tokens per GiB.\n"
+    f"- Accuracy: on the tiny checkpoints written by transformers the FP8 cache's worst-layer attention error "
+    f"is {att['fp8'] / att['bf16']:.1f} x the bf16 cache's, and the indexer keys alone do {keys_vs_latent} harm "
+    f"than the latent rows alone. On the TTFT protocol the FP8 arms' first token equals the bf16 arms' in "
+    f"{ttft['tokens_equal_to_first_arm']['narrow+fp8']:.0%} of requests: dummy weights over a "
+    f"{ModelConfig.preset(ttft['preset']).vocab_size}-token vocabulary, whose nearly tied top logits any change "
+    f"reorders (the likely reason; the margins are not recorded).\n"
+    f"- Speed: with our kernels the FP8 cache does not pay for itself yet: decode is {1 / worst['speedup']:.1f} x "
+    f"slower at the shape where bytes matter most, and TTFT moves from {n['mean_ms']:.2f} to "
+    f"{n8['mean_ms']:.2f} ms (`narrow`) and from {z['mean_ms']:.2f} to {z8['mean_ms']:.2f} ms (`none`): in the "
+    f"PR's regime (8-token prompts) the cache is not what TTFT waits on."))
