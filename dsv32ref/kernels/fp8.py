@@ -52,11 +52,11 @@ def e4m3_bytes(x):
 
 @triton.jit
 def round_bf16(x):
-    """fp32 x -> fp32 holding the bf16 nearest to x (ties to even; NaN stays NaN, overflow goes to inf): a cast to
-    bf16 of the result is exact, under the interpreter too."""
+    """fp32 x -> fp32 holding the bf16 nearest to x (ties to even; NaN stays NaN, as the quiet NaN; overflow goes to
+    inf): a cast to bf16 of the result is exact, under the interpreter too."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
-    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+    return tl.where(x != x, float("nan"), rounded.to(tl.float32, bitcast=True))  # a NaN's low bits would carry
 
 
 @triton.jit
