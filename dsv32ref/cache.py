@@ -238,8 +238,11 @@ class PagedKVCache:
         check_kv_cache_dtype("PagedKVCache: kv_cache_dtype", kv_cache_dtype, config)
         if not isinstance(fp8_parts, tuple) or not fp8_parts or not set(fp8_parts) <= set(FP8_PARTS):
             raise ValueError(f"PagedKVCache: fp8_parts: expected a non-empty tuple of {FP8_PARTS}, got {fp8_parts!r}")
+        if kv_cache_dtype != "fp8" and fp8_parts != FP8_PARTS:
+            raise ValueError(f"PagedKVCache: fp8_parts {fp8_parts!r} needs kv_cache_dtype 'fp8', got {kv_cache_dtype!r}")
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
+        self.fp8_parts = tuple(p for p in FP8_PARTS if p in fp8_parts) if kv_cache_dtype == "fp8" else ()
         fp8_lat, fp8_idx = (kv_cache_dtype == "fp8" and part in fp8_parts for part in FP8_PARTS)
         lat = (torch.uint8, LATENT_ROW_BYTES) if fp8_lat else (dtype, config.latent_dim)  # (store, width)
         idx = (torch.uint8, indexer_key_bytes(config.index_head_dim)) if fp8_idx else (dtype, config.index_head_dim)
@@ -280,10 +283,15 @@ def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Te
 
 def token_slots(block_table_row: torch.Tensor, seq_len: int, num_blocks: int, block_size: int) -> torch.Tensor:
     """Flat slots int64 [seq_len] of a sequence's first seq_len tokens, through its block-table row."""
+    check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
+    check_int("seq_len", seq_len, 0)
+    if seq_len > block_table_row.shape[0] * block_size:
+        raise ValueError(f"block_table_row: a sequence of {seq_len} tokens needs {-(-seq_len // block_size)} blocks of "
+                         f"{block_size}, the row has {block_table_row.shape[0]}")
     pos = torch.arange(seq_len, device=block_table_row.device)
     blocks = block_table_row.long()[pos // block_size]
     if seq_len and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
-        raise ValueError(f"block_table: sequence of {seq_len} tokens reads blocks outside [0, {num_blocks})")
+        raise ValueError(f"block_table_row: a sequence of {seq_len} tokens reads blocks outside [0, {num_blocks})")
     return blocks * block_size + pos % block_size
 
 

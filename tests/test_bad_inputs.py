@@ -385,7 +385,7 @@ CACHE_CASES = [
      r"slot_mapping: slots must lie in \[0, 8\), got \[8, 8\]"),
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([1]), torch.zeros(1, 9)), r"rows: expected shape \[1, 8\]"),
     (lambda: gather_tokens(torch.zeros(2, 4, 8), torch.tensor([0, 5]), 6),
-     r"block_table: sequence of 6 tokens reads blocks outside \[0, 2\)"),
+     r"block_table_row: a sequence of 6 tokens reads blocks outside \[0, 2\)"),
 ]
 
 

@@ -12,7 +12,7 @@ import traceback
 
 import torch
 
-from dsv32ref.cache import PagedKVCache, check_kv_cache_dtype
+from dsv32ref.cache import FP8_PARTS, PagedKVCache, check_kv_cache_dtype
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import EngineConfig
 from dsv32ref.engine.context import ForwardContext, set_forward_context
@@ -56,12 +56,14 @@ class ModelRunner:
     def _check_cache(self, kv_cache) -> None:
         if not isinstance(kv_cache, PagedKVCache):
             raise ValueError(f"kv_cache: expected a PagedKVCache, got {type(kv_cache).__name__}")
-        want = (self.config.num_hidden_layers, self.ec.block_size, self.device.type, self.dtype, self.ec.kv_cache_dtype)
+        fp8_parts = FP8_PARTS if self.ec.kv_cache_dtype == "fp8" else ()  # the engine keeps both parts in FP8
+        want = (self.config.num_hidden_layers, self.ec.block_size, self.device.type, self.dtype, self.ec.kv_cache_dtype,
+                fp8_parts)
         got = (len(kv_cache.latent), kv_cache.block_size, kv_cache.latent[0].device.type, kv_cache.dtype,
-               kv_cache.kv_cache_dtype)
+               kv_cache.kv_cache_dtype, kv_cache.fp8_parts)
         if got != want:
-            raise ValueError(f"kv_cache: expected (layers, block_size, device, dtype, kv_cache_dtype) = {want}, "
-                             f"got {got}")
+            raise ValueError(f"kv_cache: expected (layers, block_size, device, dtype, kv_cache_dtype, fp8_parts) = "
+                             f"{want}, got {got}")
 
     # ---- what memory planning and capture run -----------------------------------------------------------
     def graph_runner(self, backend, kv_cache: PagedKVCache, on_capture=None) -> GraphRunner:

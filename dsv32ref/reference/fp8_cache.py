@@ -164,15 +164,7 @@ def indexer_scores_fp8(q_idx: torch.Tensor, weights: torch.Tensor, cache: torch.
     seq_len keys read through block_table_row -> [n, seq_len] fp32 (float64 for float64 weights)."""
     keys = dequantize_indexer_keys(cache)  # (NB, BK, D)
     nb, bk, d = keys.shape
-    check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
-    pos = torch.arange(seq_len, device=keys.device)
-    if seq_len > block_table_row.shape[0] * bk:
-        raise ValueError(f"block_table_row: a sequence of {seq_len} tokens needs {-(-seq_len // bk)} blocks of {bk}, "
-                         f"the row has {block_table_row.shape[0]}")
-    blocks = block_table_row.to(keys.device).long()[pos // bk]
-    if seq_len and (int(blocks.min()) < 0 or int(blocks.max()) >= nb):
-        raise ValueError(f"block_table_row: a sequence of {seq_len} tokens reads blocks outside [0, {nb})")
-    k = keys.view(nb * bk, d)[blocks * bk + pos % bk]  # (seq_len, D)
+    k = keys.view(nb * bk, d)[token_slots(block_table_row.to(keys.device), seq_len, nb, bk)]  # (seq_len, D)
     return indexer_scores(q_idx.float() if q_idx.dtype == torch.float8_e4m3fn else q_idx, k, weights, softmax_scale)
 
 
@@ -182,6 +174,8 @@ def _block_shape(cache: torch.Tensor, width: int | None) -> tuple[int, int, int]
     """(NB, BS, row width) of an engine's cache uint8 [NB, BS, width] or the formats' [NB, BS, 1, width]."""
     shape = (None, None, 1, width) if isinstance(cache, torch.Tensor) and cache.dim() == 4 else (None, None, width)
     check_tensor("cache", cache, shape=shape, dtype=torch.uint8)
+    if cache.shape[-1] <= 4:
+        raise ValueError(f"cache: expected a last dim of D + 4 > 4, got {cache.shape[-1]}")
     return cache.shape[0], cache.shape[1], cache.shape[-1]
 
 
