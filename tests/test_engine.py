@@ -33,12 +33,14 @@ def _reference_logits(ref, tokens):
 @CPU
 @pytest.mark.parametrize("preset", ["tiny-deepseek-v3.2", "tiny-glm-5.2"])
 def test_engine_matches_reference_and_boundaries_agree(preset, seed):
-    """Prefill of two requests in one batch, then decode steps; every boundary, same logits."""
+    """Prefill of two requests in one batch, then decode steps; every boundary, same logits. (GLM-5.2's IndexShare
+    layers run under four of them: the copy variants add a copy after narrow's path, and cost interpreter minutes.)"""
     ref = tiny_model(preset, dtype=torch.float32, seed=seed)
     V = ref.config.vocab_size
     p0, p1 = torch.randint(0, V, (11,)).tolist(), torch.randint(0, V, (5,)).tolist()
     results = {}
-    for boundary in BOUNDARIES:
+    boundaries = BOUNDARIES if preset == "tiny-deepseek-v3.2" else ("wide", "narrow", "narrow_out", "none")
+    for boundary in boundaries:
         eng = _engine(ref, boundary)
         toks, how = eng.step(StepInput([(0, p0, 0), (1, p1, 0)]))
         assert how == "NONE"
