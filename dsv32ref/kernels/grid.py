@@ -1,11 +1,14 @@
 """What launchers size and chain their grids by: the streaming-multiprocessor count (split the work only while SMs
-idle), and whether a launch may overlap the one before it (programmatic dependent launch)."""
+idle), and whether a launch may overlap the one before it (programmatic dependent launch); and how a kernel's
+matrix products are taken where it runs (`dot_precision`, `mma`)."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 from dsv32ref.checks import is_int
 
@@ -50,3 +53,21 @@ def pdl(device: torch.device, override: bool | None, caller: str) -> bool:
     if override and not supported:
         raise ValueError(f"{caller}: pdl=True needs a CUDA device of compute capability >= 9.0, got {device}")
     return override
+
+
+def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """How `mma` multiplies tiles of dtype: "ieee" for fp32; "tf32" (the operands' own MMA: bf16 and fp16 on a
+    GPU); "upcast" for bf16 tiles under the interpreter (CPU tensors), whose tl.dot on bf16 operands returns
+    garbage: they are multiplied in fp32 instead, where every bf16 product is exact."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if dtype == torch.bfloat16 and device.type != "cuda" else "tf32"
+
+
+@triton.jit
+def mma(a, b, PRECISION: tl.constexpr):
+    """tl.dot(a, b) with fp32 accumulation, PRECISION from `dot_precision`."""
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)

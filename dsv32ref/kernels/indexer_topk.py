@@ -43,6 +43,7 @@ import triton.language as tl
 
 from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
+from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.grid import pdl as _pdl
 from dsv32ref.kernels.launch import launch
@@ -141,7 +142,7 @@ def _indexer_scores_kernel(
                 k, k_scale = _load_keys(kcache_ptr, blk, row, vis, stride_kb, stride_ks, block_size, q.dtype, D, FP8)
                 # keys on the MMA's rows, (token, head) on its columns: the sum over heads stays inside each
                 # warp (with heads on the rows it crossed warps through shared memory: 8-15 % slower, H200)
-                logits = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_S, TOKENS H_I)
+                logits = mma(k, tl.trans(q), PRECISION)  # (BLOCK_S, TOKENS H_I)
                 logits = logits * (k_scale * softmax_scale)[:, None]
                 # ReLU that keeps NaN, as torch.relu does (compiled, tl.maximum returns the number)
                 part = tl.where(logits < 0.0, 0.0, logits) * w[None, :]
@@ -466,7 +467,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
             T, scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
             H_I=H_I, D=D, BLOCK_S=block_s, TILES=tiles, TOKENS=tokens,
             TILE_IN_BLOCK=index_cache.shape[1] % block_s == 0, FP8=index_cache.dtype == torch.uint8,
-            PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+            PRECISION=dot_precision(q_idx.dtype, q_idx.device), num_warps=num_warps, num_stages=num_stages,
         )
     return scores
 

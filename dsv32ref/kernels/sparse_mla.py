@@ -43,6 +43,7 @@ import triton.language as tl
 from dsv32ref.cache import LATENT_ROW_BYTES
 from dsv32ref.checks import (check_keys, check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
+from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.launch import launch
 
@@ -145,10 +146,12 @@ def _attend(q_row, h_mask, cache_ptr, row, valid, m_i, l_i, acc, sm_scale_log2, 
     # triton 3.6's software pipeliner fail.
     q_lat = tl.load(q_row + offs_lat[None, :], mask=h_mask[:, None], other=0.0)  # (BLOCK_H, D_LAT)
     q_pe = tl.load(q_row + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0)  # (BLOCK_H, D_ROPE)
-    k_lat, k_pe = _gather_keys(cache_ptr, row, valid, q_lat.dtype, D_LAT, D_ROPE, FP8)
+    # (interpreted, bf16 arithmetic is wrong: the keys are formed in fp32, as mma multiplies them)
+    kv_dtype: tl.constexpr = tl.float32 if PRECISION == "upcast" else q_lat.dtype
+    k_lat, k_pe = _gather_keys(cache_ptr, row, valid, kv_dtype, D_LAT, D_ROPE, FP8)
     # QK^T as two dots scaled before they are summed (an add of two dot results would fold into one dot).
-    s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION) * sm_scale_log2 + \
-        tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
+    s = mma(q_lat, tl.trans(k_lat), PRECISION) * sm_scale_log2 + \
+        mma(q_pe, tl.trans(k_pe), PRECISION) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
     # A sequence with no keys leaves the state as it is. The branch is there for the layout as much: Triton
     # lays out a dot whose result flows into another dot in the same region (S -> P -> PV) with every warp
     # along the rows, so that the softmax's row reductions stay inside a warp; with 64 heads both warpgroups
@@ -159,7 +162,7 @@ def _attend(q_row, h_mask, cache_ptr, row, valid, m_i, l_i, acc, sm_scale_log2, 
         p, m_new, alpha, l_i = _online_softmax(s, valid, m_i, l_i)
     else:  # the same (every key is invalid here): Triton needs both arms to define the results
         p, m_new, alpha, l_i = _online_softmax(s, valid, m_i, l_i)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + mma(p.to(k_lat.dtype), k_lat, PRECISION)
     return m_new, l_i, acc
 
 
@@ -433,7 +436,7 @@ def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_ind
         sm_scale * math.log2(math.e), H, K, latent_cache.shape[1], latent_cache.stride(0) // latent_cache.stride(1),
         B, block_table.shape[1], latent_cache.shape[0],
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=splits, VALID_FIRST=valid_first,
+        PRECISION=dot_precision(q.dtype, q.device), NUM_SPLITS=splits, VALID_FIRST=valid_first,
         FP8=latent_cache.dtype == torch.uint8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
