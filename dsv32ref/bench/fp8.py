@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from dsv32ref.bench.kernels import (BLOCK_SIZE, COPIES, DEV, Rotation, Run, decode_batch, shapes, slots_of, start_run,
-                                    timed)
+from dsv32ref.bench.kernels import (BLOCK_SIZE, COPIES, DEV, Rotation, Run, bench_graph, decode_batch, shapes, slots_of,
+                                    start_run, timed)
 from dsv32ref.checks import rel_err
 from dsv32ref.kernels import grid
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged
@@ -78,30 +78,51 @@ def _speedup_row(kind: str, case: dict, t_bf: dict, t_fp8: dict, bytes_bf: float
     return _fractions(row, ceil["copy_GBps"])
 
 
-def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[dict]:
-    """sparse_mla_paged decode at B requests x ctx tokens, each head count in `heads`, bf16 against FP8 rows."""
+def decode_inputs(z: dict, B: int, ctx: int) -> dict:
+    """B requests of one token at ctx tokens each: their block tables, the bf16 and FP8 caches (copies of them,
+    so that each timed call reads HBM), index_topk random distinct visible positions per request and the number
+    of distinct rows they select."""
     d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], z["k"]
     r = decode_batch(B, ctx)
     n = copies_for(r["nblocks"] * BLOCK_SIZE * D * 2)
-    caches = [latent_caches(r["nblocks"] * BLOCK_SIZE, D) for _ in range(n)]
-    topk = torch.rand(B, ctx, device=DEV).topk(min(k, ctx), dim=-1).indices.int()  # (B, k) distinct positions
-    distinct = torch.unique(slots_of(r["block_table"], topk.long(), r["req"])).numel()
+    r["caches"] = [latent_caches(r["nblocks"] * BLOCK_SIZE, D) for _ in range(n)]
+    r["topk"] = torch.rand(B, ctx, device=DEV).topk(min(k, ctx), dim=-1).indices.int()  # (B, k) distinct positions
+    r["distinct"] = torch.unique(slots_of(r["block_table"], r["topk"].long(), r["req"])).numel()
+    r["rot"] = Rotation(n)
+    return r
+
+
+def decode_calls(z: dict, r: dict, H: int, configs: dict | None = None) -> tuple[torch.Tensor, dict, dict, dict]:
+    """q [B, H, D] and one sparse_mla_paged call per arm, each run once on poisoned outputs -> (q, calls, outs,
+    lses). Arms: "bf16" and "fp8" (the library's choice of kernel and tiles), and one per entry of configs
+    (name -> tile config over the FP8 cache)."""
+    B, d_lat, D = r["req"].shape[0], z["d_lat"], z["d_lat"] + z["rope"]
+    arms = {"bf16": (0, None), "fp8": (1, None)} | {name: (1, cfg) for name, cfg in (configs or {}).items()}
+    q = torch.randn(B, H, D, device=DEV, dtype=BF16)
+    outs = {a: torch.empty(B, H, d_lat, device=DEV, dtype=BF16) for a in arms}
+    lses = {a: torch.empty(B, H, device=DEV) for a in arms}
+    rot = r["rot"]
+    calls = {a: (lambda a=a, j=j, cfg=cfg: sparse_mla_paged(q, r["caches"][rot()][j], r["block_table"], r["req"],
+                                                            r["seq_lens"], r["topk"], z["config"].softmax_scale,
+                                                            outs[a], lses[a], config=cfg))
+             for a, (j, cfg) in arms.items()}
+    for a in calls:
+        outs[a].fill_(float("nan"))
+        rot.i = -1
+        calls[a]()
+    return q, calls, outs, lses
+
+
+def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[dict]:
+    """sparse_mla_paged decode at B requests x ctx tokens, each head count in `heads`, bf16 against FP8 rows."""
+    d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], z["k"]
+    r = decode_inputs(z, B, ctx)
     rows = []
     for H in heads:
-        q = torch.randn(B, H, D, device=DEV, dtype=BF16)
-        outs = {f: torch.empty(B, H, d_lat, device=DEV, dtype=BF16) for f in ("bf16", "fp8")}
-        lse = {f: torch.empty(B, H, device=DEV) for f in ("bf16", "fp8")}
-        rot = Rotation(n)
-        calls = {f: (lambda f=f, j=j: sparse_mla_paged(q, caches[rot()][j], r["block_table"], r["req"], r["seq_lens"],
-                                                       topk, z["config"].softmax_scale, outs[f], lse[f]))
-                 for j, f in enumerate(("bf16", "fp8"))}
-        for f in calls:
-            outs[f].fill_(float("nan"))
-            rot.i = -1
-            calls[f]()
+        q, calls, outs, lse = decode_calls(z, r, H)
         sms = grid.num_sms(q.device, None, "bench_fp8")
         plan = {f: launch_plan(q, d_lat, k, None, sms, fp8=f == "fp8") for f in calls}
-        case = {"model": z["name"], "B": B, "context": ctx, "heads": H, "topk": k, "copies": n,
+        case = {"model": z["name"], "B": B, "context": ctx, "heads": H, "topk": k, "copies": r["rot"].n,
                 "impl": {f: kernel_choice(q, d_lat, plan[f][2], None, fp8=f == "fp8")[0] for f in calls},
                 "splits": {f: plan[f][2] for f in calls},
                 "rel_err_fp8_vs_bf16": max(rel_err(outs["fp8"], outs["bf16"]), rel_err(lse["fp8"], lse["bf16"])),
@@ -109,13 +130,60 @@ def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[di
         case["ok"] = case["rel_err_fp8_vs_bf16"] <= 1e-2 and not outs["fp8"].isnan().any().item()
         t = {}
         for f in ("bf16", "fp8", "bf16", "fp8"):  # interleaved: the second of each pair is kept
-            rot.i = -1
+            r["rot"].i = -1
             t[f] = timed(calls[f])
-        fixed = 2 * B * H * (D + d_lat) + 4 * B * k + 4 * B * H  # q, out, the indices, lse
-        rows.append(_speedup_row("sparse_mla_decode", case, t["bf16"], t["fp8"], distinct * D * 2 + fixed,
-                                 distinct * 656 + fixed, ceil))
-    del caches
+        rows.append(_speedup_row("sparse_mla_decode", case, t["bf16"], t["fp8"], r["distinct"] * D * 2 + _fixed(z, B, H),
+                                 r["distinct"] * 656 + _fixed(z, B, H), ceil))
+    del r["caches"]
     return rows
+
+
+def _fixed(z: dict, B: int, H: int) -> int:
+    """Bytes a decode call moves besides the cache rows: q, out, the indices, lse."""
+    return 2 * B * H * (2 * z["d_lat"] + z["rope"]) + 4 * B * z["k"] + 4 * B * H
+
+
+# The FP8 decode tiles tried by --sweep: heads per program, keys per step, warps, pipeline stages; each at the
+# launcher's top-k split count and at four times it (more programs in flight per SM).
+SWEEP_TILES = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=4 if bh <= 32 else 8, num_stages=st)
+               for bh in (16, 64) for bn, st in ((32, 2), (32, 4), (64, 2), (64, 3))]
+SWEEP_SHAPES = [(B, H) for B in (1, 32, 128) for H in (16, 128)]
+
+
+def sweep_decode(run: Run, z: dict, ctx: int = 32768) -> None:
+    """Every SWEEP_TILES config of the FP8 decode at each SWEEP_SHAPES (B, H), beside the library's bf16 and
+    FP8 choices; each config checked against bf16 on poisoned outputs. Graph-replay medians into run.sweep."""
+    d_lat = z["d_lat"]
+    for B in sorted({B for B, _ in SWEEP_SHAPES}):
+        r = decode_inputs(z, B, ctx)
+        for H in [H for b, H in SWEEP_SHAPES if b == B]:
+            q = torch.empty(B, H, 1, device=DEV, dtype=BF16)
+            sms = grid.num_sms(DEV, None, "bench_fp8")
+            configs = {}
+            for i, tile in enumerate(SWEEP_TILES):
+                auto = launch_plan(q, d_lat, z["k"], tile, sms, fp8=True)[2]
+                for splits in sorted({auto, min(16, 4 * auto)}):
+                    configs[f"tile{i}/s{splits}"] = dict(tile, NUM_SPLITS=splits)
+            try:
+                q, calls, outs, lses = decode_calls(z, r, H, configs)
+            except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
+                print(f"sweep B={B} H={H}: {e!r:.200}", flush=True)
+                continue
+            nbytes = {a: r["distinct"] * (1152 if a == "bf16" else 656) + _fixed(z, B, H) for a in calls}
+            for a in calls:
+                r["rot"].i = -1
+                ms = bench_graph(calls[a])
+                err = max(rel_err(outs[a], outs["bf16"]), rel_err(lses[a], lses["bf16"]))
+                row = {"kernel": "sparse_mla_decode_sweep", "model": z["name"], "B": B, "context": ctx, "heads": H,
+                       "arm": a, "config": configs.get(a), "ms": ms, "bytes": nbytes[a], "rel_err_vs_bf16": err,
+                       "ok": err <= 1e-2 and not outs[a].isnan().any().item(),
+                       "fraction_of_copy": nbytes[a] / ms / 1e6 / run.ceil["copy_GBps"] if ms else None}
+                run.sweep.append(row)
+                print(f"sweep B={B:<3} H={H:<3} {a:<10} {str(row['config'] or ''):<80} {ms * 1e3 if ms else float('nan'):7.1f} us "
+                      f"ok={row['ok']}", flush=True)
+            run.save()
+        del r["caches"]
+        torch.cuda.empty_cache()
 
 
 def bench_scores(z: dict, B: int, ctx: int, ceil: dict) -> dict:
@@ -160,11 +228,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="data/fp8_speed.json")
     ap.add_argument("--quick", action="store_true", help="two batch sizes, two contexts (smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="only the FP8 decode's tiles (SWEEP_TILES) at SWEEP_SHAPES")
     args = ap.parse_args(argv)
     if (start := start_run()) is None:
         return 2
     run = Run(args.out, start[1], start[0])
     z = shapes("glm-5.2")
+    if args.sweep:
+        sweep_decode(run, z)
+        run.save(complete=True)
+        return 0
     batches, contexts = ((1, 64), (8192, 131072)) if args.quick else (DECODE_BATCHES, CONTEXTS)
     for ctx in contexts:
         for B in batches:
