@@ -158,7 +158,7 @@ def sweep_decode(run: Run, z: dict, ctx: int = 32768) -> None:
         r = decode_inputs(z, B, ctx)
         for H in [H for b, H in SWEEP_SHAPES if b == B]:
             q = torch.empty(B, H, 1, device=DEV, dtype=BF16)
-            sms = grid.num_sms(DEV, None, "bench_fp8")
+            sms = grid.num_sms(q.device, None, "bench_fp8")
             configs = {}
             for i, tile in enumerate(SWEEP_TILES):
                 auto = launch_plan(q, d_lat, z["k"], tile, sms, fp8=True)[2]
