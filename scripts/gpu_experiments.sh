@@ -55,7 +55,7 @@ for step in "$@"; do
       timeout 300 python3 -m dsv32ref fp8-speed --out "$OUT/fp8_speed.json" > "$OUT/fp8.log" 2>&1; echo "fp8 rc $?"
       grep "B=128\|B=1 " "$OUT/fp8.log" | tail -12 ;;
     capture)
-      dsv 300 capture --model glm-5.2 --heads-per-rank 16 ${CAPTURE_ARGS:---no-threshold} --out "$OUT/capture_memory_glm-5.2_h16.json" \
+      dsv 480 capture --model glm-5.2 --heads-per-rank 16 ${CAPTURE_ARGS:---no-threshold} --out "$OUT/capture_memory_glm-5.2_h16.json" \
         > "$OUT/capture.log"; tail -10 "$OUT/capture.log" ;;
     regimes)
       dsv 300 regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" > "$OUT/regimes.log"; tail -5 "$OUT/regimes.log" ;;

@@ -141,8 +141,7 @@ def composition(ax, r):
 
 pick = [next(r for r in runs if r["boundary"] == "narrow_copy" and not r["estimate_graph_memory"]
              and not r.get("threshold_check")),
-        next((r for r in runs if r["boundary"] == "narrow_out"), None)
-        or next(r for r in runs if r["boundary"] == "narrow_copy_shared")]  # narrow_out's, where it ran
+        next(r for r in runs if r["boundary"] == "narrow_out")]
 fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
 for ax, r in zip(axes, pick):
     composition(ax, r)
@@ -276,9 +275,9 @@ display(Markdown(
 # ## The threshold
 # Predicted from `narrow` at the same settings: the largest capture size (`max_num_batched_tokens`, with its
 # default size list) at which `narrow_copy` still starts at 0.9, and the utilisation above which it fails with
-# sizes up to 512. The capture experiment then checks the prediction on both sides with two more start-ups;
-# in this recording they did not run (the device call's time ran out: `data/README.md`), so only the
-# prediction is shown.
+# sizes up to 512. The capture experiment can check the prediction on both sides with two more start-ups;
+# this recording ran it with `--no-threshold` (they take minutes of device time), so only the prediction is
+# shown.
 
 # %%
 b = base["before_capture"]
@@ -289,7 +288,7 @@ print(f"predicted: starts up to max_num_batched_tokens = {t['max_tokens_ok']}; a
 checks = [r for r in runs if r.get("threshold_check")]
 for r in checks:
     print(f"  measured {label(r)}: {'out of memory at ' + r['failed_at'] if r['failed'] else 'starts'}")
-print(f"threshold start-ups measured: {len(checks)} (the recording is partial: {bool(mem.get('partial'))})")
+print(f"threshold start-ups measured: {len(checks)}")
 
 # %% [markdown]
 # ## A side finding: one capture stream
