@@ -1,6 +1,7 @@
 """The FP8 KV cache against the bf16 cache on one GPU: sparse MLA decode and the indexer's scores pass.
 
     python -m dsv32ref.bench.fp8 --out data/fp8_speed.json [--quick]
+    python -m dsv32ref.bench.fp8 --sweep --out runs/fp8_sweep.json     (the FP8 decode's tiles, SWEEP_TILES)
 
 Both caches hold the same values (the bf16 cache is the FP8 cache dequantised: an fp8 value times a power of
 two is exact in bf16), so the two kernels compute the same function and are checked against each other (outputs
@@ -95,7 +96,7 @@ def decode_inputs(z: dict, B: int, ctx: int) -> dict:
 def decode_calls(z: dict, r: dict, H: int, configs: dict | None = None) -> tuple[torch.Tensor, dict, dict, dict]:
     """q [B, H, D] and one sparse_mla_paged call per arm, each run once on poisoned outputs -> (q, calls, outs,
     lses). Arms: "bf16" and "fp8" (the library's choice of kernel and tiles), and one per entry of configs
-    (name -> tile config over the FP8 cache)."""
+    (name -> tile config over the FP8 cache); a config that fails to launch is said and left out."""
     B, d_lat, D = r["req"].shape[0], z["d_lat"], z["d_lat"] + z["rope"]
     arms = {"bf16": (0, None), "fp8": (1, None)} | {name: (1, cfg) for name, cfg in (configs or {}).items()}
     q = torch.randn(B, H, D, device=DEV, dtype=BF16)
@@ -106,10 +107,16 @@ def decode_calls(z: dict, r: dict, H: int, configs: dict | None = None) -> tuple
                                                             r["seq_lens"], r["topk"], z["config"].softmax_scale,
                                                             outs[a], lses[a], config=cfg))
              for a, (j, cfg) in arms.items()}
-    for a in calls:
+    for a in list(calls):
         outs[a].fill_(float("nan"))
         rot.i = -1
-        calls[a]()
+        try:
+            calls[a]()
+        except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is a result of the sweep
+            if a in ("bf16", "fp8"):
+                raise
+            print(f"  {a} {configs[a]}: {e!r:.160}", flush=True)
+            del calls[a]
     return q, calls, outs, lses
 
 
@@ -164,11 +171,7 @@ def sweep_decode(run: Run, z: dict, ctx: int = 32768) -> None:
                 auto = launch_plan(q, d_lat, z["k"], tile, sms, fp8=True)[2]
                 for splits in sorted({auto, min(16, 4 * auto)}):
                     configs[f"tile{i}/s{splits}"] = dict(tile, NUM_SPLITS=splits)
-            try:
-                q, calls, outs, lses = decode_calls(z, r, H, configs)
-            except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
-                print(f"sweep B={B} H={H}: {e!r:.200}", flush=True)
-                continue
+            q, calls, outs, lses = decode_calls(z, r, H, configs)
             nbytes = {a: r["distinct"] * (1152 if a == "bf16" else 656) + _fixed(z, B, H) for a in calls}
             for a in calls:
                 r["rot"].i = -1
