@@ -759,7 +759,7 @@ def test_uniform_decode_padded_past_max_num_seqs(seed):
     """max_num_seqs=3 with capture sizes [1, 2, 4] (the issue's [1, 2, 4, 8, 16], cut to what the test reaches):
     three decoding requests pad to 4 rows, which the decode indexer's workspace must hold (it had 3 rows: a
     crash)."""
-    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32, num_hidden_layers=2, indexer_types=("full", "shared"))
     ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=16, max_num_seqs=3,
                       max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
     eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))

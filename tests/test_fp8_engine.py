@@ -17,9 +17,10 @@ CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run")
 
 
 def _fp8_model(seed):
-    """The tiny DeepSeek-V3.2 with FlashMLA's latent widths (512 + 64), the only ones its FP8 rows hold."""
+    """The tiny DeepSeek-V3.2 with FlashMLA's latent widths (512 + 64), the only ones its FP8 rows hold; two
+    layers (a dense one and a MoE one), so that layer 1 reads what layer 0's FP8 rows made of the prompt."""
     return tiny_model("tiny-deepseek-v3.2", dtype=torch.float32, seed=seed, kv_lora_rank=512, qk_rope_head_dim=64,
-                      index_head_dim=64)
+                      index_head_dim=64, num_hidden_layers=2)
 
 
 def _run(ref, boundary, kv_cache_dtype, prompts):
