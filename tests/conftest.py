@@ -11,7 +11,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one test process per core: no intra
     torch.set_num_threads(1)
 
 
+# The slowest scopes first (interpreted engines, spawned ranks, executed notebooks), so that pytest-xdist's two
+# processes end together (with --no-loadscope-reorder; its default sends the scopes with the most tests first).
+SLOWEST_FIRST = ("tests/test_engine.py", "tests/test_parallel.py", "tests/test_graph_hazards.py", "tests/test_no_break.py",
+                 "tests/test_fp8_engine.py", "notebooks/03_breakable_graphs.ipynb", "notebooks/02_kernels.ipynb")
+
+
+def _rank(item) -> int:
+    path = item.nodeid.split("::")[0]
+    return SLOWEST_FIRST.index(path) if path in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_rank)  # stable: a module's (and a notebook's) items keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
