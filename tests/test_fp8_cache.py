@@ -336,8 +336,9 @@ def test_indexer_scores_paged_reads_fp8_keys(device, dtype, tol, tokens, seed):
     visible = torch.arange(scores.shape[1]) <= x.positions.cpu()[:, None]  # (T, S_MAX)
     got = torch.where(visible, scores.cpu(), 0.0)
     want = torch.where(visible, torch.cat((ref, torch.full((ref.shape[0], 5), float("-inf"), dtype=ref.dtype)), 1), 0.0)
-    # compiled: fp32 sums of 64 heads x 128 products in an order of the MMA's, not the reference's: a few steps
-    tol = tol if cpu else 4 * tol
+    # bf16 queries: fp32 sums of the heads' products in the MMA's order (compiled) or numpy's (interpreted, where
+    # the products are taken in fp32), not the reference's: a few steps (1.07 seen compiled, 1.08 interpreted)
+    tol = 4 * tol if dtype == torch.bfloat16 else tol
     assert_close("scores", got, want, dtype=torch.float32, row_dims=1, rtol=tol, atol=tol)
     assert scores.cpu()[~visible].isnan().all()
 
