@@ -23,6 +23,7 @@ import torch
 
 from dsv32ref.bench.kernels import (BLOCK_SIZE, COPIES, DEV, Rotation, Run, bench_graph, decode_batch, shapes, slots_of,
                                     start_run, timed)
+from dsv32ref.cache import LATENT_ROW_BYTES
 from dsv32ref.checks import rel_err
 from dsv32ref.kernels import grid
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged
@@ -45,8 +46,8 @@ def latent_caches(n_tokens: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     bf16 cache their dequantisation."""
     nb = n_tokens // BLOCK_SIZE
     bf = torch.randn(nb, BLOCK_SIZE, d, device=DEV, dtype=BF16)
-    rows = torch.empty(nb, BLOCK_SIZE, 656, device=DEV, dtype=torch.uint8)
-    flat_bf, flat_rows = bf.view(-1, d), rows.view(-1, 656)
+    rows = torch.empty(nb, BLOCK_SIZE, LATENT_ROW_BYTES, device=DEV, dtype=torch.uint8)
+    flat_bf, flat_rows = bf.view(-1, d), rows.view(-1, LATENT_ROW_BYTES)
     for t0 in range(0, n_tokens, CHUNK):
         flat_rows[t0:t0 + CHUNK] = quantize_latent(flat_bf[t0:t0 + CHUNK])
         flat_bf[t0:t0 + CHUNK] = dequantize_latent(flat_rows[t0:t0 + CHUNK]).to(BF16)
@@ -140,7 +141,7 @@ def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[di
             r["rot"].i = -1
             t[f] = timed(calls[f])
         rows.append(_speedup_row("sparse_mla_decode", case, t["bf16"], t["fp8"], r["distinct"] * D * 2 + _fixed(z, B, H),
-                                 r["distinct"] * 656 + _fixed(z, B, H), ceil))
+                                 r["distinct"] * LATENT_ROW_BYTES + _fixed(z, B, H), ceil))
     del r["caches"]
     return rows
 
@@ -172,7 +173,8 @@ def sweep_decode(run: Run, z: dict, ctx: int = 32768) -> None:
                 for splits in sorted({auto, min(16, 4 * auto)}):
                     configs[f"tile{i}/s{splits}"] = dict(tile, NUM_SPLITS=splits)
             q, calls, outs, lses = decode_calls(z, r, H, configs)
-            nbytes = {a: r["distinct"] * (1152 if a == "bf16" else 656) + _fixed(z, B, H) for a in calls}
+            row_bytes = {"bf16": 2 * (d_lat + z["rope"])}  # every other arm reads the FP8 rows
+            nbytes = {a: r["distinct"] * row_bytes.get(a, LATENT_ROW_BYTES) + _fixed(z, B, H) for a in calls}
             for a in calls:
                 r["rot"].i = -1
                 ms = bench_graph(calls[a])
