@@ -48,7 +48,7 @@ for step in "$@"; do
     ttft)
       for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
         ab=$([ "$model" = "${AB_MODEL:-glm-5.2}" ] && echo --instrument-ab --fp8-kv narrow none)
-        dsv 330 ttft --model "$model" $ab --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
+        dsv 420 ttft --model "$model" $ab --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
         tail -14 "$OUT/ttft_$model.log"
       done ;;
     fp8)
