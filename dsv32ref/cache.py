@@ -244,6 +244,10 @@ class PagedKVCache:
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
         self.fp8_parts = tuple(p for p in FP8_PARTS if p in fp8_parts) if kv_cache_dtype == "fp8" else ()
         fp8_lat, fp8_idx = (kv_cache_dtype == "fp8" and part in fp8_parts for part in FP8_PARTS)
+        d_i = config.index_head_dim
+        if fp8_idx and (d_i > 128 or d_i & (d_i - 1)):
+            raise ValueError(f"PagedKVCache: FP8 indexer keys take one scale per key and are rotated by a Hadamard "
+                             f"transform: index_head_dim must be a power of two <= 128, got {d_i}")
         lat = (torch.uint8, LATENT_ROW_BYTES) if fp8_lat else (dtype, config.latent_dim)  # (store, width)
         idx = (torch.uint8, indexer_key_bytes(config.index_head_dim)) if fp8_idx else (dtype, config.index_head_dim)
         self.latent = [torch.zeros(num_blocks, block_size, lat[1], dtype=lat[0], device=device)

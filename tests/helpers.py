@@ -14,6 +14,16 @@ def tiny_model(preset: str, dtype=torch.float64, seed: int = 0, **changes) -> De
     return model.eval()
 
 
+def hadamard_butterflies_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] -> x H_n in fp32, summed pair by pair, (i, i + h) for h = 1, 2, 4, ..., then times n^-1/2 as fp32
+    holds it: the fp32 operations of the kernels' Hadamard rotation in the same order, so the same bits."""
+    n, lead = x.shape[-1], x.shape[:-1]
+    y, h = x.float(), 1
+    while h < n:
+        y = y.reshape(*lead, n // (2 * h), 2, h)  # (..., blocks, 2, h): a = the first half of each block
+        y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2).reshape(*lead, n)
+        h *= 2
+    return y * torch.tensor(n ** -0.5)
 
 
 class Runner:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.reference import indexer_scores, sparse_mla
+from dsv32ref.reference import hadamard_transform, indexer_scores, sparse_mla
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_indexer_keys, dequantize_latent,
                                           gather_indexer_keys, gather_latent, indexer_key_bytes, indexer_key_parts,
                                           indexer_scores_fp8, latent_parts, latent_scale, quantize_indexer_keys,
@@ -19,6 +19,7 @@ from dsv32ref.kernels.indexer_topk import indexer_scores_paged
 from dsv32ref.kernels.sparse_mla import sparse_mla_paged
 from dsv32ref.testing import (assert_close, fp8_indexer_inputs, fp8_sparse_decode_inputs, paged_sparse_mla_inputs,
                               reference_indexer_scores_fp8, reference_sparse_decode_fp8, reference_sparse_mla_paged)
+from helpers import hadamard_butterflies_fp32
 
 
 def _fp8_byte(v: float) -> int:
@@ -343,6 +344,43 @@ def test_indexer_scores_paged_reads_fp8_keys(device, dtype, tol, tokens, seed):
     assert scores.cpu()[~visible].isnan().all()
 
 
+# fp8 queries as deployed: interpreted, the fp8 products are taken in fp32 (exact) and summed in fp32; compiled, the
+# sm_90 fp8 MMA accumulates at reduced precision (DeepSeek-V3's report: about 14 bits), so it is held to 2^-13
+# of the result's scale (1024 fp32 steps) instead of a few steps
+FP8_QUERY_CASES = [pytest.param("cpu", 64, id="cpu-fp8", marks=CPU),
+                   pytest.param("cuda", 1024, id="cuda-fp8", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device,tol", FP8_QUERY_CASES)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, tokens, seed):
+    """fp8 queries (their per-head scales in the weights) over DeepGEMM's FP8 keys: fp8 x fp8 MMAs, every visible
+    score of every token equal to the float64 reference per element; nothing past a token's position written."""
+    cpu = device == "cpu"
+    x = fp8_indexer_inputs(num_heads=4 if cpu else 64, head_dim=16 if cpu else 128,
+                           context_lens=(0, 37, 9) if cpu else (0, 3000, 100), query_lens=(3, 1, 2) if cpu else (70, 1, 2),
+                           block_kv=8 if cpu else 64, device=device, seed=seed)
+    assert x.q.dtype == torch.float8_e4m3fn
+    ref = reference_indexer_scores_fp8(x)
+    scores = torch.full((x.q.shape[0], ref.shape[1] + 5), float("nan"), device=device)
+    indexer_scores_paged(x.q, x.weights, x.k_cache.squeeze(2), x.block_table, x.req_indices, x.positions,
+                         x.softmax_scale, scores, block_s=8 if cpu else 64, tokens=tokens)
+    visible = torch.arange(scores.shape[1]) <= x.positions.cpu()[:, None]  # (T, S_MAX)
+    want = torch.cat((ref, torch.full((ref.shape[0], 5), float("-inf"), dtype=ref.dtype)), 1)
+    assert_close("scores", torch.where(visible, scores.cpu(), 0.0), torch.where(visible, want, 0.0),
+                 dtype=torch.float32, row_dims=1, rtol=tol, atol=tol)
+    assert scores.cpu()[~visible].isnan().all()
+
+
+def test_fp8_queries_need_the_fp8_key_cache():
+    x = fp8_indexer_inputs(num_heads=4, head_dim=16, context_lens=(5,), query_lens=(1,), block_kv=8)
+    bf16_keys = torch.zeros(x.k_cache.shape[0], 8, 16)
+    with pytest.raises(ValueError, match=r"q_idx: fp8 queries score the FP8 key cache \(uint8\), got an index_cache "
+                                         r"of torch.float32"):
+        indexer_scores_paged(x.q, x.weights, bf16_keys, x.block_table, x.req_indices, x.positions, 0.25,
+                             torch.empty(1, 8))
+
+
 def _norm_rope_inputs(device, dtype, g):
     """Two requests on scrambled blocks of 8, one padding token (slot -1), DeepSeek-V3.2's latent widths; an
     outlier in each indexer key, in turn among its rotated values and among the others."""
@@ -359,12 +397,17 @@ def _norm_rope_inputs(device, dtype, g):
                 k_norm_weight=1 + 0.1 * r(128), k_norm_bias=0.1 * r(128)), 6
 
 
+def test_the_butterflies_are_the_hadamard_transform(seed):
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(seed))
+    assert_close("rotated", hadamard_butterflies_fp32(x), hadamard_transform(x.double()), dtype=torch.float32, rtol=8, atol=8)
+
+
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_CASES)
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_fused_norm_rope_writes_the_fp8_bytes_of_its_bf16_rows(device, dtype, tol, interleaved, seed):
     """The same launch into float caches and into FP8 ones: the FP8 bytes are the oracle's quantisation of the float
-    rows, slot by slot (fp8 values, scales and the bf16 k_pe exactly, interpreted and compiled); slots not written
-    (padding) keep their bytes."""
+    rows, slot by slot (fp8 values, scales and the bf16 k_pe exactly, interpreted and compiled), the indexer keys
+    rotated first (Hadamard, rounded to the activations' dtype); slots not written (padding) keep their bytes."""
     from dsv32ref.config import ModelConfig
     from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
     from dsv32ref.reference import RotaryEmbedding
@@ -381,7 +424,8 @@ def test_fused_norm_rope_writes_the_fp8_bytes_of_its_bf16_rows(device, dtype, to
     got = lat8.view(-1, 656)[slots].cpu()
     assert torch.equal(got, want)  # c_kv values, scales, k_pe
     blocks = idx8.view(nb, 8 * 132).cpu()  # each block: 8 keys of 128 fp8 values, then their 8 scales
-    keys = quantize_indexer_keys(idx.view(-1, 1, 128)[slots].cpu())  # (written, 1, 1, 132): a block per key
+    rotated = hadamard_butterflies_fp32(idx.view(-1, 1, 128)[slots].cpu()).to(dtype)  # (written, 1, 128)
+    keys = quantize_indexer_keys(rotated)  # (written, 1, 1, 132): a block per key
     for n, s in enumerate(slots.tolist()):
         b, r = divmod(s, 8)
         assert torch.equal(blocks[b, r * 128:(r + 1) * 128], keys[n, 0, 0, :128]), s

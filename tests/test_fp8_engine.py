@@ -11,7 +11,7 @@ from dsv32ref.engine.memory import kv_bytes_per_token
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.reference.fp8_cache import quantize_indexer_keys, quantize_latent
 from dsv32ref.testing import assert_close
-from helpers import tiny_model
+from helpers import hadamard_butterflies_fp32, tiny_model
 
 CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run")
 
@@ -57,7 +57,8 @@ def test_fp8_engine_writes_the_float_engines_rows_quantised_and_both_paths_agree
     want = quantize_latent(lat.view(-1, 576)[written])
     got = lat8.view(-1, 656)[written]
     assert torch.equal(got, want)  # k_pe too: the kernels round to bf16 as torch does, under the interpreter too
-    keys = quantize_indexer_keys(eng_auto.runner.kv_cache.indexer_k[0].view(-1, 1, 64)[written])
+    # the FP8 keys are rotated (Hadamard) before they are quantised; the float engine's are not
+    keys = quantize_indexer_keys(hadamard_butterflies_fp32(eng_auto.runner.kv_cache.indexer_k[0].view(-1, 1, 64)[written]))
     blocks = eng.runner.kv_cache.indexer_k[0].view(-1, 8 * 68)
     for n, s in enumerate(written.tolist()):
         assert torch.equal(blocks[s // 8, (s % 8) * 64:(s % 8 + 1) * 64], keys[n, 0, 0, :64])

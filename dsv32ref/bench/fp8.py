@@ -8,7 +8,7 @@ two is exact in bf16), so the two kernels compute the same function and are chec
 poisoned first). Decode: B requests of one token, each with its own ctx-token cache and index_topk random
 distinct visible slots, at 16, 64 and 128 heads (a TP4, TP2 and TP1 rank of GLM-5.2/DeepSeek-V3.2's heads); the bytes
 each kernel must read are its rows (1152 bf16, 656 FP8 per token) once each. Indexer: B requests of one token
-at ctx keys, bf16 keys (256 bytes) against DeepGEMM's FP8 keys (132 bytes). Caches smaller than 1 GiB rotate
+at ctx keys, bf16 queries and keys (256 bytes a key) against fp8 queries and DeepGEMM's FP8 keys (132 bytes). Caches smaller than 1 GiB rotate
 through copies (bench.kernels.Rotation), so every timed call reads HBM. Times are CUDA-graph replays, medians;
 the copy bandwidth and GEMM rate are measured in the same run.
 """
@@ -30,6 +30,7 @@ from dsv32ref.kernels.indexer_topk import indexer_scores_paged
 from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan, sparse_mla_paged
 from dsv32ref.reference.fp8_cache import (dequantize_indexer_keys, dequantize_latent, quantize_indexer_keys,
                                           quantize_latent)
+from dsv32ref.reference.numerics import fp8_dequantize, fp8_quantize
 
 BF16 = torch.bfloat16
 CHUNK = 1 << 20  # tokens quantised at a time (bounds the fp32 temporaries)
@@ -192,17 +193,19 @@ def sweep_decode(run: Run, z: dict, ctx: int = 32768) -> None:
 
 
 def bench_scores(z: dict, B: int, ctx: int, ceil: dict) -> dict:
-    """indexer_scores_paged for B decode tokens (one per request, at its last of ctx positions), bf16 keys
-    against FP8 keys; each request's keys are its own."""
+    """indexer_scores_paged for B decode tokens (one per request, at its last of ctx positions), as the engine
+    runs it over each cache: bf16 queries and keys against fp8 queries (one scale per head, in the weights) and
+    FP8 keys. The same values: the bf16 queries are the fp8 ones dequantised. Each request's keys are its own."""
     d, h = z["d_i"], z["h_i"]
     r = decode_batch(B, ctx)
     n = copies_for(r["nblocks"] * BLOCK_SIZE * d * 2)
     caches = [key_caches(r["nblocks"] * BLOCK_SIZE, d) for _ in range(n)]
-    q = torch.randn(B, h, d, device=DEV, dtype=BF16)
+    q8, q_scale = fp8_quantize(torch.randn(B, h, d, device=DEV), block=d)  # (B, h, d) fp8, (B, h, 1)
     w = torch.randn(B, h, device=DEV) * h ** -0.5
+    queries = {"bf16": (fp8_dequantize(q8, q_scale, block=d).to(BF16), w), "fp8": (q8, w * q_scale[..., 0])}
     scores = {f: torch.empty(B, ctx, device=DEV) for f in ("bf16", "fp8")}
     rot = Rotation(n)
-    calls = {f: (lambda f=f, j=j: indexer_scores_paged(q, w, caches[rot()][j], r["block_table"], r["req"],
+    calls = {f: (lambda f=f, j=j: indexer_scores_paged(*queries[f], caches[rot()][j], r["block_table"], r["req"],
                                                        r["positions"], d ** -0.5, scores[f], tokens=1))
              for j, f in enumerate(("bf16", "fp8"))}
     for f in calls:
@@ -216,10 +219,10 @@ def bench_scores(z: dict, B: int, ctx: int, ceil: dict) -> dict:
     for f in ("bf16", "fp8", "bf16", "fp8"):
         rot.i = -1
         t[f] = timed(calls[f])
-    fixed = 2 * B * h * d + 4 * B * h + 4 * B * ctx  # the query, its weights, the scores written
+    fixed = 4 * B * h + 4 * B * ctx  # the weights, the scores written
     del caches
-    return _speedup_row("indexer_scores", case, t["bf16"], t["fp8"], B * ctx * d * 2 + fixed,
-                        B * ctx * (d + 4) + fixed, ceil)
+    return _speedup_row("indexer_scores", case, t["bf16"], t["fp8"], B * ctx * d * 2 + 2 * B * h * d + fixed,
+                        B * ctx * (d + 4) + B * h * d + fixed, ceil)
 
 
 def _line(r: dict) -> str:

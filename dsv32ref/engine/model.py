@@ -124,7 +124,10 @@ class EngineDSAAttention(nn.Module):
             return q_mqa, None, None
         with region("q_gemm"):
             q_i_raw = F.linear(q_c, self.wq_b).view(T, self.H_I, self.D_I)  # (T, H_I, D_I)
-        q_idx, w_idx = torch.empty_like(q_i_raw), torch.empty_like(w_raw)
+        # over FP8 keys the indexer's queries are fp8 too, rotated as the keys are (fused_q, fused_norm_rope)
+        fp8_keys = cache.indexer_k[self.layer_idx].dtype == torch.uint8
+        q_idx = torch.empty_like(q_i_raw, dtype=torch.float8_e4m3fn if fp8_keys else None)
+        w_idx = torch.empty_like(w_raw)
         with region("fused_q"):
             fused_q(q_lat, q, q_mqa, ctx.positions, ctx.cos, ctx.sin, q_i_raw, q_idx, w_raw, w_idx,
                     self.config.indexer_rope_interleave)

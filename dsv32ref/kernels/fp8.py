@@ -1,5 +1,5 @@
 """Writing fp8 e4m3 (and bf16) in a kernel, byte for byte as the reference's quantisers (dsv32ref.reference.fp8_cache)
-and torch's casts do.
+and torch's casts do; and the Hadamard rotation the FP8 indexer applies to its queries and keys first.
 
 Integer arithmetic only: Triton's interpreter converts some fp32 values to fp8 wrongly (a rounding that carries
 into the exponent, e.g. 31.2 -> 16 instead of 32) and truncates fp32 to bf16 where the GPU rounds to nearest
@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["cast", "e4m3_bytes", "pow2_scale", "round_bf16"]
+__all__ = ["cast", "e4m3_bytes", "finite_amax", "hadamard", "pow2_scale", "quantize_e4m3", "round_bf16"]
 
 
 @triton.jit
@@ -66,3 +66,30 @@ def cast(x, ty: tl.constexpr):
     if ty == tl.bfloat16:
         x = round_bf16(x)
     return x.to(ty)
+
+
+@triton.jit
+def finite_amax(v):
+    """The largest |v| over v's finite values (0 if none), fp32, over the whole tile."""
+    a = tl.abs(v.to(tl.float32))
+    return tl.max(tl.where(a < float("inf"), a, 0.0))
+
+
+@triton.jit
+def quantize_e4m3(x, MIN_EXP: tl.constexpr):
+    """fp32 x (a tile) -> (its fp8 e4m3 bytes, s): one power-of-two scale s for the tile, the smallest 2^k, k >=
+    MIN_EXP, that holds its finite values (pow2_scale); a NaN or inf is written as NaN, not folded into s."""
+    s, inv = pow2_scale(finite_amax(x), MIN_EXP)
+    return e4m3_bytes(x * inv), s
+
+
+@triton.jit
+def hadamard(x, scale, N: tl.constexpr, LOG2_N: tl.constexpr):
+    """x (N,) fp32 -> x H_N, the orthonormal Walsh-Hadamard transform (Sylvester order; dsv32ref.reference's
+    hadamard_transform): LOG2_N butterflies, then `scale`, N^-1/2 as the host's fp32 holds it. Orthogonal: dot
+    products are unchanged, and a few large values are spread over all N before an fp8 rounding."""
+    for stage in tl.static_range(LOG2_N):
+        y = tl.permute(tl.reshape(x, (N // (2 << stage), 2, 1 << stage)), (0, 2, 1))  # (N/2h, h, 2): pairs (i, i+h)
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
+    return x * scale

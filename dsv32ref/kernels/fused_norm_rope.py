@@ -5,6 +5,7 @@ Motivation. Between `kv_a_proj_with_mqa` / `q_a_proj` / `indexer.wk` and the nex
     c_kv  = RMSNorm(kv[:kv_lora_rank]); k_pe = RoPE_interleaved(kv[kv_lora_rank:])
             -> the latent-cache row [c_kv | k_pe] at slot_mapping[t]
     k^I   = RoPE(LayerNorm(wk x)) on its first qk_rope dims  -> the indexer-key cache at slot_mapping[t]
+            (an FP8 key cache: Hadamard-rotated, then quantised)
 In PyTorch that is a dozen elementwise launches per layer. They share only the token index, so one
 program per token does all of them: 1 launch per layer (IndexShare layers pass no indexer key and skip
 that part). Memory-bound: bytes per token = 2 (q_lora + latent + index_head_dim) read
@@ -21,7 +22,7 @@ import triton.language as tl
 from dsv32ref.cache import LATENT_ROW_BYTES
 from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_scale, check_tensor,
                              device_value_checks_on)
-from dsv32ref.kernels.fp8 import cast, e4m3_bytes, pow2_scale
+from dsv32ref.kernels.fp8 import cast, e4m3_bytes, hadamard, pow2_scale, quantize_e4m3
 from dsv32ref.kernels.launch import launch
 
 __all__ = ["fused_norm_rope"]
@@ -57,13 +58,6 @@ def _layer_norm_at(x_ptr, w_ptr, b_ptr, offs, mean, rstd):
 
 
 @triton.jit
-def _finite_amax(v):
-    """The largest |v| over v's finite values (0 if none), fp32."""
-    a = tl.abs(v.to(tl.float32))
-    return tl.max(tl.where(a < float("inf"), a, 0.0), axis=0)
-
-
-@triton.jit
 def _store_latent_fp8(row_ptr, c_kv, KV_LORA: tl.constexpr):
     """c_kv fp32 (KV_LORA,) -> FlashMLA's row at row_ptr (bytes): fp8 values, then one power-of-two fp32 scale per 128
     (from the group's finite values; a NaN or inf is written as NaN). k_pe, bytes KV_LORA + KV_LORA / 32 on, is the
@@ -77,43 +71,76 @@ def _store_latent_fp8(row_ptr, c_kv, KV_LORA: tl.constexpr):
 
 
 @triton.jit
+def rope_layout(D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """For each of a head's D values: (its RoPE partner, its angle, whether it leads its pair, whether it is roped);
+    pairs (2i, 2i+1) at angle i when INTERLEAVED, else (i, i + ROPE/2)."""
+    oi = tl.arange(0, D)
+    if INTERLEAVED:
+        partner, angle, first = oi ^ 1, oi // 2, (oi % 2) == 0
+    else:
+        partner = tl.where(oi < ROPE // 2, oi + ROPE // 2, oi - ROPE // 2)
+        angle, first = oi % (ROPE // 2), oi < ROPE // 2
+    return partner, angle, first, oi < ROPE
+
+
+@triton.jit
+def rope_apply(x, xp, cos_ptr, sin_ptr, angle, first, roped):
+    """RoPE on a whole head held in registers: x (D,) fp32 and each value's partner xp (rope_layout) -> a c - b s
+    for a pair's first value a, b c + a s for its second b (the expressions of _rope_pairs, so that both round
+    alike), the values past the roped ones as they are (fp32)."""
+    c = tl.load(cos_ptr + angle, mask=roped, other=1.0)
+    s = tl.load(sin_ptr + angle, mask=roped, other=0.0)
+    return tl.where(roped, tl.where(first, x * c - xp * s, x * c + xp * s), x)
+
+
+@triton.jit
+def _index_key_fp8(x_ptr, w_ptr, b_ptr, block, row, cos_ptr, sin_ptr, mean, rstd, hadamard_scale, block_size,
+                   D_I: tl.constexpr, LOG2_D_I: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The FP8 key as deployed: RoPE(LayerNorm(x)), then the Hadamard rotation (each rounded to x's dtype, as the
+    unfused path stores them), then fp8 with one ue8m0 scale: its values at `row` of the block at `block` (bytes),
+    its scale after the block's values."""
+    ty: tl.constexpr = x_ptr.dtype.element_ty
+    partner, angle, first, roped = rope_layout(D_I, ROPE, INTERLEAVED)
+    oi = tl.arange(0, D_I)
+    x = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, oi, mean, rstd), ty).to(tl.float32)
+    xp = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, partner, mean, rstd), ty).to(tl.float32)
+    k = cast(rope_apply(x, xp, cos_ptr, sin_ptr, angle, first, roped), ty).to(tl.float32)
+    k = cast(hadamard(k, hadamard_scale, D_I, LOG2_D_I), ty).to(tl.float32)
+    codes, scale = quantize_e4m3(k, -22)
+    tl.store(block + row * D_I + oi, codes)
+    tl.store((block + block_size * D_I + 4 * row).to(tl.pointer_type(tl.float32)), scale)
+
+
+@triton.jit
 def _index_key(x_ptr, w_ptr, b_ptr, cache_ptr, slot, stride_slot, stride_block, block_size, cos_ptr, sin_ptr, ln_eps,
-               D_I: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr):
+               hadamard_scale, D_I: tl.constexpr, LOG2_D_I: tl.constexpr, ROPE: tl.constexpr,
+               INTERLEAVED: tl.constexpr, FP8: tl.constexpr):
     """k^I = RoPE(LayerNorm(x)) on its first ROPE values into the indexer-key cache: a row at slot in the cache's
-    dtype, or (FP8) in DeepGEMM's block layout, the key's fp8 values at slot's place in its block and its ue8m0
-    scale after the block's values. The values are rounded as a cache in x's dtype holds them, then quantised."""
+    dtype, or (FP8) rotated and quantised into DeepGEMM's block layout (_index_key_fp8)."""
     oi = tl.arange(0, D_I)
     x = tl.load(x_ptr + oi).to(tl.float32)
     mean = tl.sum(x, axis=0) / D_I
     rstd = tl.rsqrt(tl.sum((x - mean) * (x - mean), axis=0) / D_I + ln_eps)
-    ty: tl.constexpr = x_ptr.dtype.element_ty if FP8 else cache_ptr.dtype.element_ty
-    i = tl.arange(0, ROPE // 2)
-    if INTERLEAVED:
-        a_off, b_off = 2 * i, 2 * i + 1
-    else:
-        a_off, b_off = i, i + ROPE // 2
-    a = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, a_off, mean, rstd), ty).to(tl.float32)
-    b = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, b_off, mean, rstd), ty).to(tl.float32)
-    c = tl.load(cos_ptr + i)
-    s = tl.load(sin_ptr + i)
-    ra = cast(a * c - b * s, ty)
-    rb = cast(b * c + a * s, ty)
-    rest = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, oi, mean, rstd), ty)  # (D_I,): the values past ROPE are kept
     if FP8:
-        amax = tl.maximum(_finite_amax(tl.where(oi >= ROPE, rest.to(tl.float32), 0.0)),
-                          tl.maximum(_finite_amax(ra), _finite_amax(rb)))  # NaN and inf are written as NaN
-        scale, inv = pow2_scale(amax, -22)
         block = cache_ptr + (slot // block_size).to(tl.int64) * stride_block
-        row = block + (slot % block_size) * D_I
-        tl.store(row + a_off, e4m3_bytes(ra.to(tl.float32) * inv))
-        tl.store(row + b_off, e4m3_bytes(rb.to(tl.float32) * inv))
-        tl.store(row + oi, e4m3_bytes(rest.to(tl.float32) * inv), mask=oi >= ROPE)
-        tl.store((block + block_size * D_I + 4 * (slot % block_size)).to(tl.pointer_type(tl.float32)), scale)
+        _index_key_fp8(x_ptr, w_ptr, b_ptr, block, slot % block_size, cos_ptr, sin_ptr, mean, rstd, hadamard_scale,
+                       block_size, D_I, LOG2_D_I, ROPE, INTERLEAVED)
     else:
+        ty: tl.constexpr = cache_ptr.dtype.element_ty
+        i = tl.arange(0, ROPE // 2)
+        if INTERLEAVED:
+            a_off, b_off = 2 * i, 2 * i + 1
+        else:
+            a_off, b_off = i, i + ROPE // 2
+        a = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, a_off, mean, rstd), ty).to(tl.float32)
+        b = cast(_layer_norm_at(x_ptr, w_ptr, b_ptr, b_off, mean, rstd), ty).to(tl.float32)
+        c = tl.load(cos_ptr + i)
+        s = tl.load(sin_ptr + i)
         row = cache_ptr + slot * stride_slot
-        tl.store(row + a_off, ra)
-        tl.store(row + b_off, rb)
-        tl.store(row + oi, rest, mask=oi >= ROPE)
+        tl.store(row + a_off, cast(a * c - b * s, ty))
+        tl.store(row + b_off, cast(b * c + a * s, ty))
+        rest = _layer_norm_at(x_ptr, w_ptr, b_ptr, oi, mean, rstd)  # (D_I,): the values past ROPE are kept
+        tl.store(row + oi, cast(rest, ty), mask=oi >= ROPE)
 
 
 @triton.jit
@@ -125,8 +152,9 @@ def _fused_norm_rope_kernel(
     icache_ptr, stride_islot, stride_iblock,  # indexer-key cache [NB, BS, D_I]; FP8: bytes [NB, BS, D_I + 4]
     pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_cs,  # positions [T], slot_mapping [T], cos/sin [P, ROPE/2]
     rms_eps, ln_eps, n_slots, n_pos, block_size,  # bounds: slots in [0, NB * BS), positions in [0, P)
+    hadamard_scale,  # D_I^-1/2 (the FP8 key's rotation)
     Q_LORA: tl.constexpr, BLOCK_Q: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
-    D_I: tl.constexpr, HAS_INDEXER: tl.constexpr, INDEXER_INTERLEAVED: tl.constexpr,
+    D_I: tl.constexpr, LOG2_D_I: tl.constexpr, HAS_INDEXER: tl.constexpr, INDEXER_INTERLEAVED: tl.constexpr,
     LATENT_FP8: tl.constexpr, INDEX_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -162,7 +190,7 @@ def _fused_norm_rope_kernel(
         _rope_pairs(kv_ptr + t * stride_kv + KV_LORA, k_pe, cos, sin, ROPE // 2, True)
         if HAS_INDEXER:
             _index_key(ik_ptr + t * stride_ik, ik_w_ptr, ik_b_ptr, icache_ptr, slot, stride_islot, stride_iblock,
-                       block_size, cos, sin, ln_eps, D_I, ROPE, INDEXER_INTERLEAVED, INDEX_FP8)
+                       block_size, cos, sin, ln_eps, hadamard_scale, D_I, LOG2_D_I, ROPE, INDEXER_INTERLEAVED, INDEX_FP8)
 
 
 def _check_aligned(name: str, cache: torch.Tensor) -> None:
@@ -229,7 +257,9 @@ def fused_norm_rope(
     powers of two. A uint8 cache holds FP8 (dsv32ref.reference.fp8_cache), quantised on write from the values a
     cache in the activations' dtype would hold: latent_cache [NB, BS, 656], FlashMLA's rows (kv_lora 512, rope
     64: c_kv fp8 with a power-of-two scale per 128, k_pe bf16); index_cache [NB, BS, D_I + 4], DeepGEMM's blocks
-    (fp8 keys, then one ue8m0 scale per key). A NaN or inf is written as fp8 NaN, not folded into a scale.
+    (fp8 keys, then one ue8m0 scale per key), each key rotated by the orthonormal Hadamard transform before it is
+    quantised, as DeepSeek's inference code does (the indexer's fp8 queries are rotated alike: fused_q). A NaN or
+    inf is written as fp8 NaN, not folded into a scale.
     """
     floats = (torch.bfloat16, torch.float16, torch.float32)
     T, q_lora = check_tensor("q_c", q_c, shape=(None, None), dtype=floats, dense_dims=1).shape
@@ -264,8 +294,9 @@ def fused_norm_rope(
         index_k if has_indexer else dummy, index_k.stride(0) if has_indexer else 0,
         k_norm_weight if has_indexer else dummy, k_norm_bias if has_indexer else dummy,
         index_cache if has_indexer else dummy, d_i, index_cache.stride(0) if has_indexer else 0,
-        positions, slot_mapping, cos, sin, cos.stride(0), rms_eps, ln_eps, nb * bs, cos.shape[0], bs,
+        positions, slot_mapping, cos, sin, cos.stride(0), rms_eps, ln_eps, nb * bs, cos.shape[0], bs, d_i ** -0.5,
         Q_LORA=q_lora, BLOCK_Q=triton.next_power_of_2(q_lora), KV_LORA=kv_lora, ROPE=rope, D_I=d_i,
+        LOG2_D_I=d_i.bit_length() - 1,
         HAS_INDEXER=has_indexer, INDEXER_INTERLEAVED=indexer_interleaved,
         LATENT_FP8=latent_cache.dtype == torch.uint8, INDEX_FP8=index_fp8, num_warps=4,
     )

@@ -17,37 +17,11 @@ import triton.language as tl
 
 from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_tensor,
                              device_value_checks_on)
-from dsv32ref.kernels.fused_norm_rope import _rope_pairs
+from dsv32ref.kernels.fp8 import cast, hadamard, quantize_e4m3
+from dsv32ref.kernels.fused_norm_rope import _rope_pairs, rope_apply, rope_layout
 from dsv32ref.kernels.launch import launch
 
 __all__ = ["fused_q"]
-
-
-@triton.jit
-def _fwht(x, N: tl.constexpr, LOG2_N: tl.constexpr):
-    """Walsh-Hadamard transform (Sylvester order, unnormalised) of a length-N vector: LOG2_N butterflies."""
-    for stage in tl.static_range(LOG2_N):
-        y = tl.permute(tl.reshape(x, (N // (2 << stage), 2, 1 << stage)), (0, 2, 1))  # (N/2h, h, 2): pairs (i, i+h)
-        a, b = tl.split(y)
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
-    return x
-
-
-@triton.jit
-def _pow2_f32(k):
-    """2^k as fp32 for an integer k in the normal range, exactly (built from its exponent bits)."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to_e4m3_grid(v):
-    """Round fp32 v (|v| <= 448) to the nearest fp8 e4m3 value, ties to even, staying in fp32: the cast
-    afterwards is exact (triton 3.6's interpreter rounds the fp32 -> fp8 cast wrongly across binades)."""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |v|) for normal v
-    ulp_exp = tl.maximum(e, -6) - 3  # e4m3: 3 mantissa bits; subnormals below 2^-6 share the ulp 2^-9
-    y = v * _pow2_f32(-ulp_exp)
-    y = (y + 12582912.0) - 12582912.0  # round to an integer, ties to even (1.5 * 2^23 trick; |y| < 16)
-    return y * _pow2_f32(ulp_exp)
 
 
 @triton.jit
@@ -55,26 +29,14 @@ def _rope_hadamard_fp8(src, cos, sin, hadamard_scale, ROPE: tl.constexpr, D_I: t
                        INTERLEAVED: tl.constexpr, DTYPE: tl.constexpr):
     """Deployed numerics of one indexer query head: RoPE, then the orthonormal Hadamard transform, each
     rounded to the activation dtype as the unfused path stores them, then fp8 e4m3 with one ue8m0 (power of
-    two) scale for the D_I (<= 128) values. Returns (fp8 values (D_I,), scale)."""
-    oi = tl.arange(0, D_I)
-    if INTERLEAVED:  # pairs (2i, 2i+1) share angle i
-        partner, angle, first = oi ^ 1, oi // 2, (oi % 2) == 0
-    else:  # pairs (i, i + ROPE/2)
-        partner = tl.where(oi < ROPE // 2, oi + ROPE // 2, oi - ROPE // 2)
-        angle, first = oi % (ROPE // 2), oi < ROPE // 2
-    roped = oi < ROPE
-    x = tl.load(src + oi).to(tl.float32)
+    two) scale for the D_I (<= 128) values, as fused_norm_rope writes an FP8 key. Returns (fp8 values (D_I,), scale)."""
+    partner, angle, first, roped = rope_layout(D_I, ROPE, INTERLEAVED)
+    x = tl.load(src + tl.arange(0, D_I)).to(tl.float32)
     xp = tl.load(src + partner, mask=roped, other=0.0).to(tl.float32)
-    c = tl.load(cos + angle, mask=roped, other=1.0)
-    s = tl.load(sin + angle, mask=roped, other=0.0)
-    x = tl.where(roped, x * c + tl.where(first, -xp, xp) * s, x).to(DTYPE).to(tl.float32)  # a c - b s | b c + a s
-    x = (_fwht(x, D_I, LOG2_D_I) * hadamard_scale).to(DTYPE).to(tl.float32)
-    # ue8m0 scale s = 2^k, the least k with amax <= 448 * 2^k (= ceil(log2(amax / 448)), without a division)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4)
-    bits = amax.to(tl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 448 = 1.75 * 2^8
-    q = tl.minimum(tl.maximum(x * _pow2_f32(-k), -448.0), 448.0)
-    return _round_to_e4m3_grid(q).to(tl.float8e4nv), _pow2_f32(k)
+    x = cast(rope_apply(x, xp, cos, sin, angle, first, roped), DTYPE).to(tl.float32)
+    x = cast(hadamard(x, hadamard_scale, D_I, LOG2_D_I), DTYPE).to(tl.float32)
+    codes, scale = quantize_e4m3(x, -22)
+    return codes.to(tl.float8e4nv, bitcast=True), scale
 
 
 @triton.jit

@@ -12,7 +12,9 @@ Work per query token with S visible keys (DeepSeek-V3.2: H_I = 64, D = 128):
             -> 63 FLOP/byte: memory-bound on the key reads (one decode token at 128k context: 33.6 MB of keys)
     top-k:  5 passes over the S fp32 scores (4 histogram passes + 1 selection pass), writes k int32
 With the FP8 key cache (DeepGEMM's blocks: fp8 keys, then one fp32 scale per key) a key is D + 4 bytes, 132
-instead of 256 at D = 128; the keys are upcast exactly and each key's scale multiplies its scores.
+instead of 256 at D = 128, and each key's scale multiplies its scores. The queries may be bf16 (the keys are
+upcast exactly) or, as deployed, fp8 with their per-head scales folded into the weights (fused_q writes them):
+then the MMA multiplies fp8 by fp8 at twice the bf16 rate and the query tile takes half the shared memory.
 
 Decode is the case the indexer exists for: one token, a long context. One program per 64 keys then makes
 thousands of tiny programs that each reload the query; a program instead walks `tiles` key tiles with the
@@ -360,14 +362,17 @@ def _topk_compact_kernel(scores_ptr, stride_st, pos_ptr, hist_ptr, state_ptr, ou
 
 
 def _check_common(q_idx, weights, index_cache, block_table, req_indices, positions):
-    T, H_I, D = check_tensor("q_idx", q_idx, shape=(None, None, None),
-                             dtype=(torch.bfloat16, torch.float16, torch.float32), dense_dims=1).shape
+    T, H_I, D = check_tensor("q_idx", q_idx, shape=(None, None, None), dense_dims=1,
+                             dtype=(torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)).shape
+    fp8_keys = isinstance(index_cache, torch.Tensor) and index_cache.dtype == torch.uint8
+    if q_idx.dtype == torch.float8_e4m3fn and not fp8_keys:
+        raise ValueError(f"q_idx: fp8 queries score the FP8 key cache (uint8), got an index_cache of "
+                         f"{getattr(index_cache, 'dtype', type(index_cache).__name__)}")
     for name, v in (("index_n_heads", H_I), ("index_head_dim", D)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"indexer_topk: {name} must be a power of two, got {v}")
     check_tensor("weights", weights, shape=(T, H_I), dtype=torch.float32, dense_dims=1)
-    if isinstance(index_cache, torch.Tensor) and index_cache.dtype == torch.uint8:
-        # DeepGEMM's FP8 keys: each block's bytes in one piece
+    if fp8_keys:  # DeepGEMM's FP8 keys: each block's bytes in one piece
         check_tensor("index_cache", index_cache, shape=(None, None, D + 4), dense_dims=2)
         if index_cache.stride(0) % 16 or index_cache.data_ptr() % 16:
             raise ValueError(f"index_cache: fp8 blocks must start 16 bytes apart and aligned, got strides "
@@ -430,8 +435,9 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
 
     q_idx [T, H_I, D]; weights fp32 [T, H_I]; index_cache [NB, BS, D] in q_idx's dtype, or uint8 [NB, BS, D + 4]:
     DeepGEMM's FP8 keys (its [NB, BS, 1, D + 4] without the head dim; dsv32ref.reference.fp8_cache), each key's
-    fp8 values times its fp32 scale; scores fp32 [T, S_MAX] (caller-owned; entries past a token's position are
-    left untouched). S_MAX must exceed every position.
+    fp8 values times its fp32 scale, scored by float queries or by fp8 e4m3 ones (their scales in weights);
+    scores fp32 [T, S_MAX] (caller-owned; entries past a token's position are left untouched). S_MAX must exceed
+    every position.
     tokens: consecutive tokens per program (default scores_tokens(T, H_I)); tokens of one request share each
     key tile's read. A group that spans requests takes each of them in turn with the other tokens' columns
     masked, so a batch of one token per request (decode) should pass 1: its groups would share nothing and

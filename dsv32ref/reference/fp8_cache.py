@@ -20,6 +20,9 @@ block_kv tokens,
 
 in a uint8 tensor [num_blocks, block_kv, 1, D + 4] (the block's bytes, not one row per token). vLLM quantises
 each key with one power-of-two scale, s = 2^ceil(log2(max(amax, 1e-4) / 448)) (ue8m0); block_kv is 64 on sm_90.
+The keys stored are the model's business: DeepSeek's inference code rotates keys and queries by a Hadamard
+transform before the fp8 cast, and scores fp8 queries (one scale per head, folded into the weights); the
+reference model does the same over an FP8 key cache (dsv32ref.reference.mla).
 
 Both scales are computed exactly (numerics.pow2_scale). The fp8 casts round to nearest even and saturate at
 +-448. Every quantiser refuses NaN and inf, every dequantiser refuses a scale that is not a finite power of two

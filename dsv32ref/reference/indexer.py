@@ -36,21 +36,26 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept bf16, run in fp32
         self.softmax_scale = self.head_dim ** -0.5
 
-    def _rope_then_quant(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rope_then_quant(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool,
+                         round_trip: bool) -> torch.Tensor:
         rope, nope = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         x = torch.cat((apply_rope(rope, cos, sin, self.interleaved), nope), dim=-1)
-        if self.deployed_numerics:
-            x = fp8_round_trip(hadamard_transform(x), block=min(QUANT_BLOCK, self.head_dim))
+        if rotate or self.deployed_numerics:
+            x = hadamard_transform(x)
+        if round_trip or self.deployed_numerics:
+            x = fp8_round_trip(x, block=min(QUANT_BLOCK, self.head_dim))
         return x
 
-    def query(self, q_c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """q_c [T, q_lora_rank] -> q^I [T, index_n_heads, index_head_dim], roped."""
+    def query(self, q_c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp8_keys: bool = False) -> torch.Tensor:
+        """q_c [T, q_lora_rank] -> q^I [T, index_n_heads, index_head_dim], roped. fp8_keys (the keys are kept in
+        FP8): rotated and rounded to fp8, one ue8m0 scale per head, as deployed engines score FP8 keys."""
         q = self.wq_b(q_c).view(q_c.shape[0], self.n_heads, self.head_dim)  # (T, H_I, D_I)
-        return self._rope_then_quant(q, cos, sin)
+        return self._rope_then_quant(q, cos, sin, rotate=fp8_keys, round_trip=fp8_keys)
 
-    def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> k^I [T, index_head_dim]: LayerNorm, then RoPE on the first rope_dim values."""
-        return self._rope_then_quant(self.k_norm(self.wk(x)), cos, sin)
+    def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp8_keys: bool = False) -> torch.Tensor:
+        """x [T, hidden] -> k^I [T, index_head_dim]: LayerNorm, then RoPE on the first rope_dim values. fp8_keys:
+        rotated too, for the FP8 key cache to quantise (Hadamard: q.k unchanged, outliers spread first)."""
+        return self._rope_then_quant(self.k_norm(self.wk(x)), cos, sin, rotate=fp8_keys, round_trip=False)
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> w [T, index_n_heads], fp32 (float64 in exact tests), scaled by H_I^-1/2."""

@@ -124,12 +124,13 @@ class DeepseekV32Attention(nn.Module):
         """
         T, H = x.shape[0], self.num_heads
         q_c, q_nope, q_pe, c_kv, k_pe = self.project(x, cos, sin)
-        k_idx = self.indexer.key(x, cos, sin) if self.indexer is not None else None  # (T, D_I)
+        fp8_keys = self.indexer is not None and cache.index_k.dtype == torch.uint8
+        k_idx = self.indexer.key(x, cos, sin, fp8_keys) if self.indexer is not None else None  # (T, D_I)
         cache.write(meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1), k_idx)  # (T, 576)
 
         # ---- indexer: this layer's own top-k, or the shared one ----
         if self.indexer is not None:
-            q_idx = self.indexer.query(q_c, cos, sin)  # (T, H_I, D_I)
+            q_idx = self.indexer.query(q_c, cos, sin, fp8_keys)  # (T, H_I, D_I)
             w_idx = self.indexer.weights(x)  # (T, H_I)
             topk = self._run_indexer(q_idx, w_idx, cache, meta)
         else:
