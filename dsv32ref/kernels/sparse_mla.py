@@ -16,7 +16,8 @@ in a long prefill the rows are shared by many tokens and sit in L2, and the comp
 
 FP8 cache (FlashMLA's rows, dsv32ref.reference.fp8_cache): 656 bytes per gathered row instead of 1152, so a
 memory-bound decode reads 57 % of the bytes. Each step loads the fp8 values, their four scales and k_pe, and
-forms c_kv = fp8 x scale in q's dtype (exact: the scales are powers of two) before the same MMAs.
+forms c_kv = fp8 x scale in q's dtype (exact: the scales are powers of two) before the same MMAs. (On sm_90 the
+warp-specialized kernel's producer does that work into shared memory instead, off the MMAs' path.)
 
 The program. One program owns BLOCK_H = 64 heads of one token (a DeepSeek-V3.2 token takes two) and walks its
 top-k BLOCK_N = 64 keys at a time, as the fused-attention tutorial walks K/V blocks:
@@ -329,14 +330,13 @@ def kernel_choice(q: torch.Tensor, d_lat: int, splits: int, config: dict | None,
     or "triton" (the kernel of this module). fp8: the latent cache holds FlashMLA's FP8 rows."""
     if config:
         reason = "a tile config was given"
-    elif fp8:
-        reason = "an fp8 latent cache (the warp-specialized kernel reads bf16 rows)"
     elif _hopper is None:
         reason = f"triton {triton.__version__} has no triton.experimental.gluon"
     else:
         reason = _hopper.why_not(q, d_lat, q.shape[-1] - d_lat, splits)
     if reason is None:
-        return "sm_90 warp-specialized", "sm_90, bf16, 512 + 64 wide, no top-k splits"
+        rows = "FP8 rows dequantised by the producer" if fp8 else "bf16 rows"
+        return "sm_90 warp-specialized", f"sm_90, bf16 q, {rows}, 512 + 64 wide, no top-k splits"
     return "triton", reason
 
 

@@ -23,7 +23,13 @@ element and are reduced once after the loop: a reduction across the warpgroups c
 and the row max already needs one. Its times beside the Triton kernel's, on the H200: data/kernels.json
 (notebook 02).
 
-Scope: bf16, D_LAT 512, D_ROPE 64, no top-k splits, triton 3.6 to 3.8 (Gluon's API moves between releases:
+FlashMLA's FP8 rows (656 bytes: fp8 c_kv, four fp32 scales, bf16 k_pe): the producer copies k_pe as it is and
+loads each row's fp8 values and scales into registers (the four groups' loads issued together), multiplies them
+out into bf16 (exact: power-of-two scales) and stores them into the stage, so the consumers run unchanged on
+bf16 stages; FlashMLA's FP8 sparse decode does the same on its own warps. It needs more registers (96 instead
+of 64: more leave the consumers spilling).
+
+Scope: bf16 q over bf16 or FP8 rows, D_LAT 512, D_ROPE 64, no top-k splits, triton 3.6 to 3.8 (Gluon's API moves between releases:
 3.7 renamed thread_barrier to barrier, 3.9 replaced async_copy_global_to_shared by async_load; the kernel
 takes whichever name its triton has, and scripts/sass_sparse_mla.py compiles it for sm_90a offline under each
 release). `why_not` says when it does not run; everything else runs the Triton kernel.
@@ -57,6 +63,7 @@ BLOCK_H = gl.constexpr(64)  # heads per program
 BLOCK_N = gl.constexpr(64)  # keys per step
 LOAD_WARPS = gl.constexpr(4)  # the producer partition: one warpgroup
 LOAD_REGS = gl.constexpr(64)  # few registers: it only resolves rows and copies
+LOAD_REGS_FP8 = gl.constexpr(96)  # FP8: it also holds a step's fp8 values while it dequantises them
 FLAGS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
 
@@ -149,11 +156,42 @@ def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t,
 
 
 @gluon.jit
+def _fp8_group(base8, ok8, offs_g, g: gl.constexpr, D_LAT: gl.constexpr):
+    """Group g of the rows at byte pointers base8 (BLOCK_N, 1): its 128 fp8 values (BLOCK_N, 128) and its fp32 scale
+    (BLOCK_N, 1), zeros for invalid rows."""
+    vals = gl.load((base8 + g * 128).to(gl.pointer_type(gl.float8e4nv)) + offs_g[None, :], mask=ok8[:, None], other=0.0)
+    scale = gl.load((base8 + D_LAT + 4 * g).to(gl.pointer_type(gl.float32)), mask=ok8[:, None], other=0.0)
+    return vals, scale
+
+
+@gluon.jit
+def _dequantize_rows(k_lat_st, cache_ptr, row, stride_cs, D_LAT: gl.constexpr):
+    """FlashMLA's FP8 c_kv of the step's rows (`row`, in units of stride_cs bytes; -1: invalid) -> bf16 into the
+    stage k_lat_st (BLOCK_N, D_LAT = 512): each 128-value group's fp8 values times its fp32 scale (a power of two:
+    exact in bf16). The four groups' loads are issued before any is used, so their latencies overlap."""
+    gl.static_assert(D_LAT == 512, "FlashMLA's rows: 4 groups of 128")
+    ld8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 fp8 bytes per thread per load
+    row8 = gl.convert_layout(row, gl.SliceLayout(1, ld8))
+    ok8 = row8 >= 0
+    base8 = cache_ptr + row8.to(gl.int64)[:, None] * stride_cs  # (BLOCK_N, 1) byte pointers
+    offs_g = gl.arange(0, 128, gl.SliceLayout(0, ld8))
+    v0, s0 = _fp8_group(base8, ok8, offs_g, 0, D_LAT)
+    v1, s1 = _fp8_group(base8, ok8, offs_g, 1, D_LAT)
+    v2, s2 = _fp8_group(base8, ok8, offs_g, 2, D_LAT)
+    v3, s3 = _fp8_group(base8, ok8, offs_g, 3, D_LAT)
+    k_lat_st.slice(0, 128, dim=1).store((v0.to(gl.float32) * s0).to(gl.bfloat16))
+    k_lat_st.slice(128, 128, dim=1).store((v1.to(gl.float32) * s1).to(gl.bfloat16))
+    k_lat_st.slice(256, 128, dim=1).store((v2.to(gl.float32) * s2).to(gl.bfloat16))
+    k_lat_st.slice(384, 128, dim=1).store((v3.to(gl.float32) * s3).to(gl.bfloat16))
+
+
+@gluon.jit
 def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
                     seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem, q_bar, ready,
-                    free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+                    free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, FP8: gl.constexpr):
     """The producer: q once, then each step's rows, resolved while it waits for the consumers to free the stage;
-    which of them are valid goes to the stage's flags, so the consumers resolve nothing."""
+    which of them are valid goes to the stage's flags, so the consumers resolve nothing. FP8 (FlashMLA's rows,
+    stride_cs bytes apart): c_kv dequantised into the stage's bf16 (_dequantize_rows), k_pe copied as it is."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
     offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
     q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
@@ -171,10 +209,16 @@ def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_p
         ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
         mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
         valid_smem.index(st).store(ok.to(gl.int8))
-        _async_copy(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
-        _async_copy(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
+        if FP8:
+            pe = (base + D_LAT + 4 * (D_LAT // 128)).to(gl.pointer_type(gl.bfloat16))
+            _async_copy(k_pe.index(st), pe + offs_pe[None, :], mask=ok[:, None])
+            _dequantize_rows(k_lat.index(st), cache_ptr, row, stride_cs, D_LAT)
+            fence_async_shared()  # the stage's plain stores, visible to the consumers' wgmma (async proxy)
+        else:
+            _async_copy(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
+            _async_copy(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
         cp.mbarrier_arrive(ready.index(st), increment_count=False)  # when this thread's copies land
-        _cta_barrier()  # the producer warpgroup's flags are all stored ...
+        _cta_barrier()  # the producer warpgroup's flags (and FP8 values) are all stored ...
         mbarrier.arrive(ready.index(st))  # ... and released to the consumers by one thread's arrive
 
 
@@ -217,7 +261,8 @@ def _sparse_mla_ws_kernel(
     idx_ptr, stride_it,  # top-k [T, K] int32
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,  # out [T, H, D_LAT] bf16, lse [T, H] fp32
     sm_scale_log2, H, K, block_size, rows_per_block, B, max_blocks, num_blocks,
-    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, VALID_FIRST: gl.constexpr, num_warps: gl.constexpr,
+    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, VALID_FIRST: gl.constexpr, FP8: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     t = gl.program_id(0)
     h0 = gl.program_id(1) * BLOCK_H
@@ -245,8 +290,8 @@ def _sparse_mla_ws_kernel(
                               stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, D_LAT)),
         (_load_partition, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
                            k_end, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem,
-                           q_bar, ready, free, D_LAT, D_ROPE)),
-    ], [LOAD_WARPS], [LOAD_REGS])
+                           q_bar, ready, free, D_LAT, D_ROPE, FP8)),
+    ], [LOAD_WARPS], [LOAD_REGS_FP8 if FP8 else LOAD_REGS])
 
 
 def sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse,
@@ -261,5 +306,6 @@ def sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_
         out, out.stride(0), out.stride(1), lse, lse.stride(0),
         sm_scale * math.log2(math.e), H, topk_indices.shape[1], bs,
         latent_cache.stride(0) // latent_cache.stride(1), seq_lens.shape[0], block_table.shape[1], nb,
-        D_LAT=out.shape[-1], D_ROPE=q.shape[-1] - out.shape[-1], VALID_FIRST=valid_first, num_warps=8)
+        D_LAT=out.shape[-1], D_ROPE=q.shape[-1] - out.shape[-1], VALID_FIRST=valid_first,
+        FP8=latent_cache.dtype == torch.uint8, num_warps=8)
     return out, lse
