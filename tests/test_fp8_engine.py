@@ -128,3 +128,18 @@ def test_the_ttft_protocol_runs_fp8_arms_beside_the_others():
     p = TTFTProtocol(variants=("narrow", "none"), fp8_kv=("narrow", "none"))
     assert p.arms()[2:] == [("narrow+fp8", "narrow", {"kv_cache_dtype": "fp8"}),
                             ("none+fp8", "none", {"kv_cache_dtype": "fp8"})]
+
+
+def test_first_token_margins_are_the_gap_between_the_top_two_logits(seed):
+    """What the TTFT run records beside its FP8 arms: per prompt, the first token's largest logit minus the
+    second largest, from an untimed rerun; equal to the gap in the logits of the same step."""
+    from dsv32ref.experiments.ttft import first_token_margins
+    ref = _fp8_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, ref.config.vocab_size, (n,), generator=g).tolist() for n in (7, 3)]
+    _, eng, _ = _run(ref, "narrow", "auto", prompts[:1])
+    margins = first_token_margins(eng, prompts)
+    for prompt, margin in zip(prompts, margins):
+        eng.generate(prompt, 1)
+        top = eng.last_logits[0].topk(2).values
+        assert margin == float(top[0] - top[1]) and margin >= 0
