@@ -33,6 +33,7 @@ import torch
 from dsv32ref import summary
 from dsv32ref.bench import fp8 as fp8_bench
 from dsv32ref.bench import kernels as kernel_bench
+from dsv32ref.cache import KV_CACHE_DTYPES
 from dsv32ref.config import PRESETS
 from dsv32ref.experiments import (capture_memory, fp8_accuracy, host_costs, ledger, regimes, reproduce, timeline, ttft,
                                   ttft_model)
@@ -95,9 +96,11 @@ def cmd_capture(args) -> int:
     if _needs_gpu("capture"):
         return 2
     tag = (f"_h{args.heads_per_rank}" if args.heads_per_rank else "") + \
-        ("" if args.plan in ("default", "quick") else f"_{args.plan}")
+        ("" if args.plan in ("default", "quick") else f"_{args.plan}") + \
+        ("" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}")
     capture_memory.run_plan(args.model, heads_per_rank=args.heads_per_rank, threshold_runs=not args.no_threshold,
-                            plan=args.plan, out=_out(args, f"capture_memory_{args.model}{tag}.json"))
+                            plan=args.plan, out=_out(args, f"capture_memory_{args.model}{tag}.json"),
+                            settings=capture_memory.Settings(kv_cache_dtype=args.kv_cache_dtype))
     return 0
 
 
@@ -205,6 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     cm.add_argument("--plan", default="default", choices=["default", "quick", "history"],
                     help="default: every boundary + threshold checks; quick: narrow_copy with and without the "
                          "graph-memory estimate; history: narrow_copy with the allocator's history")
+    cm.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="fp8: FlashMLA's latent rows and DeepGEMM's indexer keys (EngineConfig.kv_cache_dtype)")
     return parser
 
 

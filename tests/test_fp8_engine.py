@@ -128,3 +128,32 @@ def test_the_ttft_protocol_runs_fp8_arms_beside_the_others():
     p = TTFTProtocol(variants=("narrow", "none"), fp8_kv=("narrow", "none"))
     assert p.arms()[2:] == [("narrow+fp8", "narrow", {"kv_cache_dtype": "fp8"}),
                             ("none+fp8", "none", {"kv_cache_dtype": "fp8"})]
+
+
+def test_first_token_margins_are_the_gap_between_the_top_two_logits(seed):
+    """What the TTFT run records beside its FP8 arms: per prompt, the first token's largest logit minus the
+    second largest, from an untimed rerun; equal to the gap in the logits of the same step."""
+    from dsv32ref.experiments.ttft import first_token_margins
+    ref = _fp8_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, ref.config.vocab_size, (n,), generator=g).tolist() for n in (7, 3)]
+    _, eng, _ = _run(ref, "narrow", "auto", prompts[:1])
+    margins = first_token_margins(eng, prompts)
+    for prompt, margin in zip(prompts, margins):
+        eng.generate(prompt, 1)
+        top = eng.last_logits[0].topk(2).values
+        assert margin == float(top[0] - top[1]) and margin >= 0
+
+
+def test_capture_memory_starts_engines_with_the_fp8_cache():
+    """`dsv32ref capture --kv-cache-dtype fp8`: every start-up of the plan gets the FP8 KV cache, and the file says so."""
+    import dataclasses
+
+    from dsv32ref.experiments.capture_memory import Settings
+    s = Settings(kv_cache_dtype="fp8")
+    ec = s.engine_config({"boundary": "narrow_copy", "max_num_batched_tokens": 512, "gpu_memory_utilization": 0.9,
+                          "estimate_graph_memory": False})
+    assert ec.kv_cache_dtype == "fp8" and dataclasses.asdict(s)["kv_cache_dtype"] == "fp8"
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype: expected one of \('auto', 'fp8'\), got 'int8'"):
+        Settings(kv_cache_dtype="int8").engine_config({"boundary": "narrow", "max_num_batched_tokens": 8,
+                                                       "gpu_memory_utilization": 0.9, "estimate_graph_memory": True})

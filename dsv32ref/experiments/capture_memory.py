@@ -72,6 +72,7 @@ class Settings:
     max_model_len: int = 8192
     max_num_batched_tokens: int = 512
     capture_sizes: tuple[int, ...] | None = None  # None: the engine's default sizes
+    kv_cache_dtype: str = "auto"  # "fp8": FlashMLA's latent rows and DeepGEMM's keys (more tokens in the same budget)
 
     def engine_config(self, r: dict) -> EngineConfig:
         return EngineConfig(boundary=r["boundary"], mode=CUDAGraphMode.FULL_AND_PIECEWISE,
@@ -79,7 +80,7 @@ class Settings:
                             max_num_batched_tokens=r["max_num_batched_tokens"],
                             gpu_memory_utilization=r["gpu_memory_utilization"],
                             capture_sizes=list(self.capture_sizes) if self.capture_sizes else None,
-                            estimate_graph_memory=r["estimate_graph_memory"])
+                            estimate_graph_memory=r["estimate_graph_memory"], kv_cache_dtype=self.kv_cache_dtype)
 
 
 def _capture(eng: LLMEngine, entry: dict, rec: bool) -> None:

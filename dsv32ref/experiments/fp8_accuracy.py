@@ -153,7 +153,9 @@ def run(tokens: int = 200, prompt_len: int = 48, seeds=(0, 1), out: str | None =
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     t0 = time.time()
     result = {"provenance": provenance(), "arms": {a: {"cache_dtype": str(d), "kv_cache_dtype": k, "fp8_parts": list(p)}
-                                                   for a, (d, k, p) in ARMS.items()}, "models": {}}
+                                                   for a, (d, k, p) in ARMS.items()}, "models": {},
+              # over FP8 keys the indexer's keys and queries are Hadamard-rotated, its queries fp8 (dsv32ref.reference.mla)
+              "fp8_indexer_numerics": "hadamard-rotated keys and queries, fp8 queries"}
     for seed in seeds:
         g = torch.Generator().manual_seed(seed)
         for name, make in (("dummy", dummy_model), ("transformers", transformers_model)):

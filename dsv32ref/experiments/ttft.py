@@ -139,6 +139,17 @@ def _time_requests(engines: dict, p: TTFTProtocol, prompts_: list, lead: bool) -
     return timed
 
 
+def first_token_margins(eng: LLMEngine, prompts_: list) -> list[float]:
+    """Each prompt's first token again, untimed (after the timed loop: no sync on its path) -> the gap between the
+    largest and the second-largest logit, in fp32: where it is small, any rounding (an FP8 cache's) can reorder them."""
+    margins = []
+    for prompt in prompts_:
+        eng.generate(prompt, 1)
+        top = eng.last_logits[0].float().topk(2).values
+        margins.append(float(top[0] - top[1]))
+    return margins
+
+
 def _arm_result(eng: LLMEngine, cap_s: float, t: dict, p: TTFTProtocol, prompt: list[int], anat) -> dict:
     led = ledger.measure(eng, prompt)
     floor = led["gpu_busy_ms"]
@@ -232,6 +243,9 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
             write_partial(out, result)
     if cuda and p.host_costs and lead:
         result["host_costs"] = _host_costs(engines, p, requests[p.warmup])
+    if p.fp8_kv:  # why an FP8 arm's token differs: how close the first arm's top two logits were
+        result["first_token_margins"] = first_token_margins(engines[p.variants[0]][0],
+                                                            requests[p.warmup:p.warmup + p.requests])
     for eng, _ in engines.values():
         eng.release_graphs()
     del engines
