@@ -304,12 +304,14 @@ def test_sparse_mla_paged_reads_fp8_rows(device, dtype, tol, splits, valid_first
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("valid_first", [False, True])
-def test_sm90_dequantises_fp8_rows_in_its_producer(valid_first, seed):
-    """Enough tokens to fill the GPU without top-k splits, bf16 q, no config: on sm_90 the warp-specialized kernel
-    runs over FlashMLA's rows (its producer dequantises them into shared memory), and equals the float64 reference
-    per element: scrambled blocks, -1 and out-of-range entries, empty rows, unselected rows NaN, outputs poisoned."""
+@pytest.mark.parametrize("query_lens", [(150, 1, 2, 1), (1, 1, 1, 1)], ids=["no-splits", "decode-splits"])
+def test_sm90_dequantises_fp8_rows_in_its_producer(valid_first, query_lens, seed):
+    """bf16 q, no config: on sm_90 the warp-specialized kernel runs over FlashMLA's rows (its producer dequantises
+    them into shared memory), with enough tokens to fill the GPU and with four decode tokens (top-k splits), and
+    equals the float64 reference per element: scrambled blocks, -1 and out-of-range entries, empty rows,
+    unselected rows NaN, outputs poisoned."""
     from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
-    x = paged_sparse_mla_inputs(num_heads=128, topk=2048, context_lens=(0, 3000, 100, 5000), query_lens=(150, 1, 2, 1),
+    x = paged_sparse_mla_inputs(num_heads=128, topk=2048, context_lens=(0, 3000, 100, 5000), query_lens=query_lens,
                                 block_size=64, dtype=torch.bfloat16, device="cuda", seed=seed, valid_first=valid_first,
                                 kv_cache_dtype="fp8")
     T, H = x.q.shape[:2]
