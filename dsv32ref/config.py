@@ -211,10 +211,14 @@ def _check_router(c: ModelConfig) -> None:
 def _check_yarn(rs) -> None:
     if not isinstance(rs, dict):
         raise ValueError(f"ModelConfig.rope_scaling: expected None or a dict, got {rs!r}")
-    kind = rs.get("type", rs.get("rope_type", "yarn"))
-    if kind != "yarn":
-        raise ValueError(f"ModelConfig.rope_scaling.type: expected 'yarn' (or no rope_scaling), got {kind!r}")
+    for key in ("type", "rope_type"):
+        if rs.get(key, "yarn") != "yarn":
+            raise ValueError(f"ModelConfig.rope_scaling.{key}: expected 'yarn' (or no rope_scaling), got {rs[key]!r}")
     required = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+    unknown = sorted(set(rs) - set(required) - {"type", "rope_type", "mscale", "mscale_all_dim"})
+    if unknown:
+        raise ValueError(f"ModelConfig.rope_scaling: keys {unknown} are not implemented (YaRN here: "
+                         f"{list(required)}, mscale, mscale_all_dim)")
     missing = [k for k in required if k not in rs]
     if missing:
         raise ValueError(f"ModelConfig.rope_scaling: YaRN needs {missing}, got {rs}")

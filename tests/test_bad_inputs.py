@@ -75,6 +75,9 @@ ROPE_CASES = [
     ({k: v for k, v in _YARN.items() if k != "original_max_position_embeddings"},
      r"YaRN needs \['original_max_position_embeddings'\]"),
     ("yarn", r"ModelConfig.rope_scaling: expected None or a dict, got 'yarn'"),
+    ({**_YARN, "factr": 2}, r"ModelConfig.rope_scaling: keys \['factr'\] are not implemented"),
+    ({**_YARN, "attention_factor": 0.5}, r"ModelConfig.rope_scaling: keys \['attention_factor'\] are not implemented"),
+    ({**_YARN, "rope_type": "linear"}, r"ModelConfig.rope_scaling.rope_type: expected 'yarn' .*, got 'linear'"),
 ]
 
 
@@ -107,7 +110,27 @@ def _hf_dir(tmp_path, **edits):
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), r"rope type 'dynamic' is not supported"),
     (dict(hidden_size="64"), r"hidden_size"),
     (dict(rms_norm_eps=0), r"rms_norm_eps: expected a finite number > 0"),
-], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0"])
+    # keys that change the math at other values than the reference implements
+    (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 is not implemented; expected 1.0"),
+    (dict(use_sliding_window=True, sliding_window=4), r"use_sliding_window=True is not implemented"),
+    (dict(layer_types=["sliding_attention"] * 4), r"layer_types must list only \['full_attention', 'indexed_attention'\]"),
+    (dict(qk_head_dim=5), r"qk_head_dim=5 is not implemented; expected 24"),
+    (dict(head_dim=999), r"head_dim=999 is not implemented; expected 8"),
+    (dict(rope_interleave=False), r"rope_interleave=False is not implemented; expected True"),
+    # rope: a theta that is not a number, YaRN keys under another type, YaRN keys the reference does not implement
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "10000"}), r"rope_theta must be a number, got '10000'"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": True}), r"rope_theta must be a number, got True"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "factor": 8}),
+     r"keys \['factor'\] have no effect on rope type 'default'"),
+    (dict(rope_parameters={"type": None, "rope_theta": 1e4, "factor": 40, "original_max_position_embeddings": 64,
+                           "beta_fast": 32, "beta_slow": 1}), r"have no effect on rope type 'default'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40, "original_max_position_embeddings": 64,
+                           "beta_fast": 32, "beta_slow": 1, "attention_factor": 0.7}),
+     r"YaRN keys \['attention_factor'\] are not implemented at these values"),
+    (dict(rope_parameters={"rope_type": "yarn", "type": "linear", "rope_theta": 1e4}), r"rope_type and type disagree"),
+], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
+        "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
+        "type-none-with-yarn", "yarn-attention-factor", "types-disagree"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
