@@ -73,6 +73,13 @@ def check_int(name: str, v, low: int = 1) -> int:
     return v
 
 
+def check_bool(name: str, v) -> bool:
+    """A bool (not a truthy string or an int): else ValueError naming `name`."""
+    if not isinstance(v, bool):
+        raise ValueError(f"{name}: expected a bool, got {type(v).__name__} {v!r}")
+    return v
+
+
 def check_scale(name: str, v) -> float:
     """A finite, positive float (a softmax or norm scale): else ValueError naming it."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

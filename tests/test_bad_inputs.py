@@ -18,7 +18,8 @@ from dsv32ref.cache import gather_tokens, write_tokens
 from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
-from dsv32ref.reference import apply_rope, fp8_quantize, indexer_scores, rms_norm, sparse_mla, topk_indices
+from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, rms_norm, sparse_mla,
+                                topk_indices)
 from dsv32ref.reference.numerics import fp8_dequantize
 from dsv32ref.reference.rope import RotaryEmbedding
 from dsv32ref.reference.sparse_attention import dense_mla
@@ -155,6 +156,15 @@ def _ckpt(tmp_path, edit):
 W = "model.layers.0.self_attn.q_a_proj.weight"
 
 
+def _poison(name, value, fp8=False):
+    def edit(t):
+        if fp8:  # the weight in fp8 with its one 128 x 128 block's scale
+            t[W], t[W + "_scale_inv"] = t[W].to(torch.float8_e4m3fn), torch.ones(1, 1)
+        t[name] = t[name].clone()
+        t[name].view(-1)[-1] = value
+    return edit
+
+
 def _cast(dtype):
     def edit(t):
         t[W] = t[W].to(dtype) if dtype != torch.bool else t[W] > 0
@@ -178,20 +188,14 @@ def _cast(dtype):
     (lambda t: t.update({W: t[W][:, :-1].contiguous()}), rf"mis-shaped: {W}"),
     (lambda t: t.update({"model.layers.4.self_attn.q_a_proj.weight": torch.ones(2, 2)}),
      r"unexpected: model.layers.4.self_attn.q_a_proj.weight \(layer 4: the config has 4 layers and 0 MTP"),
+    # a zero scale zeroes its block, a negative one flips its sign
+    (_poison(W + "_scale_inv", 0.0, fp8=True), rf"non-positive: {W}_scale_inv \(1 of 1 scales <= 0\)"),
+    (_poison(W + "_scale_inv", -1.0, fp8=True), rf"non-positive: {W}_scale_inv \(1 of 1 scales <= 0\)"),
 ], ids=["int8", "bool", "e5m2", "scale-beside-fp32", "stray-scale", "fp8-no-scale", "scale-shape", "scale-int",
-        "missing", "unexpected", "mis-shaped", "layer-past-config"])
+        "missing", "unexpected", "mis-shaped", "layer-past-config", "zero-scale", "negative-scale"])
 def test_checkpoint_tensors(tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
         load_pretrained(_ckpt(tmp_path, edit), dtype=torch.float32)
-
-
-def _poison(name, value, fp8=False):
-    def edit(t):
-        if fp8:  # the weight in fp8 with its one 128 x 128 block's scale
-            t[W], t[W + "_scale_inv"] = t[W].to(torch.float8_e4m3fn), torch.ones(1, 1)
-        t[name] = t[name].clone()
-        t[name].view(-1)[-1] = value
-    return edit
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -261,6 +265,22 @@ def test_checkpoint_arguments(tmp_path):
     save_pretrained(model, tmp_path)
     with pytest.raises(ValueError, match=r"dtype: expected a float dtype for the model, got torch.int8"):
         load_pretrained(tmp_path, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"deployed_numerics: expected a bool, got str 'no'"):
+        load_pretrained(tmp_path, dtype=torch.float32, deployed_numerics="no")
+    with pytest.raises(ValueError, match=r"fp8: expected a bool, got str 'no'"):
+        save_pretrained(model, tmp_path, fp8="no")
+    with pytest.raises(ValueError, match=r"model: expected a DeepseekV32ForCausalLM, got NoneType"):
+        save_pretrained(None, tmp_path)
+    # a weight fp16 cannot hold: finite in the file, inf in the model
+    big = _ckpt(tmp_path / "big", lambda t: t[W].view(-1).__setitem__(-1, 1e6))
+    with pytest.raises(ValueError, match=rf"non-finite: {W} \(in torch.float16\) \(0 NaN, 1 inf of "):
+        load_pretrained(big, dtype=torch.float16)
+    # a model with a NaN weight is not saved: load_pretrained would refuse what it wrote
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"save_pretrained: the model holds non-finite weights:\n  non-finite: "
+                                         r"lm_head.weight \(1 NaN, 0 inf of "):
+        save_pretrained(model, tmp_path / "nan")
 
 
 def test_interrupted_save_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
@@ -337,7 +357,26 @@ REFERENCE_CASES = [
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.full((2, 1), float("inf"))),
      r"fp8_quantize: scale: expected finite values > 0, got \[inf, inf\]"),
     (lambda: fp8_quantize(torch.randn(2, 128), block=0), r"fp8_quantize: block: expected >= 1, got 0"),
-    (lambda: fp8_quantize(torch.ones(2, 128, dtype=torch.int32)), r"fp8_quantize: x: expected a floating-point tensor"),
+    (lambda: fp8_quantize(torch.ones(2, 128, dtype=torch.int32)), r"x: expected dtype .*float32.*, got torch.int32"),
+    # non-finite input: an inf would be rounded to a number, a NaN would set its block's scale
+    (lambda: fp8_quantize(torch.tensor([[float("inf")] + [1.0] * 127])), r"fp8_quantize: x: expected finite values, got 1"),
+    (lambda: fp8_quantize(torch.tensor([[float("nan")] + [1.0] * 127])), r"fp8_quantize: x: expected finite values, got 1"),
+    (lambda: fp8_dequantize(torch.zeros(2, 128), torch.ones(2, 1)), r"q: expected dtype torch.float8_e4m3fn, got torch.float32"),
+    (lambda: fp8_dequantize(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 1)),
+     r"fp8_dequantize: scale: expected finite values > 0, got \[0.0, 0.0\]"),
+    (lambda: fp8_dequantize(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.tensor([[1.0], [float("nan")]])),
+     r"fp8_dequantize: scale: expected finite values > 0, got \[nan\]"),
+    # integer or non-tensor inputs to the float helpers; a flag that is not a bool
+    (lambda: apply_rope(torch.tensor([[0, 1, 2, 3]]), torch.ones(1, 2), torch.zeros(1, 2), True),
+     r"x: expected dtype .*, got torch.int64"),
+    (lambda: apply_rope(torch.randn(1, 4), torch.ones(1, 2, dtype=torch.int64), torch.zeros(1, 2), True),
+     r"cos: expected dtype .*, got torch.int64"),
+    (lambda: apply_rope(torch.randn(1, 4), torch.ones(1, 2), torch.zeros(1, 2), "no"),
+     r"apply_rope: interleaved: expected a bool, got str 'no'"),
+    (lambda: apply_rope(torch.randn(4), torch.ones(4, 2), torch.zeros(4, 2), True), r"apply_rope: x: expected \[T, ..., d\]"),
+    (lambda: hadamard_transform(torch.tensor([[3, 1]])), r"x: expected dtype .*, got torch.int64"),
+    (lambda: hadamard_transform([1.0, 2.0]), r"x: expected a torch.Tensor, got list"),
+    (lambda: hadamard_transform(torch.tensor(2.0)), r"x: expected shape \[\.\.\., \*\], got \[\]"),
     (lambda: fp8_dequantize(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.ones(3)),
      r"scale: expected shape \[2, 1\], got \[3\]"),
     (lambda: apply_rope(torch.randn(2, 8), torch.randn(3, 4), torch.randn(3, 4), True), r"cos: expected shape \[2, 4\]"),
@@ -490,6 +529,13 @@ def _idx(**over):
 
 
 KERNEL_CASES = [
+    # a flag that is not a bool; a cache whose blocks hold no token
+    (_mla(valid_first="no"), r"sparse_mla_paged: valid_first: expected a bool, got str 'no'"),
+    (_fq(indexer_interleaved=2), r"fused_q: indexer_interleaved: expected a bool, got int 2"),
+    (_nr(indexer_interleaved="yes"), r"fused_norm_rope: indexer_interleaved: expected a bool, got str 'yes'"),
+    (_mla(latent_cache=torch.zeros(3, 0, 40)), r"latent_cache: expected a block size \(dim 1\) >= 1, got shape \[3, 0, 40\]"),
+    (_nr(latent_cache=torch.zeros(3, 0, 40)), r"latent_cache: expected a block size \(dim 1\) >= 1, got shape \[3, 0, 40\]"),
+    (_idx(index_cache=torch.zeros(3, 0, 16)), r"index_cache: expected a block size \(dim 1\) >= 1, got shape \[3, 0, 16\]"),
     (_mla(config={"NUM_SPLIT": 2}), r"sparse_mla_paged: config: unknown key\(s\) \['NUM_SPLIT'\]"),
     (_mla(config={"BLOCK_h": 16}), r"unknown key\(s\) \['BLOCK_h'\]"),
     (_mla(q=torch.zeros(2, 4, 80)[..., ::2]), r"q: the last dim must be dense"),

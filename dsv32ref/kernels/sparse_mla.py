@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from dsv32ref.cache import LATENT_ROW_BYTES
-from dsv32ref.checks import (check_keys, check_range, check_same_device, check_scale, check_tensor,
+from dsv32ref.checks import (check_bool, check_keys, check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
@@ -290,6 +290,8 @@ def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indic
     else:
         check_tensor("latent_cache", latent_cache, shape=(None, None, D), dtype=q.dtype, dense_dims=1)
     nb, bs = latent_cache.shape[:2]
+    if bs < 1:
+        raise ValueError(f"latent_cache: expected a block size (dim 1) >= 1, got shape {list(latent_cache.shape)}")
     if latent_cache.stride(1) == 0 or latent_cache.stride(0) % latent_cache.stride(1):
         raise ValueError(f"latent_cache: stride(0) must be a multiple of stride(1) > 0 (blocks a whole number of rows "
                          f"apart), got strides {tuple(latent_cache.stride())}")
@@ -396,6 +398,7 @@ def sparse_mla_paged(
     device's; 4 for CPU tensors). Each call allocates an int32 [T, K] workspace (the resolved rows).
     """
     check_keys("sparse_mla_paged: config", config, CONFIG_KEYS)
+    check_bool("sparse_mla_paged: valid_first", valid_first)
     T, H, d_lat, d_rope, B = check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices,
                                           sm_scale, out, lse)
     sms = _num_sms(q.device, num_sms, "sparse_mla_paged")

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from dsv32ref.checks import check_tensor
+from dsv32ref.checks import check_bool, check_tensor
 from dsv32ref.config import ModelConfig
 
 
@@ -80,7 +80,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
     The rotation runs in the dtype of cos (fp32, or float64 in exact tests) and is cast back to x.dtype.
     """
+    floats = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    if check_tensor("x", x, dtype=floats).dim() < 2:
+        raise ValueError(f"apply_rope: x: expected [T, ..., d], got shape {list(x.shape)}")
     d = x.shape[-1]
+    check_tensor("cos", cos, dtype=(torch.float32, torch.float64))
+    check_bool("apply_rope: interleaved", interleaved)
     if cos.shape[-1] * 2 != d:
         raise ValueError(f"apply_rope: x has {d} rope dims but cos has {cos.shape[-1]} (expected {d // 2})")
     for name, t in (("cos", cos), ("sin", sin)):
