@@ -132,10 +132,17 @@ class StepPlan:
               num_blocks: int | None = None) -> "StepPlan":
         """B requests, request b adding query_lens[b] tokens after context_lens[b] cached ones.
 
-        Block ids are ints in [0, num_blocks) (when num_blocks is given), and no block belongs to two
-        requests of one step (their tokens would overwrite each other)."""
+        Block ids are ints in [0, num_blocks) (when num_blocks is given), and no block appears twice in a step,
+        in two requests or twice in one (their tokens would overwrite each other)."""
         if not is_int(block_size) or block_size < 1:
             raise ValueError(f"AttentionMetadata.build: block_size must be an int >= 1, got {block_size!r}")
+        if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
+            raise ValueError(f"AttentionMetadata.build: num_blocks must be None or an int >= 1, got {num_blocks!r}")
+        for name, v in (("context_lens", context_lens), ("query_lens", query_lens), ("block_tables", block_tables)):
+            if not isinstance(v, (list, tuple)):
+                raise ValueError(f"AttentionMetadata.build: {name} must be a list, got {type(v).__name__}")
+        if any(not isinstance(bt, (list, tuple)) for bt in block_tables):
+            raise ValueError("AttentionMetadata.build: block_tables must be a list of lists of block ids")
         if not (len(context_lens) == len(query_lens) == len(block_tables)) or not query_lens:
             raise ValueError(
                 f"AttentionMetadata.build: context_lens ({len(context_lens)}), query_lens ({len(query_lens)}) "
@@ -155,6 +162,10 @@ class StepPlan:
                     raise ValueError(f"block_tables[{b}]: block ids must be ints {bound}, got {blk!r}")
                 if owner.setdefault(blk, b) != b:
                     raise ValueError(f"block_tables[{b}]: block {blk} also belongs to request {owner[blk]} of this step")
+            if len(set(blocks)) != len(blocks):
+                twice = sorted({blk for blk in blocks if blocks.count(blk) > 1})
+                raise ValueError(f"block_tables[{b}]: blocks {twice} appear more than once (their tokens would "
+                                 f"overwrite each other)")
             if len(blocks) * block_size < ctx + n:
                 raise ValueError(
                     f"request {b}: block_tables[{b}] has {len(blocks)} blocks of {block_size} for "

@@ -421,6 +421,13 @@ def test_reference_model_inputs():
 # ---- cache and metadata ------------------------------------------------------------------------------
 
 CACHE_CASES = [
+    (lambda: AttentionMetadata.build([0], [8], [[3, 3]], 4),
+     r"block_tables\[0\]: blocks \[3\] appear more than once \(their tokens would overwrite each other\)"),
+    (lambda: AttentionMetadata.build([0], [1], [[0]], 4, num_blocks=2.5), r"num_blocks must be None or an int >= 1, got 2.5"),
+    (lambda: AttentionMetadata.build([0], [1], [[0]], 4, num_blocks=True), r"num_blocks must be None or an int >= 1, got True"),
+    (lambda: AttentionMetadata.build([0], [1], [[0]], 4, num_blocks=0), r"num_blocks must be None or an int >= 1, got 0"),
+    (lambda: AttentionMetadata.build(5, [1], [[0]], 4), r"AttentionMetadata.build: context_lens must be a list, got int"),
+    (lambda: AttentionMetadata.build([0], [1], [0], 4), r"block_tables must be a list of lists of block ids"),
     (lambda: AttentionMetadata.build([0], [2], [[0.0]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got 0.0"),
     (lambda: AttentionMetadata.build([0], [2], [[1.5]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got 1.5"),
     (lambda: AttentionMetadata.build([0], [2], [[-1]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got -1"),
@@ -857,6 +864,23 @@ def test_cli_rejects_bad_arguments(capsys):
     assert main(["ttft", "--fp8-kv", "nnone"]) == 2
     assert "TTFTProtocol.fp8_kv: unknown boundaries ['nnone']" in capsys.readouterr().err
     assert main(["ttft", "--tp", "0"]) == 2 and "--tp: expected an int >= 1, got 0" in capsys.readouterr().err
+    # where the result would go, and what it reads, checked before any work
+    assert main(["ledger", "--predict", "--out", ""]) == 2
+    assert "dsv32ref: error: --out: expected a file path, got ''" in capsys.readouterr().err
+    assert main(["ledger", "--predict", "--out", os.path.dirname(__file__)]) == 2
+    assert "(a directory)" in capsys.readouterr().err
+    assert main(["ledger", "--predict", "--measured", "/nonexistent/ttft.json"]) == 2
+    assert "dsv32ref: error: --measured: no such file '/nonexistent/ttft.json'" in capsys.readouterr().err
+
+
+def test_the_recorded_runs_are_found_from_any_directory(tmp_path, monkeypatch):
+    """The commands read the repository's data/, not the working directory's."""
+    from dsv32ref.experiments import reproduce
+    monkeypatch.chdir(tmp_path)
+    rows = reproduce.table()
+    assert any(r["recorded"] is not None for r in rows)
+    with pytest.raises(ValueError, match=r"reproduce: no recorded runs at .*empty"):
+        reproduce.table(str(tmp_path / "empty"))
 
 
 def test_comparator_arguments():
