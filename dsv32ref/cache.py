@@ -194,16 +194,18 @@ class BlockAllocator:
         """Grow sequence `seq_id` to hold num_tokens tokens; returns its block list."""
         check_int("BlockAllocator.ensure: seq_id", seq_id, low=0)
         check_int("BlockAllocator.ensure: num_tokens", num_tokens, low=0)
-        table = self.tables.setdefault(seq_id, [])
-        need = -(-num_tokens // self.block_size) - len(table)
-        if need > len(self.free):
+        need = -(-num_tokens // self.block_size) - len(self.tables.get(seq_id, []))
+        if need > len(self.free):  # (nothing changes: a sequence not yet known stays unknown)
             raise RuntimeError(
                 f"BlockAllocator: sequence {seq_id} needs {need} more blocks, {len(self.free)} free"
             )
+        table = self.tables.setdefault(seq_id, [])
         table.extend(self.free.pop() for _ in range(max(need, 0)))
         return table
 
     def release(self, seq_id: int) -> None:
+        """Return the sequence's blocks to the free list (a sequence that holds none: nothing to do)."""
+        check_int("BlockAllocator.release: seq_id", seq_id, low=0)
         self.free.extend(reversed(self.tables.pop(seq_id, [])))
 
 
@@ -280,7 +282,7 @@ def check_kv_cache_dtype(name: str, kv_cache_dtype, config: ModelConfig) -> None
 
 
 def _check_float_cache(cache: torch.Tensor) -> None:
-    if not cache.is_floating_point():
+    if not check_tensor("cache", cache).is_floating_point():
         raise ValueError(f"cache: the reference reads and writes float caches, got {cache.dtype} (an fp8 cache: "
                          f"dsv32ref.reference.fp8_cache dequantises it)")
 
@@ -288,18 +290,21 @@ def _check_float_cache(cache: torch.Tensor) -> None:
 def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
     """cache [NB, BS, D] <- rows [T, D] at slot_mapping [T] (flattened slot ids)."""
     _check_float_cache(cache)
-    nb, bs, d = cache.shape
+    nb, bs, d = check_tensor("cache", cache, shape=(None, None, None)).shape
+    check_tensor("slot_mapping", slot_mapping, shape=(None,), dtype=(torch.int32, torch.int64), device=cache.device)
     check_tensor("rows", rows, shape=(slot_mapping.shape[0], d))
     if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= nb * bs):
         raise ValueError(f"slot_mapping: slots must lie in [0, {nb * bs}), got "
                          f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
-    cache.view(nb * bs, d).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+    cache.view(nb * bs, d).index_copy_(0, slot_mapping.long(), rows.to(cache.dtype))
 
 
 def token_slots(block_table_row: torch.Tensor, seq_len: int, num_blocks: int, block_size: int) -> torch.Tensor:
     """Flat slots int64 [seq_len] of a sequence's first seq_len tokens, through its block-table row."""
     check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
     check_int("seq_len", seq_len, 0)
+    check_int("num_blocks", num_blocks)
+    check_int("block_size", block_size)
     if seq_len > block_table_row.shape[0] * block_size:
         raise ValueError(f"block_table_row: a sequence of {seq_len} tokens needs {-(-seq_len // block_size)} blocks of "
                          f"{block_size}, the row has {block_table_row.shape[0]}")

@@ -180,6 +180,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     """
     from safetensors import safe_open
 
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise ValueError(f"path: expected a checkpoint directory (config.json and safetensors), got {path!r}")
     path = os.fspath(path)
     if dtype not in _FLOATS:
         raise ValueError(f"dtype: expected a float dtype for the model, got {dtype}")

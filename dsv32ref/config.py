@@ -74,6 +74,9 @@ class ModelConfig:
         if self.rope_scaling is not None:
             _check_yarn(self.rope_scaling)
         if self.indexer_types is not None:
+            if not isinstance(self.indexer_types, (tuple, list)):
+                raise ValueError(f"ModelConfig.indexer_types: expected a tuple of 'full' / 'shared', got "
+                                 f"{self.indexer_types!r}")
             object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
             _check_indexer_types(self)
 
@@ -127,7 +130,7 @@ class ModelConfig:
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
         return PRESETS[name]
 
@@ -144,6 +147,8 @@ class ModelConfig:
         Accepts the released form (`rope_theta` + `rope_scaling`) and current transformers' form
         (`rope_parameters`, `indexer_types`, `index_topk_freq`, `index_skip_topk_offset`).
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"path: expected a checkpoint directory or a config.json path, got {type(path).__name__}")
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         try:
@@ -151,8 +156,8 @@ class ModelConfig:
                 raw = json.load(f)
         except FileNotFoundError:
             raise ValueError(f"config.json: no such file {file!r}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config.json: {file!r} is not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"config.json: {file!r} is not valid JSON ({type(e).__name__}: {e})"[:300]) from None
         return cls.from_hf_dict(raw, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
 
     @classmethod

@@ -71,6 +71,8 @@ def parse(raw: dict) -> dict[str, Any]:
     unknown = sorted(set(raw) - set(_DIRECT) - set(_FIXED) - _IGNORED)
     if unknown:
         raise ValueError(f"config.json: unknown fields {unknown} (model_type {model_type})")
+    if raw.get("quantization_config") is not None and not isinstance(raw["quantization_config"], dict):
+        raise ValueError(f"config.json: quantization_config must be an object, got {raw['quantization_config']!r}")
     for key, expected in _FIXED.items():
         if key in raw and raw[key] != expected:
             raise ValueError(f"config.json: {key}={raw[key]!r} is not supported; expected {expected!r}")
@@ -166,9 +168,15 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     return parsed[0][1], parsed[0][2]
 
 
+def _list(raw: dict, key: str) -> list:
+    if not isinstance(raw[key], list):
+        raise ValueError(f"config.json: {key} must be a list, got {raw[key]!r}")
+    return raw[key]
+
+
 def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
     if raw.get("indexer_types") is not None:
-        types = tuple(raw["indexer_types"])
+        types = tuple(_list(raw, "indexer_types"))
     elif raw.get("index_topk_pattern") is not None:
         pattern = raw["index_topk_pattern"]
         letters = {"F": "full", "S": "shared"}
@@ -177,7 +185,7 @@ def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
                 raise ValueError(f"config.json: index_topk_pattern {pattern!r} has letters other than F/S")
             types = tuple(letters[c] for c in pattern)
         else:
-            types = tuple(pattern)
+            types = tuple(_list(raw, "index_topk_pattern"))
     elif "index_topk_freq" in raw or "index_skip_topk_offset" in raw:
         types = indexer_types_from_schedule(
             num_layers, raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2)
@@ -194,9 +202,9 @@ def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
 
 
 def _check_mlp_layer_types(raw: dict, kw: dict) -> None:
-    types = raw.get("mlp_layer_types")
-    if types is None:
+    if raw.get("mlp_layer_types") is None:
         return
+    types = _list(raw, "mlp_layer_types")
     n = kw.get("num_hidden_layers", len(types))
     if len(types) != n or set(types) - {"dense", "sparse"}:
         raise ValueError(f"config.json: mlp_layer_types must be {n} entries of 'dense'/'sparse'")

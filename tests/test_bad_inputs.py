@@ -61,6 +61,7 @@ CONFIG_CASES = [
     (dict(indexer_rope_interleave=1), r"ModelConfig.indexer_rope_interleave: expected a bool, got 1"),
     (dict(model_type="llama"), r"ModelConfig.model_type: expected 'deepseek_v32' or 'glm_moe_dsa', got 'llama'"),
     (dict(indexer_types=("full",)), r"ModelConfig.indexer_types: expected 4 entries, got 1"),
+    (dict(indexer_types="full"), r"ModelConfig.indexer_types: expected a tuple of 'full' / 'shared', got 'full'"),
     (dict(indexer_types=("full", "shard", "full", "full")), r"ModelConfig.indexer_types: unknown entries \['shard'\]"),
     (dict(indexer_types=("shared", "full", "full", "full")), r"ModelConfig.indexer_types: layer 0 must be 'full'"),
 ]
@@ -129,9 +130,16 @@ def _hf_dir(tmp_path, **edits):
                            "beta_fast": 32, "beta_slow": 1, "attention_factor": 0.7}),
      r"YaRN keys \['attention_factor'\] are not implemented at these values"),
     (dict(rope_parameters={"rope_type": "yarn", "type": "linear", "rope_theta": 1e4}), r"rope_type and type disagree"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": None}), r"rope_theta must be a number, got None"),
+    (dict(indexer_types=3), r"config.json: indexer_types must be a list, got 3"),
+    (dict(indexer_types=None, index_topk_pattern=5), r"config.json: index_topk_pattern must be a list, got 5"),
+    (dict(mlp_layer_types=5), r"config.json: mlp_layer_types must be a list, got 5"),
+    (dict(quantization_config="fp8"), r"config.json: quantization_config must be an object, got 'fp8'"),
 ], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
         "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
-        "type-none-with-yarn", "yarn-attention-factor", "types-disagree"])
+        "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "indexer-types-int", "pattern-int",
+        "mlp-types-int",
+        "quant-config-str"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
@@ -140,6 +148,24 @@ def test_config_json(tmp_path, edits, match):
 def test_unknown_preset():  # a missing or broken config.json: tests/test_config.py
     with pytest.raises(ValueError, match="unknown preset 'tiny'"):
         ModelConfig.preset("tiny")
+    with pytest.raises(ValueError, match=r"unknown preset \['x'\]"):
+        ModelConfig.preset(["x"])
+
+
+def test_what_is_not_a_checkpoint_or_a_config(tmp_path):
+    """A file where a checkpoint directory belongs, a config.json that is a folder or binary, None: ValueErrors."""
+    save_pretrained(tiny_model("tiny-glm-5.2", dtype=torch.float32), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"path: expected a checkpoint directory \(config.json and safetensors\), got"):
+        load_pretrained(tmp_path / "ckpt" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"path: expected a checkpoint directory"):
+        load_pretrained(None)
+    with pytest.raises(ValueError, match=r"config.json: .*model.safetensors' is not valid JSON \(UnicodeDecodeError"):
+        ModelConfig.from_hf(tmp_path / "ckpt" / "model.safetensors")
+    (tmp_path / "dir" / "config.json").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"config.json: no such file .*config.json/config.json'"):  # a folder: a checkpoint's
+        ModelConfig.from_hf(tmp_path / "dir" / "config.json")
+    with pytest.raises(ValueError, match=r"path: expected a checkpoint directory or a config.json path, got NoneType"):
+        ModelConfig.from_hf(None)
 
 
 # ---- checkpoint --------------------------------------------------------------------------------------
@@ -421,6 +447,11 @@ def test_reference_model_inputs():
 # ---- cache and metadata ------------------------------------------------------------------------------
 
 CACHE_CASES = [
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([[0]]), torch.zeros(1, 8)), r"slot_mapping: expected shape \[\*\]"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([0.0]), torch.zeros(1, 8)), r"slot_mapping: expected dtype"),
+    (lambda: write_tokens(torch.zeros(8, 8), torch.tensor([0]), torch.zeros(1, 8)), r"cache: expected shape \[\*, \*, \*\]"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), [0], torch.zeros(1, 8)), r"slot_mapping: expected a torch.Tensor, got list"),
+    (lambda: BlockAllocator(4, 2).release("x"), r"BlockAllocator.release: seq_id: expected an int, got str 'x'"),
     (lambda: AttentionMetadata.build([0], [8], [[3, 3]], 4),
      r"block_tables\[0\]: blocks \[3\] appear more than once \(their tokens would overwrite each other\)"),
     (lambda: AttentionMetadata.build([0], [1], [[0]], 4, num_blocks=2.5), r"num_blocks must be None or an int >= 1, got 2.5"),
@@ -536,6 +567,14 @@ def _idx(**over):
 
 
 KERNEL_CASES = [
+    (_mla(config={"BLOCK_H": 3}), r"sparse_mla_paged: config BLOCK_H must be a power of two, got 3"),
+    (_mla(config={"BLOCK_N": 0}), r"sparse_mla_paged: config BLOCK_N must be a power of two, got 0"),
+    (_mla(config={"BLOCK_H": "16"}), r"sparse_mla_paged: config BLOCK_H must be a power of two, got '16'"),
+    (_mla(config={"num_warps": 3}), r"sparse_mla_paged: config num_warps must be a power of two, got 3"),
+    (_mla(config={"num_stages": 0}), r"sparse_mla_paged: config num_stages must be an int >= 1, got 0"),
+    (_mla(q=torch.zeros(2, 0, 40), out=torch.zeros(2, 0, 32)), r"q: expected at least one head \(dim 1\), got shape \[2, 0, 40\]"),
+    (_nr(q_c=torch.zeros(2, 0), q_c_out=torch.zeros(2, 0), q_a_norm_weight=torch.ones(0)),
+     r"q_c: expected q_lora_rank \(dim 1\) >= 1, got shape \[2, 0\]"),
     # a flag that is not a bool; a cache whose blocks hold no token
     (_mla(valid_first="no"), r"sparse_mla_paged: valid_first: expected a bool, got str 'no'"),
     (_fq(indexer_interleaved=2), r"fused_q: indexer_interleaved: expected a bool, got int 2"),

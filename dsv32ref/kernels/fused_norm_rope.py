@@ -266,6 +266,8 @@ def fused_norm_rope(
     floats = (torch.bfloat16, torch.float16, torch.float32)
     check_bool("fused_norm_rope: indexer_interleaved", indexer_interleaved)
     T, q_lora = check_tensor("q_c", q_c, shape=(None, None), dtype=floats, dense_dims=1).shape
+    if q_lora < 1:
+        raise ValueError(f"q_c: expected q_lora_rank (dim 1) >= 1, got shape {list(q_c.shape)}")
     check_tensor("q_c_out", q_c_out, shape=(T, q_lora), dtype=q_c.dtype, dense_dims=1)
     check_tensor("q_a_norm_weight", q_a_norm_weight, shape=(q_lora,), dtype=floats, dense_dims=1)
     rope = check_rope_table("fused_norm_rope", cos, sin)

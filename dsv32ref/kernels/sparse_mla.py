@@ -280,6 +280,8 @@ def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indic
     """The checks of sparse_mla_paged -> (T, H, D_LAT, D_ROPE, B)."""
     T, H, D = check_tensor("q", q, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32),
                            dense_dims=1).shape
+    if H < 1:
+        raise ValueError(f"q: expected at least one head (dim 1), got shape {list(q.shape)}")
     d_lat = check_tensor("out", out, shape=(T, H, None), dtype=q.dtype, dense_dims=1).shape[-1]
     d_rope = D - d_lat
     for name, v in (("kv_lora_rank (out.shape[-1])", d_lat), ("qk_rope_head_dim (q.shape[-1] - out.shape[-1])", d_rope)):
@@ -349,6 +351,11 @@ def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: i
     so it is fixed within a captured graph."""
     base = FP32_CONFIG if q.dtype == torch.float32 else FP8_CONFIG if fp8 else DEFAULT_CONFIG
     cfg = dict(base, **(config or {}))
+    for key in ("BLOCK_H", "BLOCK_N", "num_warps"):  # tile sizes and warps: powers of two (tl.arange's, triton's)
+        if not is_int(cfg[key]) or cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"sparse_mla_paged: config {key} must be a power of two, got {cfg[key]!r}")
+    if not is_int(cfg["num_stages"]) or cfg["num_stages"] < 1:
+        raise ValueError(f"sparse_mla_paged: config num_stages must be an int >= 1, got {cfg['num_stages']!r}")
     T, H = q.shape[:2]
     block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(H)))
     splits = cfg.get("NUM_SPLITS")
