@@ -235,6 +235,10 @@ def _check_yarn(rs) -> None:
             raise ValueError(f"ModelConfig.rope_scaling.{key}: expected a finite number >= 0, got {v!r}")
     if rs["factor"] < 1:
         raise ValueError(f"ModelConfig.rope_scaling.factor: expected >= 1, got {rs}")
+    mscale = 1.0 if rs.get("mscale") is None else rs["mscale"]
+    if float(mscale) != float(mscale if rs.get("mscale_all_dim") is None else rs["mscale_all_dim"]):
+        # HF would scale cos/sin by the ratio of the two mscales; no released DSA model needs it
+        raise ValueError(f"ModelConfig.rope_scaling: mscale != mscale_all_dim is not implemented, got {rs}")
     if rs["beta_fast"] < rs["beta_slow"]:
         raise ValueError(f"ModelConfig.rope_scaling: beta_fast ({rs['beta_fast']}) must be >= beta_slow "
                          f"({rs['beta_slow']})")

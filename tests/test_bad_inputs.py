@@ -80,6 +80,7 @@ ROPE_CASES = [
     ({**_YARN, "factr": 2}, r"ModelConfig.rope_scaling: keys \['factr'\] are not implemented"),
     ({**_YARN, "attention_factor": 0.5}, r"ModelConfig.rope_scaling: keys \['attention_factor'\] are not implemented"),
     ({**_YARN, "rope_type": "linear"}, r"ModelConfig.rope_scaling.rope_type: expected 'yarn' .*, got 'linear'"),
+    ({**_YARN, "mscale": 1.0, "mscale_all_dim": 0.0}, r"ModelConfig.rope_scaling: mscale != mscale_all_dim is not implemented"),
 ]
 
 
@@ -407,6 +408,8 @@ REFERENCE_CASES = [
      r"scale: expected shape \[2, 1\], got \[3\]"),
     (lambda: apply_rope(torch.randn(2, 8), torch.randn(3, 4), torch.randn(3, 4), True), r"cos: expected shape \[2, 4\]"),
     (lambda: RotaryEmbedding("glm-5.2"), r"RotaryEmbedding: config: expected a ModelConfig, got str"),
+    (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([0]), dtype="float32"),
+     r"RotaryEmbedding: dtype: expected a float torch.dtype, got 'float32'"),
     (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([0.5])), r"positions: expected dtype"),
     (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([3, -1])),
      r"positions: expected positions >= 0, got -1"),

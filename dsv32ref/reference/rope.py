@@ -51,10 +51,6 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise ValueError(f"RotaryEmbedding: config: expected a ModelConfig, got {type(config).__name__}")
-        ys = config.rope_scaling or {}
-        if float(ys.get("mscale", 1.0)) != float(ys.get("mscale_all_dim", ys.get("mscale", 1.0))):
-            # HF would scale cos/sin by the ratio of the two mscales; no released DSA model needs it.
-            raise ValueError(f"rope_scaling: mscale != mscale_all_dim is not supported, got {ys}")
         self.config = config
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
@@ -68,6 +64,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
         """positions [T] int -> (cos, sin), each [T, rope_dim/2] in `dtype` (fp32 unless float64)."""
         check_tensor("positions", positions, shape=(None,), dtype=(torch.int64, torch.int32))
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"RotaryEmbedding: dtype: expected a float torch.dtype, got {dtype!r}")
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"positions: expected positions >= 0, got {int(positions.min())}")
         dt = torch.promote_types(dtype, torch.float32)
