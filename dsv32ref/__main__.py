@@ -51,6 +51,14 @@ def run_dir() -> str:
 def _out(args, name: str) -> str:
     if args.out is not None and (not args.out or os.path.isdir(args.out)):
         raise ValueError(f"--out: expected a file path, got {args.out!r}" + (" (a directory)" if args.out else ""))
+    if args.out:  # where the result goes, before the work that makes it
+        folder = os.path.dirname(os.path.abspath(args.out))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out: cannot make the folder {folder!r} ({e.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--out: the folder {folder!r} is not writable")
     return args.out or os.path.join(DATA_DIR if args.record else run_dir(), name)
 
 
@@ -95,6 +103,8 @@ def cmd_ttft(args) -> int:
 
 
 def cmd_capture(args) -> int:
+    if args.heads_per_rank is not None and args.heads_per_rank < 1:
+        raise ValueError(f"--heads-per-rank: expected an int >= 1, got {args.heads_per_rank}")
     if _needs_gpu("capture"):
         return 2
     tag = (f"_h{args.heads_per_rank}" if args.heads_per_rank else "") + \

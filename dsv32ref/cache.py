@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv32ref.checks import check_int, check_tensor, is_int
+from dsv32ref.checks import check_device, check_int, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 
 __all__ = ["AttentionMetadata", "BlockAllocator", "KV_CACHE_DTYPES", "LATENT_ROW_BYTES", "PagedKVCache", "StepPlan",
@@ -87,6 +87,7 @@ class AttentionMetadata:
 
     @classmethod
     def from_plan(cls, plan: "StepPlan", device: torch.device | str = "cpu") -> "AttentionMetadata":
+        device = check_device("AttentionMetadata: device", device)
         width = max(len(bt) for bt in plan.block_tables)
         table = torch.tensor([bt + [-1] * (width - len(bt)) for bt in plan.block_tables], dtype=torch.int32)
         return cls(
@@ -248,6 +249,7 @@ class PagedKVCache:
         check_int("PagedKVCache: block_size", block_size)
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"PagedKVCache: dtype: expected one of {CACHE_DTYPES}, got {dtype}")
+        device = check_device("PagedKVCache: device", device)
         check_kv_cache_dtype("PagedKVCache: kv_cache_dtype", kv_cache_dtype, config)
         if not isinstance(fp8_parts, tuple) or not fp8_parts or not set(fp8_parts) <= set(FP8_PARTS):
             raise ValueError(f"PagedKVCache: fp8_parts: expected a non-empty tuple of {FP8_PARTS}, got {fp8_parts!r}")

@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_bool, is_int
+from dsv32ref.checks import check_bool, check_device, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -185,6 +185,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     path = os.fspath(path)
     if dtype not in _FLOATS:
         raise ValueError(f"dtype: expected a float dtype for the model, got {dtype}")
+    device = check_device("load_pretrained: device", device)
     if nonfinite not in ("raise", "warn"):
         raise ValueError(f"nonfinite: expected 'raise' or 'warn', got {nonfinite!r}")
     config = ModelConfig.from_hf(path)
@@ -268,6 +269,8 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     if not isinstance(model, DeepseekV32ForCausalLM):
         raise ValueError(f"model: expected a DeepseekV32ForCausalLM, got {type(model).__name__}")
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"path: expected a directory to write the checkpoint into, got the file {path!r}")
     check_bool("fp8", fp8)
     if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")

@@ -141,6 +141,17 @@ def check_range(name: str, t: torch.Tensor | None, low: int, high: int, what: st
         raise ValueError(f"{name}: values must lie in [{low}, {high}) ({what}), got [{lo}, {hi}]")
 
 
+def check_device(name: str, device) -> torch.device:
+    """A device torch can place tensors on here: else ValueError naming `name` (not torch's assertion)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{name}: expected a device such as 'cpu' or 'cuda:0', got {device!r} ({e})") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"{name}: {dev} is not available here ({torch.cuda.device_count()} CUDA devices)")
+    return dev
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     """Raise ValueError listing every tensor's device unless they all live on one device."""
     devices = {n: t.device for n, t in tensors.items() if t is not None}

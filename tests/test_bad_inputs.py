@@ -20,6 +20,7 @@ from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, rms_norm, sparse_mla,
                                 topk_indices)
+from dsv32ref.reference.fp8_cache import write_latent
 from dsv32ref.reference.numerics import fp8_dequantize
 from dsv32ref.reference.rope import RotaryEmbedding
 from dsv32ref.reference.sparse_attention import dense_mla
@@ -160,6 +161,8 @@ def test_what_is_not_a_checkpoint_or_a_config(tmp_path):
         load_pretrained(tmp_path / "ckpt" / "model.safetensors")
     with pytest.raises(ValueError, match=r"path: expected a checkpoint directory"):
         load_pretrained(None)
+    with pytest.raises(ValueError, match=r"load_pretrained: device: cuda:7 is not available here"):
+        load_pretrained(tmp_path / "ckpt", device="cuda:7")
     with pytest.raises(ValueError, match=r"config.json: .*model.safetensors' is not valid JSON \(UnicodeDecodeError"):
         ModelConfig.from_hf(tmp_path / "ckpt" / "model.safetensors")
     (tmp_path / "dir" / "config.json").mkdir(parents=True)
@@ -298,6 +301,8 @@ def test_checkpoint_arguments(tmp_path):
         save_pretrained(model, tmp_path, fp8="no")
     with pytest.raises(ValueError, match=r"model: expected a DeepseekV32ForCausalLM, got NoneType"):
         save_pretrained(None, tmp_path)
+    with pytest.raises(ValueError, match=r"path: expected a directory to write the checkpoint into, got the file"):
+        save_pretrained(model, tmp_path / "config.json")
     # a weight fp16 cannot hold: finite in the file, inf in the model
     big = _ckpt(tmp_path / "big", lambda t: t[W].view(-1).__setitem__(-1, 1e6))
     with pytest.raises(ValueError, match=rf"non-finite: {W} \(in torch.float16\) \(0 NaN, 1 inf of "):
@@ -450,6 +455,11 @@ def test_reference_model_inputs():
 # ---- cache and metadata ------------------------------------------------------------------------------
 
 CACHE_CASES = [
+    (lambda: AttentionMetadata.build([0], [1], [[0]], 4, device="nope"), r"AttentionMetadata: device: expected a device"),
+    (lambda: PagedKVCache(ModelConfig.preset("tiny-glm-5.2"), 2, 4, device="cuda:7"),
+     r"PagedKVCache: device: cuda:7 is not available here"),
+    (lambda: write_latent(torch.zeros(2, 4, 656, dtype=torch.uint8), torch.tensor([0]), torch.randn(576)),
+     r"latent: expected shape \[\*, 576\], got \[576\]"),
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([[0]]), torch.zeros(1, 8)), r"slot_mapping: expected shape \[\*\]"),
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([0.0]), torch.zeros(1, 8)), r"slot_mapping: expected dtype"),
     (lambda: write_tokens(torch.zeros(8, 8), torch.tensor([0]), torch.zeros(1, 8)), r"cache: expected shape \[\*, \*, \*\]"),
@@ -911,6 +921,10 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "dsv32ref: error: --out: expected a file path, got ''" in capsys.readouterr().err
     assert main(["ledger", "--predict", "--out", os.path.dirname(__file__)]) == 2
     assert "(a directory)" in capsys.readouterr().err
+    assert main(["fp8-accuracy", "--tokens", "1", "--out", "/proc/nope/x.json"]) == 2
+    assert "dsv32ref: error: --out: cannot make the folder '/proc/nope'" in capsys.readouterr().err
+    assert main(["capture", "--heads-per-rank", "-5"]) == 2
+    assert "--heads-per-rank: expected an int >= 1, got -5" in capsys.readouterr().err
     assert main(["ledger", "--predict", "--measured", "/nonexistent/ttft.json"]) == 2
     assert "dsv32ref: error: --measured: no such file '/nonexistent/ttft.json'" in capsys.readouterr().err
 

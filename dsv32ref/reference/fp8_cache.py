@@ -196,6 +196,7 @@ def write_latent(cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.
     """cache uint8 [NB, BS, 656] (or [NB, BS, 1, 656]) <- latent [T, 576] quantised (quantize_latent) at
     slot_mapping [T] (flat slots)."""
     nb, bs, _ = _block_shape(cache, LATENT_ROW_BYTES)
+    check_tensor("latent", latent, shape=(None, D_LAT + D_ROPE), dtype=_FLOATS)
     slots = _slots("slot_mapping", slot_mapping, latent.shape[0], nb, bs)
     cache.view(nb * bs, LATENT_ROW_BYTES).index_copy_(0, slots, quantize_latent(latent))
 
