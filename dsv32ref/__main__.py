@@ -38,7 +38,7 @@ from dsv32ref.config import PRESETS
 from dsv32ref.experiments import (capture_memory, fp8_accuracy, host_costs, ledger, regimes, reproduce, timeline, ttft,
                                   ttft_model)
 from dsv32ref.parallel import spawn
-from dsv32ref.results import write_result
+from dsv32ref.results import DATA_DIR, write_result
 
 MODELS = ["glm-5.2", "deepseek-v3.2", "glm-5"]
 
@@ -49,7 +49,17 @@ def run_dir() -> str:
 
 
 def _out(args, name: str) -> str:
-    return args.out or os.path.join("data" if args.record else run_dir(), name)
+    if args.out is not None and (not args.out or os.path.isdir(args.out)):
+        raise ValueError(f"--out: expected a file path, got {args.out!r}" + (" (a directory)" if args.out else ""))
+    if args.out:  # where the result goes, before the work that makes it
+        folder = os.path.dirname(os.path.abspath(args.out))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out: cannot make the folder {folder!r} ({e.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--out: the folder {folder!r} is not writable")
+    return args.out or os.path.join(DATA_DIR if args.record else run_dir(), name)
 
 
 def _needs_gpu(what: str, count: int = 1) -> bool:
@@ -63,7 +73,7 @@ def cmd_summary(args) -> int:
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     ok = summary.main(args.preset or ["tiny-deepseek-v3.2", "tiny-glm-5.2"], args.seed)
     if ok and args.cmd is None and torch.cuda.is_available():
-        reproduce.run("quick" if args.quick else "full", "data" if args.record else run_dir())
+        reproduce.run("quick" if args.quick else "full", DATA_DIR if args.record else run_dir())
     return 0 if ok else 1
 
 
@@ -71,7 +81,7 @@ def cmd_reproduce(args) -> int:
     if _needs_gpu("reproduce"):
         reproduce.print_table(reproduce.table())
         return 2
-    reproduce.run("quick" if args.quick else "full", "data" if args.record else run_dir())
+    reproduce.run("quick" if args.quick else "full", DATA_DIR if args.record else run_dir())
     return 0
 
 
@@ -93,6 +103,8 @@ def cmd_ttft(args) -> int:
 
 
 def cmd_capture(args) -> int:
+    if args.heads_per_rank is not None and args.heads_per_rank < 1:
+        raise ValueError(f"--heads-per-rank: expected an int >= 1, got {args.heads_per_rank}")
     if _needs_gpu("capture"):
         return 2
     tag = (f"_h{args.heads_per_rank}" if args.heads_per_rank else "") + \
@@ -145,8 +157,10 @@ def cmd_ledger(args) -> int:
         print("the measured ledger comes with `dsv32ref ttft` (GPU); use --predict for the CPU prediction")
         return 2
     out = _out(args, f"ledger_predicted_{args.model}.json")
+    measured = args.measured or os.path.join(DATA_DIR, f"ttft_{args.model}.json")
+    if args.measured and not os.path.isfile(measured):
+        raise ValueError(f"--measured: no such file {measured!r}")
     predicted = ledger.predict_all(args.model)
-    measured = args.measured or f"data/ttft_{args.model}.json"
     if os.path.exists(measured):
         ttft_model.attach(predicted, measured)
     write_result(out, predicted)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv32ref.checks import check_int, check_tensor, is_int
+from dsv32ref.checks import check_device, check_int, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 
 __all__ = ["AttentionMetadata", "BlockAllocator", "KV_CACHE_DTYPES", "LATENT_ROW_BYTES", "PagedKVCache", "StepPlan",
@@ -87,6 +87,7 @@ class AttentionMetadata:
 
     @classmethod
     def from_plan(cls, plan: "StepPlan", device: torch.device | str = "cpu") -> "AttentionMetadata":
+        device = check_device("AttentionMetadata: device", device)
         width = max(len(bt) for bt in plan.block_tables)
         table = torch.tensor([bt + [-1] * (width - len(bt)) for bt in plan.block_tables], dtype=torch.int32)
         return cls(
@@ -132,10 +133,17 @@ class StepPlan:
               num_blocks: int | None = None) -> "StepPlan":
         """B requests, request b adding query_lens[b] tokens after context_lens[b] cached ones.
 
-        Block ids are ints in [0, num_blocks) (when num_blocks is given), and no block belongs to two
-        requests of one step (their tokens would overwrite each other)."""
+        Block ids are ints in [0, num_blocks) (when num_blocks is given), and no block appears twice in a step,
+        in two requests or twice in one (their tokens would overwrite each other)."""
         if not is_int(block_size) or block_size < 1:
             raise ValueError(f"AttentionMetadata.build: block_size must be an int >= 1, got {block_size!r}")
+        if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
+            raise ValueError(f"AttentionMetadata.build: num_blocks must be None or an int >= 1, got {num_blocks!r}")
+        for name, v in (("context_lens", context_lens), ("query_lens", query_lens), ("block_tables", block_tables)):
+            if not isinstance(v, (list, tuple)):
+                raise ValueError(f"AttentionMetadata.build: {name} must be a list, got {type(v).__name__}")
+        if any(not isinstance(bt, (list, tuple)) for bt in block_tables):
+            raise ValueError("AttentionMetadata.build: block_tables must be a list of lists of block ids")
         if not (len(context_lens) == len(query_lens) == len(block_tables)) or not query_lens:
             raise ValueError(
                 f"AttentionMetadata.build: context_lens ({len(context_lens)}), query_lens ({len(query_lens)}) "
@@ -155,6 +163,10 @@ class StepPlan:
                     raise ValueError(f"block_tables[{b}]: block ids must be ints {bound}, got {blk!r}")
                 if owner.setdefault(blk, b) != b:
                     raise ValueError(f"block_tables[{b}]: block {blk} also belongs to request {owner[blk]} of this step")
+            if len(set(blocks)) != len(blocks):
+                twice = sorted({blk for blk in blocks if blocks.count(blk) > 1})
+                raise ValueError(f"block_tables[{b}]: blocks {twice} appear more than once (their tokens would "
+                                 f"overwrite each other)")
             if len(blocks) * block_size < ctx + n:
                 raise ValueError(
                     f"request {b}: block_tables[{b}] has {len(blocks)} blocks of {block_size} for "
@@ -183,16 +195,18 @@ class BlockAllocator:
         """Grow sequence `seq_id` to hold num_tokens tokens; returns its block list."""
         check_int("BlockAllocator.ensure: seq_id", seq_id, low=0)
         check_int("BlockAllocator.ensure: num_tokens", num_tokens, low=0)
-        table = self.tables.setdefault(seq_id, [])
-        need = -(-num_tokens // self.block_size) - len(table)
-        if need > len(self.free):
+        need = -(-num_tokens // self.block_size) - len(self.tables.get(seq_id, []))
+        if need > len(self.free):  # (nothing changes: a sequence not yet known stays unknown)
             raise RuntimeError(
                 f"BlockAllocator: sequence {seq_id} needs {need} more blocks, {len(self.free)} free"
             )
+        table = self.tables.setdefault(seq_id, [])
         table.extend(self.free.pop() for _ in range(max(need, 0)))
         return table
 
     def release(self, seq_id: int) -> None:
+        """Return the sequence's blocks to the free list (a sequence that holds none: nothing to do)."""
+        check_int("BlockAllocator.release: seq_id", seq_id, low=0)
         self.free.extend(reversed(self.tables.pop(seq_id, [])))
 
 
@@ -235,6 +249,7 @@ class PagedKVCache:
         check_int("PagedKVCache: block_size", block_size)
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"PagedKVCache: dtype: expected one of {CACHE_DTYPES}, got {dtype}")
+        device = check_device("PagedKVCache: device", device)
         check_kv_cache_dtype("PagedKVCache: kv_cache_dtype", kv_cache_dtype, config)
         if not isinstance(fp8_parts, tuple) or not fp8_parts or not set(fp8_parts) <= set(FP8_PARTS):
             raise ValueError(f"PagedKVCache: fp8_parts: expected a non-empty tuple of {FP8_PARTS}, got {fp8_parts!r}")
@@ -269,7 +284,7 @@ def check_kv_cache_dtype(name: str, kv_cache_dtype, config: ModelConfig) -> None
 
 
 def _check_float_cache(cache: torch.Tensor) -> None:
-    if not cache.is_floating_point():
+    if not check_tensor("cache", cache).is_floating_point():
         raise ValueError(f"cache: the reference reads and writes float caches, got {cache.dtype} (an fp8 cache: "
                          f"dsv32ref.reference.fp8_cache dequantises it)")
 
@@ -277,18 +292,21 @@ def _check_float_cache(cache: torch.Tensor) -> None:
 def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
     """cache [NB, BS, D] <- rows [T, D] at slot_mapping [T] (flattened slot ids)."""
     _check_float_cache(cache)
-    nb, bs, d = cache.shape
+    nb, bs, d = check_tensor("cache", cache, shape=(None, None, None)).shape
+    check_tensor("slot_mapping", slot_mapping, shape=(None,), dtype=(torch.int32, torch.int64), device=cache.device)
     check_tensor("rows", rows, shape=(slot_mapping.shape[0], d))
     if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= nb * bs):
         raise ValueError(f"slot_mapping: slots must lie in [0, {nb * bs}), got "
                          f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
-    cache.view(nb * bs, d).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+    cache.view(nb * bs, d).index_copy_(0, slot_mapping.long(), rows.to(cache.dtype))
 
 
 def token_slots(block_table_row: torch.Tensor, seq_len: int, num_blocks: int, block_size: int) -> torch.Tensor:
     """Flat slots int64 [seq_len] of a sequence's first seq_len tokens, through its block-table row."""
     check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
     check_int("seq_len", seq_len, 0)
+    check_int("num_blocks", num_blocks)
+    check_int("block_size", block_size)
     if seq_len > block_table_row.shape[0] * block_size:
         raise ValueError(f"block_table_row: a sequence of {seq_len} tokens needs {-(-seq_len // block_size)} blocks of "
                          f"{block_size}, the row has {block_table_row.shape[0]}")

@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import is_int
+from dsv32ref.checks import check_bool, check_device, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -134,7 +134,8 @@ def _nonfinite(name: str, t: torch.Tensor) -> str | None:
     return f"non-finite: {name} ({nan} NaN, {inf} inf of {t.numel()})" if nan or inf else None
 
 
-def _load_one(name: str, read, where: dict, block, want: torch.Size, nonfinite: str) -> torch.Tensor | str:
+def _load_one(name: str, read, where: dict, block, want: torch.Size, dtype: torch.dtype,
+              nonfinite: str) -> torch.Tensor | str:
     """One weight in the model's layout (fp8 blocks dequantised), or the problem with it."""
     t, scale_name = read(name), name + "_scale_inv"
     if t.dtype not in _FLOATS + (torch.float8_e4m3fn,):
@@ -152,13 +153,15 @@ def _load_one(name: str, read, where: dict, block, want: torch.Size, nonfinite: 
             return bad
         if bad:
             warnings.warn(f"load_pretrained: {bad}", stacklevel=3)
+        elif not (scale > 0).all():  # zero zeroes its block, a negative one flips it: not a scale
+            return f"non-positive: {scale_name} ({int((scale <= 0).sum())} of {scale.numel()} scales <= 0)"
         try:
             t = dequantize_fp8_blocks(t, scale, block)
         except ValueError as e:
             return f"mis-shaped: {scale_name}: {e}"
     if tuple(t.shape) != tuple(want):
         return f"mis-shaped: {name}: expected {list(want)}, got {list(t.shape)}"
-    bad = _nonfinite(name, t)
+    bad = _nonfinite(name, t) or _nonfinite(f"{name} (in {dtype})", t.to(dtype))  # as loaded, then as held
     if bad and nonfinite == "raise":
         return bad
     if bad:
@@ -177,9 +180,12 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     """
     from safetensors import safe_open
 
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise ValueError(f"path: expected a checkpoint directory (config.json and safetensors), got {path!r}")
     path = os.fspath(path)
     if dtype not in _FLOATS:
         raise ValueError(f"dtype: expected a float dtype for the model, got {dtype}")
+    device = check_device("load_pretrained: device", device)
     if nonfinite not in ("raise", "warn"):
         raise ValueError(f"nonfinite: expected 'raise' or 'warn', got {nonfinite!r}")
     config = ModelConfig.from_hf(path)
@@ -201,7 +207,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"{os.path.basename(file)}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
 
-    loaded = {name: _load_one(name, read, where, block, expected[name].shape, nonfinite) for name in sorted(names)}
+    loaded = {name: _load_one(name, read, where, block, expected[name].shape, dtype, nonfinite)
+              for name in sorted(names)}
     problems += [t for t in loaded.values() if isinstance(t, str)]
     if problems:
         raise ValueError(f"checkpoint {path!r} does not match config ({config.model_type}, "
@@ -259,9 +266,17 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     Every file is written into a staging folder beside `path` first and moved in only once all are written
     (shards, then the index, then config.json), so an interrupted save leaves an earlier checkpoint at
     `path` as it was."""
+    if not isinstance(model, DeepseekV32ForCausalLM):
+        raise ValueError(f"model: expected a DeepseekV32ForCausalLM, got {type(model).__name__}")
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"path: expected a directory to write the checkpoint into, got the file {path!r}")
+    check_bool("fp8", fp8)
     if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")
+    bad = [b for name, t in model.state_dict().items() if (b := _nonfinite(name, t))]
+    if bad:  # load_pretrained would refuse the checkpoint
+        raise ValueError("save_pretrained: the model holds non-finite weights:\n  " + "\n  ".join(bad))
     config_json = to_hf(model.config, form=config_form)
     if fp8:
         config_json["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",

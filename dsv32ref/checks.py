@@ -73,6 +73,13 @@ def check_int(name: str, v, low: int = 1) -> int:
     return v
 
 
+def check_bool(name: str, v) -> bool:
+    """A bool (not a truthy string or an int): else ValueError naming `name`."""
+    if not isinstance(v, bool):
+        raise ValueError(f"{name}: expected a bool, got {type(v).__name__} {v!r}")
+    return v
+
+
 def check_scale(name: str, v) -> float:
     """A finite, positive float (a softmax or norm scale): else ValueError naming it."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -132,6 +139,17 @@ def check_range(name: str, t: torch.Tensor | None, low: int, high: int, what: st
     lo, hi = int(t.min()), int(t.max())
     if lo < low or hi >= high:
         raise ValueError(f"{name}: values must lie in [{low}, {high}) ({what}), got [{lo}, {hi}]")
+
+
+def check_device(name: str, device) -> torch.device:
+    """A device torch can place tensors on here: else ValueError naming `name` (not torch's assertion)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{name}: expected a device such as 'cpu' or 'cuda:0', got {device!r} ({e})") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"{name}: {dev} is not available here ({torch.cuda.device_count()} CUDA devices)")
+    return dev
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

@@ -74,6 +74,9 @@ class ModelConfig:
         if self.rope_scaling is not None:
             _check_yarn(self.rope_scaling)
         if self.indexer_types is not None:
+            if not isinstance(self.indexer_types, (tuple, list)):
+                raise ValueError(f"ModelConfig.indexer_types: expected a tuple of 'full' / 'shared', got "
+                                 f"{self.indexer_types!r}")
             object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
             _check_indexer_types(self)
 
@@ -127,7 +130,7 @@ class ModelConfig:
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
         return PRESETS[name]
 
@@ -144,6 +147,8 @@ class ModelConfig:
         Accepts the released form (`rope_theta` + `rope_scaling`) and current transformers' form
         (`rope_parameters`, `indexer_types`, `index_topk_freq`, `index_skip_topk_offset`).
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"path: expected a checkpoint directory or a config.json path, got {type(path).__name__}")
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         try:
@@ -151,8 +156,8 @@ class ModelConfig:
                 raw = json.load(f)
         except FileNotFoundError:
             raise ValueError(f"config.json: no such file {file!r}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config.json: {file!r} is not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"config.json: {file!r} is not valid JSON ({type(e).__name__}: {e})"[:300]) from None
         return cls.from_hf_dict(raw, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
 
     @classmethod
@@ -211,10 +216,14 @@ def _check_router(c: ModelConfig) -> None:
 def _check_yarn(rs) -> None:
     if not isinstance(rs, dict):
         raise ValueError(f"ModelConfig.rope_scaling: expected None or a dict, got {rs!r}")
-    kind = rs.get("type", rs.get("rope_type", "yarn"))
-    if kind != "yarn":
-        raise ValueError(f"ModelConfig.rope_scaling.type: expected 'yarn' (or no rope_scaling), got {kind!r}")
+    for key in ("type", "rope_type"):
+        if rs.get(key, "yarn") != "yarn":
+            raise ValueError(f"ModelConfig.rope_scaling.{key}: expected 'yarn' (or no rope_scaling), got {rs[key]!r}")
     required = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+    unknown = sorted(set(rs) - set(required) - {"type", "rope_type", "mscale", "mscale_all_dim"})
+    if unknown:
+        raise ValueError(f"ModelConfig.rope_scaling: keys {unknown} are not implemented (YaRN here: "
+                         f"{list(required)}, mscale, mscale_all_dim)")
     missing = [k for k in required if k not in rs]
     if missing:
         raise ValueError(f"ModelConfig.rope_scaling: YaRN needs {missing}, got {rs}")
@@ -226,6 +235,10 @@ def _check_yarn(rs) -> None:
             raise ValueError(f"ModelConfig.rope_scaling.{key}: expected a finite number >= 0, got {v!r}")
     if rs["factor"] < 1:
         raise ValueError(f"ModelConfig.rope_scaling.factor: expected >= 1, got {rs}")
+    mscale = 1.0 if rs.get("mscale") is None else rs["mscale"]
+    if float(mscale) != float(mscale if rs.get("mscale_all_dim") is None else rs["mscale_all_dim"]):
+        # HF would scale cos/sin by the ratio of the two mscales; no released DSA model needs it
+        raise ValueError(f"ModelConfig.rope_scaling: mscale != mscale_all_dim is not implemented, got {rs}")
     if rs["beta_fast"] < rs["beta_slow"]:
         raise ValueError(f"ModelConfig.rope_scaling: beta_fast ({rs['beta_fast']}) must be >= beta_slow "
                          f"({rs['beta_slow']})")

@@ -43,7 +43,8 @@ _IGNORED = {
     "mlp_layer_types", "rope_theta", "rope_scaling", "rope_parameters", "indexer_types",
     "index_topk_freq", "index_skip_topk_offset", "index_topk_pattern", "output_router_logits",
     "router_aux_loss_coef", "partial_rotary_factor", "use_sliding_window", "sliding_window",
-}
+}  # (rope_interleave, head_dim, qk_head_dim, layer_types, partial_rotary_factor and use_sliding_window do change
+#    the math at other values: _check_attention holds them to the ones the reference implements)
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim")
 
@@ -70,6 +71,8 @@ def parse(raw: dict) -> dict[str, Any]:
     unknown = sorted(set(raw) - set(_DIRECT) - set(_FIXED) - _IGNORED)
     if unknown:
         raise ValueError(f"config.json: unknown fields {unknown} (model_type {model_type})")
+    if raw.get("quantization_config") is not None and not isinstance(raw["quantization_config"], dict):
+        raise ValueError(f"config.json: quantization_config must be an object, got {raw['quantization_config']!r}")
     for key, expected in _FIXED.items():
         if key in raw and raw[key] != expected:
             raise ValueError(f"config.json: {key}={raw[key]!r} is not supported; expected {expected!r}")
@@ -89,14 +92,33 @@ def parse(raw: dict) -> dict[str, Any]:
         raise ValueError(
             f"config.json: num_key_value_heads={heads} != num_attention_heads={kw['num_attention_heads']}"
         )
-    if "head_dim" in raw and model_type == "glm_moe_dsa" and raw["head_dim"] != kw["qk_rope_head_dim"]:
-        raise ValueError(
-            f"config.json: head_dim={raw['head_dim']} must equal qk_rope_head_dim={kw['qk_rope_head_dim']}"
-        )
+    _check_attention(raw, kw)
     kw["rope_theta"], kw["rope_scaling"] = _rope(raw)
     kw["indexer_types"] = _indexer_types(raw, kw["num_hidden_layers"])
     kw["extra"] = {k: raw[k] for k in raw if k in _IGNORED}
     return kw
+
+
+def _check_attention(raw: dict, kw: dict) -> None:
+    """Keys transformers reads for the attention, at the only values the reference implements."""
+    expected = {"head_dim": kw["qk_rope_head_dim"], "qk_head_dim": kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"],
+                "rope_interleave": True, "partial_rotary_factor": 1.0}
+    for key, want in expected.items():
+        if raw.get(key) is not None and raw[key] != want:
+            raise ValueError(f"config.json: {key}={raw[key]!r} is not implemented; expected {want!r}")
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"config.json: use_sliding_window={raw['use_sliding_window']!r} is not implemented "
+                         f"(every layer attends to its whole top-k)")
+    layer_types = raw.get("layer_types")
+    kinds = {"full_attention", "indexed_attention"}  # (transformers writes the latter: every layer its top-k)
+    if layer_types is not None and (not isinstance(layer_types, list) or set(layer_types) - kinds):
+        raise ValueError(f"config.json: layer_types must list only {sorted(kinds)}, got {layer_types!r}")
+
+
+def _theta(where: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"config.json: {where}: rope_theta must be a number, got {v!r}")
+    return float(v)
 
 
 def _rope(raw: dict) -> tuple[float, dict | None]:
@@ -109,20 +131,34 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         params = dict(raw["rope_parameters"])
         if "rope_theta" not in params:
             raise ValueError("config.json: rope_parameters has no rope_theta")
-        forms.append(("rope_parameters", float(params["rope_theta"]), params))
+        forms.append(("rope_parameters", _theta("rope_parameters", params["rope_theta"]), params))
     if "rope_theta" in raw:
-        forms.append(("rope_theta/rope_scaling", float(raw["rope_theta"]), dict(raw.get("rope_scaling") or {})))
+        forms.append(("rope_theta/rope_scaling", _theta("rope_theta", raw["rope_theta"]),
+                      dict(raw.get("rope_scaling") or {})))
     if not forms:
         raise ValueError("config.json: neither rope_parameters nor rope_theta is given")
     parsed = []
     for where, theta, params in forms:
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type in ("default", None) or not params:
+        types = {params.get(k) for k in ("rope_type", "type") if params.get(k) is not None}
+        if len(types) > 1:
+            raise ValueError(f"config.json: {where}: rope_type and type disagree: {sorted(types)}")
+        rope_type = types.pop() if types else "default"
+        # keys with no effect at these values (transformers' YaRN defaults)
+        rest = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")
+                and not (k == "attention_factor" and v is None) and not (k == "truncate" and v is True)}
+        if rope_type == "default":
+            if rest:
+                raise ValueError(f"config.json: {where}: keys {sorted(rest)} have no effect on rope type 'default' "
+                                 f"(did you mean type 'yarn'?)")
             parsed.append((where, theta, None))
         elif rope_type == "yarn":
             missing = [k for k in _YARN_KEYS[:4] if k not in params]
             if missing:
                 raise ValueError(f"config.json: {where} of type yarn misses {missing}")
+            unknown = sorted(set(rest) - set(_YARN_KEYS))
+            if unknown:
+                raise ValueError(f"config.json: {where}: YaRN keys {unknown} are not implemented at these values "
+                                 f"(attention_factor null and truncate true are)")
             yarn = {"type": "yarn", **{k: params[k] for k in _YARN_KEYS if k in params}}
             parsed.append((where, theta, yarn))
         else:
@@ -132,9 +168,15 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     return parsed[0][1], parsed[0][2]
 
 
+def _list(raw: dict, key: str) -> list:
+    if not isinstance(raw[key], list):
+        raise ValueError(f"config.json: {key} must be a list, got {raw[key]!r}")
+    return raw[key]
+
+
 def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
     if raw.get("indexer_types") is not None:
-        types = tuple(raw["indexer_types"])
+        types = tuple(_list(raw, "indexer_types"))
     elif raw.get("index_topk_pattern") is not None:
         pattern = raw["index_topk_pattern"]
         letters = {"F": "full", "S": "shared"}
@@ -143,7 +185,7 @@ def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
                 raise ValueError(f"config.json: index_topk_pattern {pattern!r} has letters other than F/S")
             types = tuple(letters[c] for c in pattern)
         else:
-            types = tuple(pattern)
+            types = tuple(_list(raw, "index_topk_pattern"))
     elif "index_topk_freq" in raw or "index_skip_topk_offset" in raw:
         types = indexer_types_from_schedule(
             num_layers, raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2)
@@ -160,9 +202,9 @@ def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
 
 
 def _check_mlp_layer_types(raw: dict, kw: dict) -> None:
-    types = raw.get("mlp_layer_types")
-    if types is None:
+    if raw.get("mlp_layer_types") is None:
         return
+    types = _list(raw, "mlp_layer_types")
     n = kw.get("num_hidden_layers", len(types))
     if len(types) != n or set(types) - {"dense", "sparse"}:
         raise ValueError(f"config.json: mlp_layer_types must be {n} entries of 'dense'/'sparse'")

@@ -16,7 +16,10 @@ import os
 import tempfile
 from typing import Any
 
-__all__ = ["partial_path", "write_partial", "write_result", "write_atomic"]
+__all__ = ["DATA_DIR", "partial_path", "write_partial", "write_result", "write_atomic"]
+
+# The repository's data/ (beside the package): what the commands read as the recorded runs, wherever they run from.
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 
 
 def partial_path(path: str | os.PathLike) -> str:

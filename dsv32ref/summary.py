@@ -17,6 +17,7 @@ from dsv32ref.config import ModelConfig
 from dsv32ref.diagnostics import attention_stats
 from dsv32ref.param_counts import layer_parameter_counts, model_parameter_count
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
+from dsv32ref.results import DATA_DIR
 
 __all__ = ["main", "print_presets", "print_recorded", "run_reference"]
 
@@ -102,7 +103,7 @@ def _load(path: str) -> dict | None:
         return json.load(f)
 
 
-def print_recorded(data_dir: str = "data") -> None:
+def print_recorded(data_dir: str = DATA_DIR) -> None:
     """What data/ records, in a few lines: where and at which commit, GLM-5.2's TTFT per boundary beside the
     PR's, and narrow_copy's start-up (data/README.md lists every file, its command and its readers)."""
     files = sorted(glob.glob(os.path.join(data_dir, "*.json")))
@@ -112,7 +113,8 @@ def print_recorded(data_dir: str = "data") -> None:
         if p.get("git_commit") and "CPU" not in str(p.get("device")):
             gpu.setdefault((p["device"], p["git_commit"][:7]), []).append(os.path.basename(f))
     where = "; ".join(f"{len(v)} on {d} at commit {c}" for (d, c), v in gpu.items())
-    print(f"\nRecorded in {data_dir}/ ({len(files)} files, listed in {data_dir}/README.md): {where or 'no GPU runs'}")
+    shown = "data" if os.path.abspath(data_dir) == DATA_DIR else data_dir  # the repository's, wherever this runs
+    print(f"\nRecorded in {shown}/ ({len(files)} files, listed in {shown}/README.md): {where or 'no GPU runs'}")
     seeds, run = _load(os.path.join(data_dir, "seeds.json")), _load(os.path.join(data_dir, "ttft_glm-5.2.json"))
     if seeds and run:
         ours = ", ".join(f"{v} {r['mean_ms']:.1f}" for v, r in run["variants"].items() if "+" not in v)

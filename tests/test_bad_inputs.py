@@ -18,7 +18,9 @@ from dsv32ref.cache import gather_tokens, write_tokens
 from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
-from dsv32ref.reference import apply_rope, fp8_quantize, indexer_scores, rms_norm, sparse_mla, topk_indices
+from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, rms_norm, sparse_mla,
+                                topk_indices)
+from dsv32ref.reference.fp8_cache import write_latent
 from dsv32ref.reference.numerics import fp8_dequantize
 from dsv32ref.reference.rope import RotaryEmbedding
 from dsv32ref.reference.sparse_attention import dense_mla
@@ -60,6 +62,7 @@ CONFIG_CASES = [
     (dict(indexer_rope_interleave=1), r"ModelConfig.indexer_rope_interleave: expected a bool, got 1"),
     (dict(model_type="llama"), r"ModelConfig.model_type: expected 'deepseek_v32' or 'glm_moe_dsa', got 'llama'"),
     (dict(indexer_types=("full",)), r"ModelConfig.indexer_types: expected 4 entries, got 1"),
+    (dict(indexer_types="full"), r"ModelConfig.indexer_types: expected a tuple of 'full' / 'shared', got 'full'"),
     (dict(indexer_types=("full", "shard", "full", "full")), r"ModelConfig.indexer_types: unknown entries \['shard'\]"),
     (dict(indexer_types=("shared", "full", "full", "full")), r"ModelConfig.indexer_types: layer 0 must be 'full'"),
 ]
@@ -75,6 +78,10 @@ ROPE_CASES = [
     ({k: v for k, v in _YARN.items() if k != "original_max_position_embeddings"},
      r"YaRN needs \['original_max_position_embeddings'\]"),
     ("yarn", r"ModelConfig.rope_scaling: expected None or a dict, got 'yarn'"),
+    ({**_YARN, "factr": 2}, r"ModelConfig.rope_scaling: keys \['factr'\] are not implemented"),
+    ({**_YARN, "attention_factor": 0.5}, r"ModelConfig.rope_scaling: keys \['attention_factor'\] are not implemented"),
+    ({**_YARN, "rope_type": "linear"}, r"ModelConfig.rope_scaling.rope_type: expected 'yarn' .*, got 'linear'"),
+    ({**_YARN, "mscale": 1.0, "mscale_all_dim": 0.0}, r"ModelConfig.rope_scaling: mscale != mscale_all_dim is not implemented"),
 ]
 
 
@@ -107,7 +114,34 @@ def _hf_dir(tmp_path, **edits):
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), r"rope type 'dynamic' is not supported"),
     (dict(hidden_size="64"), r"hidden_size"),
     (dict(rms_norm_eps=0), r"rms_norm_eps: expected a finite number > 0"),
-], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0"])
+    # keys that change the math at other values than the reference implements
+    (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 is not implemented; expected 1.0"),
+    (dict(use_sliding_window=True, sliding_window=4), r"use_sliding_window=True is not implemented"),
+    (dict(layer_types=["sliding_attention"] * 4), r"layer_types must list only \['full_attention', 'indexed_attention'\]"),
+    (dict(qk_head_dim=5), r"qk_head_dim=5 is not implemented; expected 24"),
+    (dict(head_dim=999), r"head_dim=999 is not implemented; expected 8"),
+    (dict(rope_interleave=False), r"rope_interleave=False is not implemented; expected True"),
+    # rope: a theta that is not a number, YaRN keys under another type, YaRN keys the reference does not implement
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "10000"}), r"rope_theta must be a number, got '10000'"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": True}), r"rope_theta must be a number, got True"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "factor": 8}),
+     r"keys \['factor'\] have no effect on rope type 'default'"),
+    (dict(rope_parameters={"type": None, "rope_theta": 1e4, "factor": 40, "original_max_position_embeddings": 64,
+                           "beta_fast": 32, "beta_slow": 1}), r"have no effect on rope type 'default'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40, "original_max_position_embeddings": 64,
+                           "beta_fast": 32, "beta_slow": 1, "attention_factor": 0.7}),
+     r"YaRN keys \['attention_factor'\] are not implemented at these values"),
+    (dict(rope_parameters={"rope_type": "yarn", "type": "linear", "rope_theta": 1e4}), r"rope_type and type disagree"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": None}), r"rope_theta must be a number, got None"),
+    (dict(indexer_types=3), r"config.json: indexer_types must be a list, got 3"),
+    (dict(indexer_types=None, index_topk_pattern=5), r"config.json: index_topk_pattern must be a list, got 5"),
+    (dict(mlp_layer_types=5), r"config.json: mlp_layer_types must be a list, got 5"),
+    (dict(quantization_config="fp8"), r"config.json: quantization_config must be an object, got 'fp8'"),
+], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
+        "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
+        "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "indexer-types-int", "pattern-int",
+        "mlp-types-int",
+        "quant-config-str"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
@@ -116,6 +150,26 @@ def test_config_json(tmp_path, edits, match):
 def test_unknown_preset():  # a missing or broken config.json: tests/test_config.py
     with pytest.raises(ValueError, match="unknown preset 'tiny'"):
         ModelConfig.preset("tiny")
+    with pytest.raises(ValueError, match=r"unknown preset \['x'\]"):
+        ModelConfig.preset(["x"])
+
+
+def test_what_is_not_a_checkpoint_or_a_config(tmp_path):
+    """A file where a checkpoint directory belongs, a config.json that is a folder or binary, None: ValueErrors."""
+    save_pretrained(tiny_model("tiny-glm-5.2", dtype=torch.float32), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"path: expected a checkpoint directory \(config.json and safetensors\), got"):
+        load_pretrained(tmp_path / "ckpt" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"path: expected a checkpoint directory"):
+        load_pretrained(None)
+    with pytest.raises(ValueError, match=r"load_pretrained: device: cuda:7 is not available here"):
+        load_pretrained(tmp_path / "ckpt", device="cuda:7")
+    with pytest.raises(ValueError, match=r"config.json: .*model.safetensors' is not valid JSON \(UnicodeDecodeError"):
+        ModelConfig.from_hf(tmp_path / "ckpt" / "model.safetensors")
+    (tmp_path / "dir" / "config.json").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"config.json: no such file .*config.json/config.json'"):  # a folder: a checkpoint's
+        ModelConfig.from_hf(tmp_path / "dir" / "config.json")
+    with pytest.raises(ValueError, match=r"path: expected a checkpoint directory or a config.json path, got NoneType"):
+        ModelConfig.from_hf(None)
 
 
 # ---- checkpoint --------------------------------------------------------------------------------------
@@ -130,6 +184,15 @@ def _ckpt(tmp_path, edit):
 
 
 W = "model.layers.0.self_attn.q_a_proj.weight"
+
+
+def _poison(name, value, fp8=False):
+    def edit(t):
+        if fp8:  # the weight in fp8 with its one 128 x 128 block's scale
+            t[W], t[W + "_scale_inv"] = t[W].to(torch.float8_e4m3fn), torch.ones(1, 1)
+        t[name] = t[name].clone()
+        t[name].view(-1)[-1] = value
+    return edit
 
 
 def _cast(dtype):
@@ -155,20 +218,14 @@ def _cast(dtype):
     (lambda t: t.update({W: t[W][:, :-1].contiguous()}), rf"mis-shaped: {W}"),
     (lambda t: t.update({"model.layers.4.self_attn.q_a_proj.weight": torch.ones(2, 2)}),
      r"unexpected: model.layers.4.self_attn.q_a_proj.weight \(layer 4: the config has 4 layers and 0 MTP"),
+    # a zero scale zeroes its block, a negative one flips its sign
+    (_poison(W + "_scale_inv", 0.0, fp8=True), rf"non-positive: {W}_scale_inv \(1 of 1 scales <= 0\)"),
+    (_poison(W + "_scale_inv", -1.0, fp8=True), rf"non-positive: {W}_scale_inv \(1 of 1 scales <= 0\)"),
 ], ids=["int8", "bool", "e5m2", "scale-beside-fp32", "stray-scale", "fp8-no-scale", "scale-shape", "scale-int",
-        "missing", "unexpected", "mis-shaped", "layer-past-config"])
+        "missing", "unexpected", "mis-shaped", "layer-past-config", "zero-scale", "negative-scale"])
 def test_checkpoint_tensors(tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
         load_pretrained(_ckpt(tmp_path, edit), dtype=torch.float32)
-
-
-def _poison(name, value, fp8=False):
-    def edit(t):
-        if fp8:  # the weight in fp8 with its one 128 x 128 block's scale
-            t[W], t[W + "_scale_inv"] = t[W].to(torch.float8_e4m3fn), torch.ones(1, 1)
-        t[name] = t[name].clone()
-        t[name].view(-1)[-1] = value
-    return edit
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -238,6 +295,24 @@ def test_checkpoint_arguments(tmp_path):
     save_pretrained(model, tmp_path)
     with pytest.raises(ValueError, match=r"dtype: expected a float dtype for the model, got torch.int8"):
         load_pretrained(tmp_path, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"deployed_numerics: expected a bool, got str 'no'"):
+        load_pretrained(tmp_path, dtype=torch.float32, deployed_numerics="no")
+    with pytest.raises(ValueError, match=r"fp8: expected a bool, got str 'no'"):
+        save_pretrained(model, tmp_path, fp8="no")
+    with pytest.raises(ValueError, match=r"model: expected a DeepseekV32ForCausalLM, got NoneType"):
+        save_pretrained(None, tmp_path)
+    with pytest.raises(ValueError, match=r"path: expected a directory to write the checkpoint into, got the file"):
+        save_pretrained(model, tmp_path / "config.json")
+    # a weight fp16 cannot hold: finite in the file, inf in the model
+    big = _ckpt(tmp_path / "big", lambda t: t[W].view(-1).__setitem__(-1, 1e6))
+    with pytest.raises(ValueError, match=rf"non-finite: {W} \(in torch.float16\) \(0 NaN, 1 inf of "):
+        load_pretrained(big, dtype=torch.float16)
+    # a model with a NaN weight is not saved: load_pretrained would refuse what it wrote
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"save_pretrained: the model holds non-finite weights:\n  non-finite: "
+                                         r"lm_head.weight \(1 NaN, 0 inf of "):
+        save_pretrained(model, tmp_path / "nan")
 
 
 def test_interrupted_save_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
@@ -314,11 +389,32 @@ REFERENCE_CASES = [
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.full((2, 1), float("inf"))),
      r"fp8_quantize: scale: expected finite values > 0, got \[inf, inf\]"),
     (lambda: fp8_quantize(torch.randn(2, 128), block=0), r"fp8_quantize: block: expected >= 1, got 0"),
-    (lambda: fp8_quantize(torch.ones(2, 128, dtype=torch.int32)), r"fp8_quantize: x: expected a floating-point tensor"),
+    (lambda: fp8_quantize(torch.ones(2, 128, dtype=torch.int32)), r"x: expected dtype .*float32.*, got torch.int32"),
+    # non-finite input: an inf would be rounded to a number, a NaN would set its block's scale
+    (lambda: fp8_quantize(torch.tensor([[float("inf")] + [1.0] * 127])), r"fp8_quantize: x: expected finite values, got 1"),
+    (lambda: fp8_quantize(torch.tensor([[float("nan")] + [1.0] * 127])), r"fp8_quantize: x: expected finite values, got 1"),
+    (lambda: fp8_dequantize(torch.zeros(2, 128), torch.ones(2, 1)), r"q: expected dtype torch.float8_e4m3fn, got torch.float32"),
+    (lambda: fp8_dequantize(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 1)),
+     r"fp8_dequantize: scale: expected finite values > 0, got \[0.0, 0.0\]"),
+    (lambda: fp8_dequantize(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.tensor([[1.0], [float("nan")]])),
+     r"fp8_dequantize: scale: expected finite values > 0, got \[nan\]"),
+    # integer or non-tensor inputs to the float helpers; a flag that is not a bool
+    (lambda: apply_rope(torch.tensor([[0, 1, 2, 3]]), torch.ones(1, 2), torch.zeros(1, 2), True),
+     r"x: expected dtype .*, got torch.int64"),
+    (lambda: apply_rope(torch.randn(1, 4), torch.ones(1, 2, dtype=torch.int64), torch.zeros(1, 2), True),
+     r"cos: expected dtype .*, got torch.int64"),
+    (lambda: apply_rope(torch.randn(1, 4), torch.ones(1, 2), torch.zeros(1, 2), "no"),
+     r"apply_rope: interleaved: expected a bool, got str 'no'"),
+    (lambda: apply_rope(torch.randn(4), torch.ones(4, 2), torch.zeros(4, 2), True), r"apply_rope: x: expected \[T, ..., d\]"),
+    (lambda: hadamard_transform(torch.tensor([[3, 1]])), r"x: expected dtype .*, got torch.int64"),
+    (lambda: hadamard_transform([1.0, 2.0]), r"x: expected a torch.Tensor, got list"),
+    (lambda: hadamard_transform(torch.tensor(2.0)), r"x: expected shape \[\.\.\., \*\], got \[\]"),
     (lambda: fp8_dequantize(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.ones(3)),
      r"scale: expected shape \[2, 1\], got \[3\]"),
     (lambda: apply_rope(torch.randn(2, 8), torch.randn(3, 4), torch.randn(3, 4), True), r"cos: expected shape \[2, 4\]"),
     (lambda: RotaryEmbedding("glm-5.2"), r"RotaryEmbedding: config: expected a ModelConfig, got str"),
+    (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([0]), dtype="float32"),
+     r"RotaryEmbedding: dtype: expected a float torch.dtype, got 'float32'"),
     (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([0.5])), r"positions: expected dtype"),
     (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([3, -1])),
      r"positions: expected positions >= 0, got -1"),
@@ -359,6 +455,23 @@ def test_reference_model_inputs():
 # ---- cache and metadata ------------------------------------------------------------------------------
 
 CACHE_CASES = [
+    (lambda: AttentionMetadata.build([0], [1], [[0]], 4, device="nope"), r"AttentionMetadata: device: expected a device"),
+    (lambda: PagedKVCache(ModelConfig.preset("tiny-glm-5.2"), 2, 4, device="cuda:7"),
+     r"PagedKVCache: device: cuda:7 is not available here"),
+    (lambda: write_latent(torch.zeros(2, 4, 656, dtype=torch.uint8), torch.tensor([0]), torch.randn(576)),
+     r"latent: expected shape \[\*, 576\], got \[576\]"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([[0]]), torch.zeros(1, 8)), r"slot_mapping: expected shape \[\*\]"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([0.0]), torch.zeros(1, 8)), r"slot_mapping: expected dtype"),
+    (lambda: write_tokens(torch.zeros(8, 8), torch.tensor([0]), torch.zeros(1, 8)), r"cache: expected shape \[\*, \*, \*\]"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), [0], torch.zeros(1, 8)), r"slot_mapping: expected a torch.Tensor, got list"),
+    (lambda: BlockAllocator(4, 2).release("x"), r"BlockAllocator.release: seq_id: expected an int, got str 'x'"),
+    (lambda: AttentionMetadata.build([0], [8], [[3, 3]], 4),
+     r"block_tables\[0\]: blocks \[3\] appear more than once \(their tokens would overwrite each other\)"),
+    (lambda: AttentionMetadata.build([0], [1], [[0]], 4, num_blocks=2.5), r"num_blocks must be None or an int >= 1, got 2.5"),
+    (lambda: AttentionMetadata.build([0], [1], [[0]], 4, num_blocks=True), r"num_blocks must be None or an int >= 1, got True"),
+    (lambda: AttentionMetadata.build([0], [1], [[0]], 4, num_blocks=0), r"num_blocks must be None or an int >= 1, got 0"),
+    (lambda: AttentionMetadata.build(5, [1], [[0]], 4), r"AttentionMetadata.build: context_lens must be a list, got int"),
+    (lambda: AttentionMetadata.build([0], [1], [0], 4), r"block_tables must be a list of lists of block ids"),
     (lambda: AttentionMetadata.build([0], [2], [[0.0]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got 0.0"),
     (lambda: AttentionMetadata.build([0], [2], [[1.5]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got 1.5"),
     (lambda: AttentionMetadata.build([0], [2], [[-1]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got -1"),
@@ -467,6 +580,21 @@ def _idx(**over):
 
 
 KERNEL_CASES = [
+    (_mla(config={"BLOCK_H": 3}), r"sparse_mla_paged: config BLOCK_H must be a power of two, got 3"),
+    (_mla(config={"BLOCK_N": 0}), r"sparse_mla_paged: config BLOCK_N must be a power of two, got 0"),
+    (_mla(config={"BLOCK_H": "16"}), r"sparse_mla_paged: config BLOCK_H must be a power of two, got '16'"),
+    (_mla(config={"num_warps": 3}), r"sparse_mla_paged: config num_warps must be a power of two, got 3"),
+    (_mla(config={"num_stages": 0}), r"sparse_mla_paged: config num_stages must be an int >= 1, got 0"),
+    (_mla(q=torch.zeros(2, 0, 40), out=torch.zeros(2, 0, 32)), r"q: expected at least one head \(dim 1\), got shape \[2, 0, 40\]"),
+    (_nr(q_c=torch.zeros(2, 0), q_c_out=torch.zeros(2, 0), q_a_norm_weight=torch.ones(0)),
+     r"q_c: expected q_lora_rank \(dim 1\) >= 1, got shape \[2, 0\]"),
+    # a flag that is not a bool; a cache whose blocks hold no token
+    (_mla(valid_first="no"), r"sparse_mla_paged: valid_first: expected a bool, got str 'no'"),
+    (_fq(indexer_interleaved=2), r"fused_q: indexer_interleaved: expected a bool, got int 2"),
+    (_nr(indexer_interleaved="yes"), r"fused_norm_rope: indexer_interleaved: expected a bool, got str 'yes'"),
+    (_mla(latent_cache=torch.zeros(3, 0, 40)), r"latent_cache: expected a block size \(dim 1\) >= 1, got shape \[3, 0, 40\]"),
+    (_nr(latent_cache=torch.zeros(3, 0, 40)), r"latent_cache: expected a block size \(dim 1\) >= 1, got shape \[3, 0, 40\]"),
+    (_idx(index_cache=torch.zeros(3, 0, 16)), r"index_cache: expected a block size \(dim 1\) >= 1, got shape \[3, 0, 16\]"),
     (_mla(config={"NUM_SPLIT": 2}), r"sparse_mla_paged: config: unknown key\(s\) \['NUM_SPLIT'\]"),
     (_mla(config={"BLOCK_h": 16}), r"unknown key\(s\) \['BLOCK_h'\]"),
     (_mla(q=torch.zeros(2, 4, 80)[..., ::2]), r"q: the last dim must be dense"),
@@ -788,6 +916,27 @@ def test_cli_rejects_bad_arguments(capsys):
     assert main(["ttft", "--fp8-kv", "nnone"]) == 2
     assert "TTFTProtocol.fp8_kv: unknown boundaries ['nnone']" in capsys.readouterr().err
     assert main(["ttft", "--tp", "0"]) == 2 and "--tp: expected an int >= 1, got 0" in capsys.readouterr().err
+    # where the result would go, and what it reads, checked before any work
+    assert main(["ledger", "--predict", "--out", ""]) == 2
+    assert "dsv32ref: error: --out: expected a file path, got ''" in capsys.readouterr().err
+    assert main(["ledger", "--predict", "--out", os.path.dirname(__file__)]) == 2
+    assert "(a directory)" in capsys.readouterr().err
+    assert main(["fp8-accuracy", "--tokens", "1", "--out", "/proc/nope/x.json"]) == 2
+    assert "dsv32ref: error: --out: cannot make the folder '/proc/nope'" in capsys.readouterr().err
+    assert main(["capture", "--heads-per-rank", "-5"]) == 2
+    assert "--heads-per-rank: expected an int >= 1, got -5" in capsys.readouterr().err
+    assert main(["ledger", "--predict", "--measured", "/nonexistent/ttft.json"]) == 2
+    assert "dsv32ref: error: --measured: no such file '/nonexistent/ttft.json'" in capsys.readouterr().err
+
+
+def test_the_recorded_runs_are_found_from_any_directory(tmp_path, monkeypatch):
+    """The commands read the repository's data/, not the working directory's."""
+    from dsv32ref.experiments import reproduce
+    monkeypatch.chdir(tmp_path)
+    rows = reproduce.table()
+    assert any(r["recorded"] is not None for r in rows)
+    with pytest.raises(ValueError, match=r"reproduce: no recorded runs at .*empty"):
+        reproduce.table(str(tmp_path / "empty"))
 
 
 def test_comparator_arguments():

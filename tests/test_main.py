@@ -7,8 +7,10 @@ import os
 import pytest
 import torch
 
+from dsv32ref import __main__ as cli
 from dsv32ref.__main__ import main, run_dir
 from dsv32ref.experiments import reproduce
+from dsv32ref.results import DATA_DIR
 
 CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the commands run the experiments themselves")
 
@@ -85,7 +87,7 @@ def test_the_main_job_on_a_gpu_reproduces_into_a_run_folder(monkeypatch, capsys)
     monkeypatch.setattr(reproduce, "run", lambda preset, out_dir: calls.append((preset, out_dir)))
     assert main(["--quick", "--preset", "tiny-glm-5.2"]) == 0
     assert calls[0][0] == "quick" and calls[0][1].startswith(os.path.join("runs", "20"))
-    assert main(["--record", "--preset", "tiny-glm-5.2"]) == 0 and calls[1] == ("full", "data")
+    assert main(["--record", "--preset", "tiny-glm-5.2"]) == 0 and calls[1] == ("full", DATA_DIR)
     assert "all checks passed" in capsys.readouterr().out
 
 
@@ -97,10 +99,11 @@ def test_runs_write_to_a_folder_of_their_own_unless_asked_to_record(monkeypatch,
                                                       first_k_dense_replace=1)
     monkeypatch.setattr(ledger, "structure_config", lambda preset: base)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "DATA_DIR", str(tmp_path / "data"))  # the repository's data/ (no measured run in it)
     assert run_dir().startswith(os.path.join("runs", "20")) and run_dir().endswith("Z")
-    assert main(["ledger", "--predict", "--measured", "none.json"]) == 0
+    assert main(["ledger", "--predict"]) == 0
     (written,) = list((tmp_path / "runs").rglob("ledger_predicted_glm-5.2.json"))
     assert json.loads(written.read_text())["variants"]["narrow"]["graph_launches"] == 3
     assert not (tmp_path / "data").exists()
-    assert main(["ledger", "--predict", "--measured", "none.json", "--record"]) == 0
+    assert main(["ledger", "--predict", "--record"]) == 0
     assert (tmp_path / "data" / "ledger_predicted_glm-5.2.json").exists()

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from dsv32ref.results import DATA_DIR
+
 __all__ = ["PRESETS", "Plan", "print_table", "run", "table"]
 
 CAPTURE = "capture_memory_glm-5.2_h16.json"
@@ -61,7 +63,7 @@ def run_command(args: list[str]) -> None:
     subprocess.run([sys.executable, "-m", "dsv32ref", *args], check=True)
 
 
-def run(preset: str, out_dir: str, recorded_dir: str = "data") -> list[dict]:
+def run(preset: str, out_dir: str, recorded_dir: str = DATA_DIR) -> list[dict]:
     """Every command of the preset into out_dir, then the table against recorded_dir and the PR."""
     if preset not in PRESETS:
         raise ValueError(f"reproduce.run: preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -131,10 +133,13 @@ NOTES = {"narrow_copy faster than narrow (%)": "PR: PIECEWISE only; ours: the de
          "narrow_copy start-up, estimate on": "16 heads: one TP4 rank", "none TTFT mean (ms)": "not in the PR"}
 
 
-def table(recorded_dir: str = "data", live_dir: str | None = None) -> list[dict]:
+def table(recorded_dir: str = DATA_DIR, live_dir: str | None = None) -> list[dict]:
     """Rows {what, pr, recorded, live, note} from data/seeds.json, the recorded GLM-5.2 runs and (if given) the
     live run's folder."""
     seeds = _load(recorded_dir, "seeds.json")
+    if seeds is None:
+        raise ValueError(f"reproduce: no recorded runs at {recorded_dir} (data/ comes with the repository: run from "
+                         f"a checkout, or pass its data/ folder)")
     runs, outside = {}, {}
     for key, folder in (("recorded", recorded_dir), ("live", live_dir)):
         ttft, cap = _load(folder, "ttft_glm-5.2.json"), _load(folder, CAPTURE)
@@ -163,7 +168,7 @@ def _cell(x) -> str:
     return f"{x:.2f}" if isinstance(x, float) else str(x)
 
 
-def print_table(rows: list[dict], recorded_dir: str = "data", live_dir: str | None = None) -> None:
+def print_table(rows: list[dict], recorded_dir: str = DATA_DIR, live_dir: str | None = None) -> None:
     rec = (_load(recorded_dir, "ttft_glm-5.2.json") or {}).get("provenance", {})
     print(f"\nGLM-5.2, one request at a time. PR: TP4/EP4, FP8 KV; recorded: {rec.get('device', '?')} at commit "
           f"{str(rec.get('git_commit', '?'))[:7]} ({recorded_dir}/); this machine: {live_dir or 'not run'}")

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dsv32ref.cache import LATENT_ROW_BYTES
-from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_scale, check_tensor,
+from dsv32ref.checks import (check_bool, check_range, check_rope_table, check_same_device, check_scale, check_tensor,
                              device_value_checks_on)
 from dsv32ref.kernels.fp8 import cast, e4m3_bytes, hadamard, pow2_scale, quantize_e4m3
 from dsv32ref.kernels.launch import launch
@@ -215,6 +215,8 @@ def _check_latent(kv, latent_cache, T: int, rope: int) -> tuple[int, int, int]:
     if width <= rope:
         raise ValueError(f"fused_norm_rope: kv.shape[1] ({width}) must exceed qk_rope_head_dim "
                          f"(2 x cos.shape[1] = {rope})")
+    if latent_cache.shape[1] < 1:
+        raise ValueError(f"latent_cache: expected a block size (dim 1) >= 1, got shape {list(latent_cache.shape)}")
     return latent_cache.shape[0], latent_cache.shape[1], width - rope
 
 
@@ -262,7 +264,10 @@ def fused_norm_rope(
     inf is written as fp8 NaN, not folded into a scale.
     """
     floats = (torch.bfloat16, torch.float16, torch.float32)
+    check_bool("fused_norm_rope: indexer_interleaved", indexer_interleaved)
     T, q_lora = check_tensor("q_c", q_c, shape=(None, None), dtype=floats, dense_dims=1).shape
+    if q_lora < 1:
+        raise ValueError(f"q_c: expected q_lora_rank (dim 1) >= 1, got shape {list(q_c.shape)}")
     check_tensor("q_c_out", q_c_out, shape=(T, q_lora), dtype=q_c.dtype, dense_dims=1)
     check_tensor("q_a_norm_weight", q_a_norm_weight, shape=(q_lora,), dtype=floats, dense_dims=1)
     rope = check_rope_table("fused_norm_rope", cos, sin)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import (check_range, check_rope_table, check_same_device, check_tensor,
+from dsv32ref.checks import (check_bool, check_range, check_rope_table, check_same_device, check_tensor,
                              device_value_checks_on)
 from dsv32ref.kernels.fp8 import cast, hadamard, quantize_e4m3
 from dsv32ref.kernels.fused_norm_rope import _rope_pairs, rope_apply, rope_layout
@@ -98,6 +98,7 @@ def fused_q(
     inference code does. fp8_round_trip(hadamard_transform(.)) in dsv32ref.reference is the same numerics.
     """
     floats = (torch.bfloat16, torch.float16, torch.float32)
+    check_bool("fused_q: indexer_interleaved", indexer_interleaved)
     T, H, d_lat = check_tensor("q_lat", q_lat, shape=(None, None, None), dtype=floats, dense_dims=1).shape
     rope = check_rope_table("fused_q", cos, sin)
     nope = check_tensor("q", q, shape=(T, H, None), dtype=floats, dense_dims=1).shape[2] - rope

@@ -379,6 +379,8 @@ def _check_common(q_idx, weights, index_cache, block_table, req_indices, positio
                              f"{tuple(index_cache.stride())} at address {index_cache.data_ptr():#x}")
     else:
         check_tensor("index_cache", index_cache, shape=(None, None, D), dtype=q_idx.dtype, dense_dims=1)
+    if index_cache.shape[1] < 1:
+        raise ValueError(f"index_cache: expected a block size (dim 1) >= 1, got shape {list(index_cache.shape)}")
     B = check_tensor("block_table", block_table, shape=(None, None), dtype=torch.int32, dense_dims=1).shape[0]
     check_tensor("req_indices", req_indices, shape=(T,), dtype=torch.int32, dense_dims=1)
     check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)

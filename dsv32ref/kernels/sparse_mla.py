@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from dsv32ref.cache import LATENT_ROW_BYTES
-from dsv32ref.checks import (check_keys, check_range, check_same_device, check_scale, check_tensor,
+from dsv32ref.checks import (check_bool, check_keys, check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
@@ -281,6 +281,8 @@ def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indic
     """The checks of sparse_mla_paged -> (T, H, D_LAT, D_ROPE, B)."""
     T, H, D = check_tensor("q", q, shape=(None, None, None), dtype=(torch.bfloat16, torch.float16, torch.float32),
                            dense_dims=1).shape
+    if H < 1:
+        raise ValueError(f"q: expected at least one head (dim 1), got shape {list(q.shape)}")
     d_lat = check_tensor("out", out, shape=(T, H, None), dtype=q.dtype, dense_dims=1).shape[-1]
     d_rope = D - d_lat
     for name, v in (("kv_lora_rank (out.shape[-1])", d_lat), ("qk_rope_head_dim (q.shape[-1] - out.shape[-1])", d_rope)):
@@ -291,6 +293,8 @@ def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indic
     else:
         check_tensor("latent_cache", latent_cache, shape=(None, None, D), dtype=q.dtype, dense_dims=1)
     nb, bs = latent_cache.shape[:2]
+    if bs < 1:
+        raise ValueError(f"latent_cache: expected a block size (dim 1) >= 1, got shape {list(latent_cache.shape)}")
     if latent_cache.stride(1) == 0 or latent_cache.stride(0) % latent_cache.stride(1):
         raise ValueError(f"latent_cache: stride(0) must be a multiple of stride(1) > 0 (blocks a whole number of rows "
                          f"apart), got strides {tuple(latent_cache.stride())}")
@@ -347,6 +351,11 @@ def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: i
     so it is fixed within a captured graph."""
     base = FP32_CONFIG if q.dtype == torch.float32 else FP8_CONFIG if fp8 else DEFAULT_CONFIG
     cfg = dict(base, **(config or {}))
+    for key in ("BLOCK_H", "BLOCK_N", "num_warps"):  # tile sizes and warps: powers of two (tl.arange's, triton's)
+        if not is_int(cfg[key]) or cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"sparse_mla_paged: config {key} must be a power of two, got {cfg[key]!r}")
+    if not is_int(cfg["num_stages"]) or cfg["num_stages"] < 1:
+        raise ValueError(f"sparse_mla_paged: config num_stages must be an int >= 1, got {cfg['num_stages']!r}")
     T, H = q.shape[:2]
     block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(H)))
     splits = cfg.get("NUM_SPLITS")
@@ -396,6 +405,7 @@ def sparse_mla_paged(
     device's; 4 for CPU tensors). Each call allocates an int32 [T, K] workspace (the resolved rows).
     """
     check_keys("sparse_mla_paged: config", config, CONFIG_KEYS)
+    check_bool("sparse_mla_paged: valid_first", valid_first)
     T, H, d_lat, d_rope, B = check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices,
                                           sm_scale, out, lse)
     sms = _num_sms(q.device, num_sms, "sparse_mla_paged")

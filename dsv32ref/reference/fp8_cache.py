@@ -117,6 +117,8 @@ def quantize_indexer_keys(keys: torch.Tensor, scale: torch.Tensor | None = None)
     DeepGEMM's block layout (module docstring), one ue8m0 scale per token, or the given scales [num_blocks,
     block_kv] (powers of two)."""
     nb, bk, d = check_tensor("keys", keys, shape=(None, None, None), dtype=_FLOATS).shape
+    if min(bk, d) < 1:
+        raise ValueError(f"keys: expected block_kv and D >= 1, got shape {list(keys.shape)}")
     _finite("keys", keys)
     k = keys.float()
     if scale is None:
@@ -134,8 +136,8 @@ def indexer_key_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [num_blocks, block_kv]), the bytes read as they are laid out."""
     nb, bk, _, w = check_tensor("cache", cache, shape=(None, None, 1, None), dtype=torch.uint8).shape
     d = w - 4
-    if d < 1:
-        raise ValueError(f"cache: expected a last dim of D + 4 > 4, got {w}")
+    if d < 1 or bk < 1:
+        raise ValueError(f"cache: expected block_kv >= 1 and a last dim of D + 4 > 4, got shape {list(cache.shape)}")
     flat = cache.contiguous().view(nb, bk * w)
     scale = flat[:, bk * d:].contiguous().view(torch.float32)  # (NB, BK)
     _powers_of_two("cache: key scales (each block's last block_kv x 4 bytes)", scale)
@@ -176,7 +178,7 @@ def indexer_scores_fp8(q_idx: torch.Tensor, weights: torch.Tensor, cache: torch.
 def _block_shape(cache: torch.Tensor, width: int | None) -> tuple[int, int, int]:
     """(NB, BS, row width) of an engine's cache uint8 [NB, BS, width] or the formats' [NB, BS, 1, width]."""
     shape = (None, None, 1, width) if isinstance(cache, torch.Tensor) and cache.dim() == 4 else (None, None, width)
-    check_tensor("cache", cache, shape=shape, dtype=torch.uint8)
+    check_tensor("cache", cache, shape=shape, dtype=torch.uint8, contiguous=True)  # written through a view
     if cache.shape[-1] <= 4:
         raise ValueError(f"cache: expected a last dim of D + 4 > 4, got {cache.shape[-1]}")
     return cache.shape[0], cache.shape[1], cache.shape[-1]
@@ -194,6 +196,7 @@ def write_latent(cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.
     """cache uint8 [NB, BS, 656] (or [NB, BS, 1, 656]) <- latent [T, 576] quantised (quantize_latent) at
     slot_mapping [T] (flat slots)."""
     nb, bs, _ = _block_shape(cache, LATENT_ROW_BYTES)
+    check_tensor("latent", latent, shape=(None, D_LAT + D_ROPE), dtype=_FLOATS)
     slots = _slots("slot_mapping", slot_mapping, latent.shape[0], nb, bs)
     cache.view(nb * bs, LATENT_ROW_BYTES).index_copy_(0, slots, quantize_latent(latent))
 

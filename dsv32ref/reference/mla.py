@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dsv32ref.cache import AttentionMetadata, gather_tokens, write_tokens
+from dsv32ref.checks import check_bool
 from dsv32ref.config import ModelConfig
 from dsv32ref.reference import fp8_cache
 from dsv32ref.reference.indexer import Indexer, indexer_scores, topk_indices
@@ -61,6 +62,7 @@ class DeepseekV32Attention(nn.Module):
         super().__init__()
         if form not in FORMS:
             raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+        check_bool("deployed_numerics", deployed_numerics)
         c = config
         self.config, self.layer_idx, self.form = c, layer_idx, form
         self.deployed_numerics = deployed_numerics

@@ -1,7 +1,7 @@
 """The "deployed numerics" of DeepSeek-V3.2's inference code, as round trips on ordinary tensors.
 
 - The indexer rotates q and k by a Hadamard transform (scale n^-1/2, orthogonal: dot products unchanged)
-  so that outliers spread across the 128 values before fp8 quantisation.
+  before fp8 quantisation (notebook 07 measures what that does to fp8's rounding).
 - fp8 e4m3 with ue8m0 scales: one power-of-two scale per 128 values, s = 2^ceil(log2(max(amax, 1e-4)/448)).
 - The latent cache stores c_kv in that fp8 format (k_pe stays bf16).
 
@@ -15,6 +15,8 @@ import functools
 import torch
 
 from dsv32ref.checks import check_int, check_tensor
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 FP8_E4M3_MAX = 448.0
 QUANT_BLOCK = 128
@@ -37,6 +39,7 @@ def _hadamard_on(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tens
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """x @ H_n (orthonormal Sylvester Hadamard) over the last dim, computed in >= fp32."""
+    check_tensor("x", x, shape=(..., None), dtype=_FLOATS)
     dt = torch.promote_types(x.dtype, torch.float32)
     return (x.to(dt) @ _hadamard_on(x.shape[-1], x.device, dt)).to(x.dtype)
 
@@ -60,9 +63,10 @@ def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] -> (fp8 e4m3 values [..., n], fp32 scales [..., n/block]) with ue8m0 scales, or with the
     given scales [..., n/block] (e.g. a kernel's, to compare its values at its own scales)."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
-        raise ValueError(f"fp8_quantize: x: expected a floating-point tensor, got "
-                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_tensor("x", x, shape=(..., None), dtype=_FLOATS)
+    bad = ~torch.isfinite(x)
+    if bad.any():  # an inf would be rounded to a number, a NaN would set its block's scale
+        raise ValueError(f"fp8_quantize: x: expected finite values, got {int(bad.sum())} NaN or inf")
     check_int("fp8_quantize: block", block)
     n = x.shape[-1]
     if n % block:
@@ -82,11 +86,15 @@ def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
     """fp8 values [..., n] and their scales [..., n/block] -> fp32 [..., n]."""
+    check_tensor("q", q, shape=(..., None), dtype=torch.float8_e4m3fn)
     check_int("fp8_dequantize: block", block)
     n = q.shape[-1]
     if n % block:
         raise ValueError(f"fp8_dequantize: last dim {n} is not a multiple of the block {block}")
-    check_tensor("scale", scale, shape=tuple(q.shape[:-1]) + (n // block,))
+    check_tensor("scale", scale, shape=tuple(q.shape[:-1]) + (n // block,), dtype=_FLOATS)
+    if not (torch.isfinite(scale) & (scale > 0)).all():
+        raise ValueError(f"fp8_dequantize: scale: expected finite values > 0, got "
+                         f"{scale[~(torch.isfinite(scale) & (scale > 0))][:4].tolist()}")
     qb = q.float().reshape(*q.shape[:-1], n // block, block)
     return (qb * scale[..., None]).reshape(q.shape)
 

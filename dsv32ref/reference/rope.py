@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from dsv32ref.checks import check_tensor
+from dsv32ref.checks import check_bool, check_tensor
 from dsv32ref.config import ModelConfig
 
 
@@ -51,10 +51,6 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise ValueError(f"RotaryEmbedding: config: expected a ModelConfig, got {type(config).__name__}")
-        ys = config.rope_scaling or {}
-        if float(ys.get("mscale", 1.0)) != float(ys.get("mscale_all_dim", ys.get("mscale", 1.0))):
-            # HF would scale cos/sin by the ratio of the two mscales; no released DSA model needs it.
-            raise ValueError(f"rope_scaling: mscale != mscale_all_dim is not supported, got {ys}")
         self.config = config
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
@@ -68,6 +64,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
         """positions [T] int -> (cos, sin), each [T, rope_dim/2] in `dtype` (fp32 unless float64)."""
         check_tensor("positions", positions, shape=(None,), dtype=(torch.int64, torch.int32))
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"RotaryEmbedding: dtype: expected a float torch.dtype, got {dtype!r}")
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"positions: expected positions >= 0, got {int(positions.min())}")
         dt = torch.promote_types(dtype, torch.float32)
@@ -80,7 +78,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
     The rotation runs in the dtype of cos (fp32, or float64 in exact tests) and is cast back to x.dtype.
     """
+    floats = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    if check_tensor("x", x, dtype=floats).dim() < 2:
+        raise ValueError(f"apply_rope: x: expected [T, ..., d], got shape {list(x.shape)}")
     d = x.shape[-1]
+    check_tensor("cos", cos, dtype=(torch.float32, torch.float64))
+    check_bool("apply_rope: interleaved", interleaved)
     if cos.shape[-1] * 2 != d:
         raise ValueError(f"apply_rope: x has {d} rope dims but cos has {cos.shape[-1]} (expected {d // 2})")
     for name, t in (("cos", cos), ("sin", sin)):
