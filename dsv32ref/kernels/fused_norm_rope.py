@@ -199,6 +199,17 @@ def _check_aligned(name: str, cache: torch.Tensor) -> None:
                          f"strides {tuple(cache.stride())} at address {cache.data_ptr():#x}")
 
 
+def _check_q_c(q_c, q_c_out, q_a_norm_weight) -> tuple[int, int]:
+    """q_c [T, q_lora], its output and its norm weight -> (T, q_lora)."""
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    T, q_lora = check_tensor("q_c", q_c, shape=(None, None), dtype=floats, dense_dims=1).shape
+    if q_lora < 1:
+        raise ValueError(f"q_c: expected q_lora_rank (dim 1) >= 1, got shape {list(q_c.shape)}")
+    check_tensor("q_c_out", q_c_out, shape=(T, q_lora), dtype=q_c.dtype, dense_dims=1)
+    check_tensor("q_a_norm_weight", q_a_norm_weight, shape=(q_lora,), dtype=floats, dense_dims=1)
+    return T, q_lora
+
+
 def _check_latent(kv, latent_cache, T: int, rope: int) -> tuple[int, int, int]:
     """kv [T, kv_lora + rope] and the latent cache [NB, BS, kv_lora + rope] (a float dtype), or FlashMLA's FP8 rows
     uint8 [NB, BS, 656] (kv_lora 512, rope 64) -> (NB, BS, kv_lora)."""
@@ -265,11 +276,7 @@ def fused_norm_rope(
     """
     floats = (torch.bfloat16, torch.float16, torch.float32)
     check_bool("fused_norm_rope: indexer_interleaved", indexer_interleaved)
-    T, q_lora = check_tensor("q_c", q_c, shape=(None, None), dtype=floats, dense_dims=1).shape
-    if q_lora < 1:
-        raise ValueError(f"q_c: expected q_lora_rank (dim 1) >= 1, got shape {list(q_c.shape)}")
-    check_tensor("q_c_out", q_c_out, shape=(T, q_lora), dtype=q_c.dtype, dense_dims=1)
-    check_tensor("q_a_norm_weight", q_a_norm_weight, shape=(q_lora,), dtype=floats, dense_dims=1)
+    T, q_lora = _check_q_c(q_c, q_c_out, q_a_norm_weight)
     rope = check_rope_table("fused_norm_rope", cos, sin)
     nb, bs, kv_lora = _check_latent(kv, latent_cache, T, rope)
     check_tensor("kv_a_norm_weight", kv_a_norm_weight, shape=(kv_lora,), dtype=floats, dense_dims=1)

@@ -81,6 +81,23 @@ def _fused_q_kernel(
                 tl.store(w_out_ptr + t * stride_wo + h, w * weight_scale)
 
 
+def _check_indexer(q_idx, q_idx_out, weights, weights_out, T: int, rope: int) -> tuple[int, int]:
+    """The indexer's inputs -> (index_n_heads, index_head_dim); (1, 16), unused, without q_idx."""
+    given = {"q_idx_out": q_idx_out, "weights": weights, "weights_out": weights_out}
+    if q_idx is None:
+        if any(v is not None for v in given.values()):
+            raise ValueError(f"fused_q: {[k for k, v in given.items() if v is not None]} given without q_idx")
+        return 1, 16
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    _, h_i, d_i = check_tensor("q_idx", q_idx, shape=(T, None, None), dtype=floats, dense_dims=1).shape
+    check_tensor("q_idx_out", q_idx_out, shape=(T, h_i, d_i), dtype=(q_idx.dtype, torch.float8_e4m3fn), dense_dims=1)
+    check_tensor("weights", weights, shape=(T, h_i), dtype=torch.float32, dense_dims=1)
+    check_tensor("weights_out", weights_out, shape=(T, h_i), dtype=torch.float32, dense_dims=1)
+    if d_i < rope:
+        raise ValueError(f"fused_q: index_head_dim ({d_i}) must be >= qk_rope_head_dim ({rope})")
+    return h_i, d_i
+
+
 def fused_q(
     q_lat: torch.Tensor, q: torch.Tensor, q_mqa: torch.Tensor, positions: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor,
@@ -108,18 +125,7 @@ def fused_q(
     check_tensor("q_mqa", q_mqa, shape=(T, H, d_lat + rope), dtype=floats, dense_dims=1)
     check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
     has_indexer = q_idx is not None
-    given = {"q_idx_out": q_idx_out, "weights": weights, "weights_out": weights_out}
-    if not has_indexer and any(v is not None for v in given.values()):
-        raise ValueError(f"fused_q: {[k for k, v in given.items() if v is not None]} given without q_idx")
-    h_i, d_i = 1, 16
-    if has_indexer:
-        _, h_i, d_i = check_tensor("q_idx", q_idx, shape=(T, None, None), dtype=floats, dense_dims=1).shape
-        check_tensor("q_idx_out", q_idx_out, shape=(T, h_i, d_i), dtype=(q_idx.dtype, torch.float8_e4m3fn),
-                     dense_dims=1)
-        check_tensor("weights", weights, shape=(T, h_i), dtype=torch.float32, dense_dims=1)
-        check_tensor("weights_out", weights_out, shape=(T, h_i), dtype=torch.float32, dense_dims=1)
-        if d_i < rope:
-            raise ValueError(f"fused_q: index_head_dim ({d_i}) must be >= qk_rope_head_dim ({rope})")
+    h_i, d_i = _check_indexer(q_idx, q_idx_out, weights, weights_out, T, rope)
     for name, v in (("kv_lora_rank", d_lat), ("qk_rope_head_dim", rope), ("index_head_dim", d_i)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"fused_q: {name} must be a power of two, got {v}")
