@@ -192,6 +192,11 @@ def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
         )
     else:
         return None
+    if raw.get("index_topk_pattern") is not None and raw.get("indexer_types") is not None:
+        given = raw["index_topk_pattern"]
+        pattern = tuple({"F": "full", "S": "shared"}.get(c, c) for c in given) if isinstance(given, str) else tuple(given)
+        if pattern != types:
+            raise ValueError("config.json: indexer_types disagrees with index_topk_pattern")
     if "index_topk_freq" in raw and raw.get("indexer_types") is not None:
         derived = indexer_types_from_schedule(
             num_layers, raw["index_topk_freq"], raw.get("index_skip_topk_offset", 2)

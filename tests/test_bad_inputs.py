@@ -137,11 +137,12 @@ def _hf_dir(tmp_path, **edits):
     (dict(indexer_types=None, index_topk_pattern=5), r"config.json: index_topk_pattern must be a list, got 5"),
     (dict(mlp_layer_types=5), r"config.json: mlp_layer_types must be a list, got 5"),
     (dict(quantization_config="fp8"), r"config.json: quantization_config must be an object, got 'fp8'"),
+    (dict(index_topk_pattern="FFFF"), r"config.json: indexer_types disagrees with index_topk_pattern"),
 ], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
         "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
         "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "indexer-types-int", "pattern-int",
         "mlp-types-int",
-        "quant-config-str"])
+        "quant-config-str", "pattern-disagrees"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
