@@ -155,6 +155,20 @@ def test_unknown_preset():  # a missing or broken config.json: tests/test_config
         ModelConfig.preset(["x"])
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_configs_transformers_writes_load(tmp_path, model_type):
+    """What the held-to-one-value checks must still accept: a config transformers saves itself, which puts
+    partial_rotary_factor (1.0) into rope_parameters; another factor there is refused."""
+    from transformers import AutoConfig
+    AutoConfig.for_model(model_type, partial_rotary_factor=1.0, num_hidden_layers=4).save_pretrained(tmp_path)
+    assert ModelConfig.from_hf(tmp_path).rope_theta == 10000.0
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"]["partial_rotary_factor"] = 0.5
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"rope_parameters: partial_rotary_factor=0.5 is not implemented"):
+        ModelConfig.from_hf(tmp_path)
+
+
 def test_what_is_not_a_checkpoint_or_a_config(tmp_path):
     """A file where a checkpoint directory belongs, a config.json that is a folder or binary, None: ValueErrors."""
     save_pretrained(tiny_model("tiny-glm-5.2", dtype=torch.float32), tmp_path / "ckpt")
