@@ -24,7 +24,6 @@ there. Exit status 1 if a check fails, 2 if the command needs a GPU this machine
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -38,14 +37,9 @@ from dsv32ref.config import PRESETS
 from dsv32ref.experiments import (capture_memory, fp8_accuracy, host_costs, ledger, regimes, reproduce, timeline, ttft,
                                   ttft_model)
 from dsv32ref.parallel import spawn
-from dsv32ref.results import DATA_DIR, write_result
+from dsv32ref.results import DATA_DIR, run_dir, write_result
 
 MODELS = ["glm-5.2", "deepseek-v3.2", "glm-5"]
-
-
-def run_dir() -> str:
-    """runs/<UTC time>/: where a live run writes unless asked to record into data/."""
-    return os.path.join("runs", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
 
 
 def _out(args, name: str) -> str:

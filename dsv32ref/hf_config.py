@@ -144,7 +144,10 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
             raise ValueError(f"config.json: {where}: rope_type and type disagree: {sorted(types)}")
         rope_type = types.pop() if types else "default"
         # keys with no effect at these values (transformers' YaRN defaults)
-        rest = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")
+        if params.get("partial_rotary_factor", 1.0) not in (None, 1.0):  # (transformers 5 writes it here)
+            raise ValueError(f"config.json: {where}: partial_rotary_factor={params['partial_rotary_factor']!r} is "
+                             f"not implemented; expected 1.0")
+        rest = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")
                 and not (k == "attention_factor" and v is None) and not (k == "truncate" and v is True)}
         if rope_type == "default":
             if rest:
@@ -192,6 +195,11 @@ def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
         )
     else:
         return None
+    if raw.get("index_topk_pattern") is not None and raw.get("indexer_types") is not None:
+        given = raw["index_topk_pattern"]
+        pattern = tuple({"F": "full", "S": "shared"}.get(c, c) for c in given) if isinstance(given, str) else tuple(given)
+        if pattern != types:
+            raise ValueError("config.json: indexer_types disagrees with index_topk_pattern")
     if "index_topk_freq" in raw and raw.get("indexer_types") is not None:
         derived = indexer_types_from_schedule(
             num_layers, raw["index_topk_freq"], raw.get("index_skip_topk_offset", 2)

@@ -11,15 +11,21 @@ or the new one, never half of one. Any partial file of the same result is remove
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import tempfile
 from typing import Any
 
-__all__ = ["DATA_DIR", "partial_path", "write_partial", "write_result", "write_atomic"]
+__all__ = ["DATA_DIR", "partial_path", "run_dir", "write_partial", "write_result", "write_atomic"]
 
 # The repository's data/ (beside the package): what the commands read as the recorded runs, wherever they run from.
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+
+
+def run_dir() -> str:
+    """runs/<UTC time>/: where a live run writes unless asked to record into data/."""
+    return os.path.join("runs", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
 
 
 def partial_path(path: str | os.PathLike) -> str:

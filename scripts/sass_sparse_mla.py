@@ -52,7 +52,7 @@ def compile_triton_kernel(fp8: bool = False):
     """The Triton kernel over the bf16 cache, or (fp8) over FlashMLA's FP8 rows, with its tiles."""
     cfg = FP8_CONFIG if fp8 else DEFAULT_CONFIG
     const = dict(D_LAT=512, D_ROPE=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PRECISION="tf32",
-                 NUM_SPLITS=1, VALID_FIRST=False, FP8=fp8)
+                 NUM_SPLITS=1, VALID_FIRST=False, FP8=fp8, FLAG_NAN=False)
     pointers = dict(POINTERS, cache_ptr="*u8") if fp8 else POINTERS
     return triton.compile(_source(ASTSource, _sparse_mla_kernel, const, pointers), target=SM90,
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))

@@ -137,11 +137,12 @@ def _hf_dir(tmp_path, **edits):
     (dict(indexer_types=None, index_topk_pattern=5), r"config.json: index_topk_pattern must be a list, got 5"),
     (dict(mlp_layer_types=5), r"config.json: mlp_layer_types must be a list, got 5"),
     (dict(quantization_config="fp8"), r"config.json: quantization_config must be an object, got 'fp8'"),
+    (dict(index_topk_pattern="FFFF"), r"config.json: indexer_types disagrees with index_topk_pattern"),
 ], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
         "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
         "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "indexer-types-int", "pattern-int",
         "mlp-types-int",
-        "quant-config-str"])
+        "quant-config-str", "pattern-disagrees"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
@@ -152,6 +153,20 @@ def test_unknown_preset():  # a missing or broken config.json: tests/test_config
         ModelConfig.preset("tiny")
     with pytest.raises(ValueError, match=r"unknown preset \['x'\]"):
         ModelConfig.preset(["x"])
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_configs_transformers_writes_load(tmp_path, model_type):
+    """What the held-to-one-value checks must still accept: a config transformers saves itself, which puts
+    partial_rotary_factor (1.0) into rope_parameters; another factor there is refused."""
+    from transformers import AutoConfig
+    AutoConfig.for_model(model_type, partial_rotary_factor=1.0, num_hidden_layers=4).save_pretrained(tmp_path)
+    assert ModelConfig.from_hf(tmp_path).rope_theta == 10000.0
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"]["partial_rotary_factor"] = 0.5
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"rope_parameters: partial_rotary_factor=0.5 is not implemented"):
+        ModelConfig.from_hf(tmp_path)
 
 
 def test_what_is_not_a_checkpoint_or_a_config(tmp_path):

@@ -389,7 +389,7 @@ def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, toke
     """fp8 queries (their per-head scales in the weights) over DeepGEMM's FP8 keys: fp8 x fp8 MMAs, every visible
     score of every token equal to the float64 reference per element; nothing past a token's position written."""
     cpu = device == "cpu"
-    x = fp8_indexer_inputs(num_heads=4 if cpu else 64, head_dim=16 if cpu else 128,
+    x = fp8_indexer_inputs(num_heads=4 if cpu else 64, head_dim=32 if cpu else 128,
                            context_lens=(0, 37, 9) if cpu else (0, 3000, 100), query_lens=(3, 1, 2) if cpu else (70, 1, 2),
                            block_kv=8 if cpu else 64, device=device, seed=seed)
     assert x.q.dtype == torch.float8_e4m3fn
@@ -404,12 +404,50 @@ def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, toke
     assert scores.cpu()[~visible].isnan().all()
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_fp8_nan_scores_nan_in_both_readers(device, seed):
+    """fp8 NaN bytes (0x7F, what fused_norm_rope writes for a non-finite activation): a NaN key scores NaN for every
+    token, a NaN query head makes its token's scores NaN, a NaN latent row makes the out and lse of the tokens that
+    select it NaN; everything else as the reference. (The interpreter reads the byte as 480 unless told.)"""
+    x = fp8_indexer_inputs(num_heads=4, head_dim=32, context_lens=(0, 37), query_lens=(3, 1), block_kv=8,
+                           device=device, seed=seed)
+    key_block = int(x.block_table[1, 0])
+    x.k_cache.view(-1, 8 * 36)[key_block, 5 * 32 + 3] = 0x7F  # key 5 of request 1 (its block's 6th key)
+    x.q.view(torch.uint8)[1, 2, 7] = 0x7F  # token 1 (request 0), head 2
+    scores = torch.full((4, 45), float("nan"), device=device)
+    indexer_scores_paged(x.q, x.weights, x.k_cache.squeeze(2), x.block_table, x.req_indices, x.positions,
+                         x.softmax_scale, scores, block_s=8)
+    got = scores.cpu()
+    assert got[1, :2].isnan().all() and got[3, 5].isnan() and not got[3, :5].isnan().any()
+    assert not got[0, :1].isnan().any() and not got[2, :3].isnan().any() and not got[3, 6:38].isnan().any()
+    p = paged_sparse_mla_inputs(num_heads=3, topk=16, context_lens=(21,), query_lens=(2,), block_size=8,
+                                dtype=torch.float32, device=device, seed=seed, kv_cache_dtype="fp8")
+    if not ((p.topk_indices >= 0) & (p.topk_indices < int(p.seq_lens[0]))).any():  # (the generator's empty rows)
+        p.topk_indices[0, 0] = 3
+    topk = p.topk_indices.cpu()
+    valid = (topk >= 0) & (topk < int(p.seq_lens[0]))
+    pos = int(topk[valid][0])  # a row some token selects: its tokens' out and lse NaN, the others' not
+    p.latent_cache.view(-1, 656)[int(p.block_table[0, pos // 8]) * 8 + pos % 8, 100] = 0x7F
+    out = torch.full((2, 3, 512), float("nan"), device=device)
+    lse = torch.full((2, 3), float("nan"), device=device)
+    sparse_mla_paged(p.q, p.latent_cache, p.block_table, p.req_indices, p.seq_lens, p.topk_indices, p.sm_scale, out,
+                     lse, config={"BLOCK_N": 8} if device == "cpu" else {})
+    for t in range(2):
+        hit = bool((topk[t][valid[t]] == pos).any())
+        assert bool(lse[t].isnan().all()) == hit and bool(out[t].isnan().all()) == hit, t
+        assert hit or not (lse[t].isnan().any() or out[t].isnan().any()), t
+
+
 def test_fp8_queries_need_the_fp8_key_cache():
     x = fp8_indexer_inputs(num_heads=4, head_dim=16, context_lens=(5,), query_lens=(1,), block_kv=8)
     bf16_keys = torch.zeros(x.k_cache.shape[0], 8, 16)
     with pytest.raises(ValueError, match=r"q_idx: fp8 queries score the FP8 key cache \(uint8\), got an index_cache "
                                          r"of torch.float32"):
         indexer_scores_paged(x.q, x.weights, bf16_keys, x.block_table, x.req_indices, x.positions, 0.25,
+                             torch.empty(1, 8))
+    with pytest.raises(ValueError, match=r"q_idx: fp8 queries need index_head_dim >= 32 \(an 8-bit MMA's depth on sm_90\), "
+                                         r"got 16"):
+        indexer_scores_paged(x.q, x.weights, x.k_cache.squeeze(2), x.block_table, x.req_indices, x.positions, 0.25,
                              torch.empty(1, 8))
 
 

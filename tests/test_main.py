@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dsv32ref import __main__ as cli
-from dsv32ref.__main__ import main, run_dir
+from dsv32ref.__main__ import main
 from dsv32ref.experiments import reproduce
-from dsv32ref.results import DATA_DIR
+from dsv32ref.results import DATA_DIR, run_dir
 
 CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the commands run the experiments themselves")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import torch
@@ -31,6 +32,7 @@ from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan, sparse_mla_p
 from dsv32ref.reference.fp8_cache import (dequantize_indexer_keys, dequantize_latent, quantize_indexer_keys,
                                           quantize_latent)
 from dsv32ref.reference.numerics import fp8_dequantize, fp8_quantize
+from dsv32ref.results import run_dir
 
 BF16 = torch.bfloat16
 CHUNK = 1 << 20  # tokens quantised at a time (bounds the fp32 temporaries)
@@ -234,13 +236,13 @@ def _line(r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="data/fp8_speed.json")
+    ap.add_argument("--out", default=None, help="default: runs/<UTC time>/fp8_speed.json (data/ is what was recorded)")
     ap.add_argument("--quick", action="store_true", help="two batch sizes, two contexts (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="only the FP8 decode's tiles (SWEEP_TILES) at SWEEP_SHAPES")
     args = ap.parse_args(argv)
     if (start := start_run()) is None:
         return 2
-    run = Run(args.out, start[1], start[0])
+    run = Run(args.out or os.path.join(run_dir(), "fp8_speed.json"), start[1], start[0])
     z = shapes("glm-5.2")
     if args.sweep:
         sweep_decode(run, z)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -30,7 +31,7 @@ from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact
 from dsv32ref.kernels.sparse_mla import (DEFAULT_CONFIG, _combine_splits_kernel, _sparse_mla_kernel, kernel_choice,
                                          launch_plan, sparse_mla_paged)
 from dsv32ref.provenance import provenance
-from dsv32ref.results import write_partial, write_result
+from dsv32ref.results import run_dir, write_partial, write_result
 from dsv32ref.reference import apply_rope, fp8_quantize, hadamard_transform, layer_norm, rms_norm
 from dsv32ref.reference.rope import RotaryEmbedding
 
@@ -622,7 +623,7 @@ def print_table(results: list[dict]) -> None:
 
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="data/kernels.json")
+    ap.add_argument("--out", default=None, help="default: runs/<UTC time>/kernels.json (data/ is what was recorded)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sparse_mla tile sweep (and a sorted-index probe)")
     ap.add_argument("--splits-probe", action="store_true",
@@ -641,7 +642,7 @@ def main(argv=None) -> int:
     args = _args(argv)
     if (start := start_run()) is None:
         return 2
-    run = Run(args.out, start[1], start[0])
+    run = Run(args.out or os.path.join(run_dir(), "kernels.json"), start[1], start[0])
     models = [shapes("deepseek-v3.2"), shapes("glm-5.2")]
     if args.compare or args.indexer_probe or args.splits_probe:
         if args.compare:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["cast", "e4m3_bytes", "finite_amax", "hadamard", "pow2_scale", "quantize_e4m3", "round_bf16"]
+__all__ = ["cast", "e4m3_bytes", "finite_amax", "hadamard", "load_e4m3", "pow2_scale", "quantize_e4m3", "round_bf16"]
 
 
 @triton.jit
@@ -93,3 +93,14 @@ def hadamard(x, scale, N: tl.constexpr, LOG2_N: tl.constexpr):
         a, b = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
     return x * scale
+
+
+@triton.jit
+def load_e4m3(ptrs, mask, FLAG_NAN: tl.constexpr):
+    """fp8 e4m3 values at byte pointers `ptrs` (2-D; masked lanes 0) -> (the values, per row whether one is NaN).
+    FLAG_NAN (interpreted): the interpreter reads the NaN bytes 0x7F / 0xFF as +-480, so the caller is told where
+    they are and makes them NaN; compiled, the conversion gives NaN itself: the flags are all False and the caller
+    leaves them unused (`if FLAG_NAN:`), so the compiled code is the plain load's."""
+    raw = tl.load(ptrs, mask=mask, other=0)
+    nan = tl.max(((raw & 0x7F) == 0x7F).to(tl.int32), axis=1) > 0 if FLAG_NAN else tl.max(mask.to(tl.int32), axis=1) < 0
+    return raw.to(tl.float8e4nv, bitcast=True), nan

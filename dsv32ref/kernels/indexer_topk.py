@@ -34,7 +34,8 @@ Output: top-k indices int32 [T, K], the selected positions in increasing order (
 not care about order), -1 padded when fewer than K keys are visible. Ties at the threshold go to the
 lower positions, as in the reference. A NaN in a query, key or weight makes its scores NaN (ReLU keeps NaN,
 as torch.relu does), and a NaN score ranks above every number (as torch.sort and torch.topk rank it): the
-reference, the interpreter and the compiled kernels select the same keys.
+reference, the interpreter and the compiled kernels select the same keys. An fp8 NaN byte (a key or query that
+fused_norm_rope or fused_q wrote from a non-finite activation) is a NaN too, interpreted as well (fp8.load_e4m3).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import triton.language as tl
 
 from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
+from dsv32ref.kernels.fp8 import load_e4m3
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.grid import pdl as _pdl
@@ -67,16 +69,18 @@ def _after_previous(PDL: tl.constexpr):
 
 @triton.jit
 def _load_keys(kcache_ptr, blk, row, vis, stride_kb, stride_ks, block_size, dtype: tl.constexpr, D: tl.constexpr,
-               FP8: tl.constexpr):
+               FP8: tl.constexpr, FLAG_NAN: tl.constexpr):
     """Keys at rows `row` of blocks `blk` -> (keys (BLOCK_S, D) in dtype, their scales (BLOCK_S,) fp32). FP8: the
     cache is bytes in DeepGEMM's block layout, a block's block_size x D fp8 values token by token, then its
     block_size fp32 scales; the scale multiplies the key's scores (it is one per key: the same as scaling the key)."""
     offs_d = tl.arange(0, D)
     if FP8:
         base = kcache_ptr + blk.to(tl.int64) * stride_kb  # the blocks' first bytes
-        k = tl.load((base + row * D).to(tl.pointer_type(tl.float8e4nv))[:, None] + offs_d[None, :], mask=vis[:, None],
-                    other=0.0).to(dtype)  # (BLOCK_S, D), exact in any float dtype
+        k, nan = load_e4m3((base + row * D)[:, None] + offs_d[None, :], vis[:, None], FLAG_NAN)  # (BLOCK_S, D)
+        k = k.to(dtype)  # exact in any float dtype
         k_scale = tl.load((base + block_size * D + 4 * row).to(tl.pointer_type(tl.float32)), mask=vis, other=0.0)
+        if FLAG_NAN:  # a NaN in a key: NaN scores, as the reference gives (compiled, the MMA gives them)
+            k_scale = tl.where(nan, float("nan"), k_scale)
     else:
         k_row = blk.to(tl.int64) * stride_kb + row * stride_ks  # (BLOCK_S,)
         k = tl.load(kcache_ptr + k_row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0)  # (BLOCK_S, D)
@@ -94,7 +98,8 @@ def _indexer_scores_kernel(
     softmax_scale, block_size,
     T, S_MAX, B, max_blocks, num_blocks,  # bounds: tokens, score width, requests, a block-table row, block ids
     H_I: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr, TOKENS: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_Q: tl.constexpr,
+    FLAG_NAN: tl.constexpr,
 ):
     """Program (i, j): the scores of keys [j TILES BLOCK_S, (j + 1) TILES BLOCK_S) of tokens [i TOKENS,
     (i + 1) TOKENS), a key tile at a time. The tokens of one request share its keys: each tile is read once
@@ -124,9 +129,14 @@ def _indexer_scores_kernel(
         s_hi = tl.minimum(s_lo + TILES * BLOCK_S, tl.max(tl.where(member, n_vis_g, 0), axis=0))
         if first & (n_g > 0) & (s_lo < s_hi):
             member_c = (req_c == req) & (tok_c < T)
-            q = tl.load(q_ptr + tok_c[:, None] * stride_qt + (offs_c % H_I)[:, None] * stride_qh + offs_d[None, :],
-                        mask=member_c[:, None], other=0.0)  # (TOKENS H_I, D), held
             w = tl.load(w_ptr + tok_c * stride_wt + offs_c % H_I, mask=member_c, other=0.0)  # (TOKENS H_I,)
+            q_ptrs = q_ptr + tok_c[:, None] * stride_qt + (offs_c % H_I)[:, None] * stride_qh + offs_d[None, :]
+            if FP8_Q:  # fp8 queries (their scales in w): a NaN one scores NaN, as in the reference
+                q, q_nan = load_e4m3(q_ptrs.to(tl.pointer_type(tl.uint8)), member_c[:, None], FLAG_NAN)
+                if FLAG_NAN:
+                    w = tl.where(q_nan, float("nan"), w)
+            else:
+                q = tl.load(q_ptrs, mask=member_c[:, None], other=0.0)  # (TOKENS H_I, D), held
             if TILE_IN_BLOCK:
                 tile_s = s_lo + tl.arange(0, TILES) * BLOCK_S  # the first key of each of the program's tiles
                 blk_j = tl.load(block_table_ptr + req * stride_bt + tile_s // block_size, mask=tile_s < s_hi,
@@ -141,7 +151,8 @@ def _indexer_scores_kernel(
                     blk = tl.load(block_table_ptr + req * stride_bt + offs_s // block_size, mask=vis, other=0)
                     row = offs_s % block_size
                 vis = vis & (blk >= 0) & (blk < num_blocks)  # a key in a block outside the cache scores nothing
-                k, k_scale = _load_keys(kcache_ptr, blk, row, vis, stride_kb, stride_ks, block_size, q.dtype, D, FP8)
+                k, k_scale = _load_keys(kcache_ptr, blk, row, vis, stride_kb, stride_ks, block_size, q.dtype, D, FP8,
+                                        FLAG_NAN)
                 # keys on the MMA's rows, (token, head) on its columns: the sum over heads stays inside each
                 # warp (with heads on the rows it crossed warps through shared memory: 8-15 % slower, H200)
                 logits = mma(k, tl.trans(q), PRECISION)  # (BLOCK_S, TOKENS H_I)
@@ -368,6 +379,8 @@ def _check_common(q_idx, weights, index_cache, block_table, req_indices, positio
     if q_idx.dtype == torch.float8_e4m3fn and not fp8_keys:
         raise ValueError(f"q_idx: fp8 queries score the FP8 key cache (uint8), got an index_cache of "
                          f"{getattr(index_cache, 'dtype', type(index_cache).__name__)}")
+    if q_idx.dtype == torch.float8_e4m3fn and D < 32:
+        raise ValueError(f"q_idx: fp8 queries need index_head_dim >= 32 (an 8-bit MMA's depth on sm_90), got {D}")
     for name, v in (("index_n_heads", H_I), ("index_head_dim", D)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"indexer_topk: {name} must be a power of two, got {v}")
@@ -475,6 +488,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
             T, scores.shape[1], block_table.shape[0], block_table.shape[1], index_cache.shape[0],
             H_I=H_I, D=D, BLOCK_S=block_s, TILES=tiles, TOKENS=tokens,
             TILE_IN_BLOCK=index_cache.shape[1] % block_s == 0, FP8=index_cache.dtype == torch.uint8,
+            FP8_Q=q_idx.dtype == torch.float8_e4m3fn, FLAG_NAN=q_idx.device.type != "cuda",
             PRECISION=dot_precision(q_idx.dtype, q_idx.device), num_warps=num_warps, num_stages=num_stages,
         )
     return scores

@@ -44,6 +44,7 @@ import triton.language as tl
 from dsv32ref.cache import LATENT_ROW_BYTES
 from dsv32ref.checks import (check_bool, check_keys, check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
+from dsv32ref.kernels.fp8 import load_e4m3
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.launch import launch
@@ -113,7 +114,7 @@ def _online_softmax(s, valid, m_i, l_i):
 
 @triton.jit
 def _gather_keys(cache_ptr, row, valid, dtype: tl.constexpr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
-                 FP8: tl.constexpr):
+                 FP8: tl.constexpr, FLAG_NAN: tl.constexpr):
     """The step's latent rows at element offsets row (BLOCK_N,) -> (c_kv (BLOCK_N, D_LAT), k_pe (BLOCK_N, D_ROPE))
     in dtype. FP8: the cache is bytes, FlashMLA's rows [c_kv fp8 e4m3 (D_LAT) | D_LAT / 128 fp32 scales | k_pe
     bf16 (D_ROPE)]; c_kv = fp8 x its group's scale, formed in dtype (exact for bf16 and fp32: a power-of-two
@@ -122,10 +123,11 @@ def _gather_keys(cache_ptr, row, valid, dtype: tl.constexpr, D_LAT: tl.constexpr
     offs_rope = tl.arange(0, D_ROPE)
     if FP8:
         base = cache_ptr + row  # (BLOCK_N,) byte pointers to the rows
-        vals = tl.load(base.to(tl.pointer_type(tl.float8e4nv))[:, None] + offs_lat[None, :], mask=valid[:, None],
-                       other=0.0)  # (BLOCK_N, D_LAT)
+        vals, nan = load_e4m3(base[:, None] + offs_lat[None, :], valid[:, None], FLAG_NAN)  # (BLOCK_N, D_LAT)
         scale = tl.load((base + D_LAT).to(tl.pointer_type(tl.float32))[:, None] + tl.arange(0, D_LAT // 128)[None, :],
                         mask=valid[:, None], other=0.0)  # (BLOCK_N, D_LAT / 128)
+        if FLAG_NAN:  # a NaN in a row: its scores NaN, as the reference gives (compiled, the conversion gives them)
+            scale = tl.where(nan[:, None], float("nan"), scale)
         groups = tl.reshape(vals.to(dtype), (vals.shape[0], D_LAT // 128, 128))  # (BLOCK_N, D_LAT / 128, 128)
         k_lat = tl.reshape(groups * scale.to(dtype)[:, :, None], (vals.shape[0], D_LAT))  # (BLOCK_N, D_LAT)
         k_pe = tl.load((base + D_LAT + 4 * (D_LAT // 128)).to(tl.pointer_type(tl.bfloat16))[:, None] +
@@ -138,7 +140,8 @@ def _gather_keys(cache_ptr, row, valid, dtype: tl.constexpr, D_LAT: tl.constexpr
 
 @triton.jit
 def _attend(q_row, h_mask, cache_ptr, row, valid, m_i, l_i, acc, sm_scale_log2, seq_len,
-            D_LAT: tl.constexpr, D_ROPE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+            D_LAT: tl.constexpr, D_ROPE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+            FLAG_NAN: tl.constexpr):
     """One step over BLOCK_N keys: gather their latent rows, S = q K^T, online softmax, O += P V with V = c_kv.
     Per step at BLOCK_H = BLOCK_N = 64 (bf16): 72 KiB gathered, 4.7 MFLOP in QK^T, 4.2 MFLOP in PV."""
     offs_lat = tl.arange(0, D_LAT)
@@ -149,7 +152,7 @@ def _attend(q_row, h_mask, cache_ptr, row, valid, m_i, l_i, acc, sm_scale_log2, 
     q_pe = tl.load(q_row + D_LAT + offs_rope[None, :], mask=h_mask[:, None], other=0.0)  # (BLOCK_H, D_ROPE)
     # (interpreted, bf16 arithmetic is wrong: the keys are formed in fp32, as mma multiplies them)
     kv_dtype: tl.constexpr = tl.float32 if PRECISION == "upcast" else q_lat.dtype
-    k_lat, k_pe = _gather_keys(cache_ptr, row, valid, kv_dtype, D_LAT, D_ROPE, FP8)
+    k_lat, k_pe = _gather_keys(cache_ptr, row, valid, kv_dtype, D_LAT, D_ROPE, FP8, FLAG_NAN)
     # QK^T as two dots scaled before they are summed (an add of two dot results would fold into one dot).
     s = mma(q_lat, tl.trans(k_lat), PRECISION) * sm_scale_log2 + \
         mma(q_pe, tl.trans(k_pe), PRECISION) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
@@ -202,6 +205,7 @@ def _sparse_mla_kernel(
     B, max_blocks, num_blocks,  # bounds of req_indices, of a block-table row, of block ids (masked, never read)
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr, FP8: tl.constexpr,
+    FLAG_NAN: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -225,7 +229,7 @@ def _sparse_mla_kernel(
     for it in tl.range(it0, it1):
         row_next, valid_next = _step_rows(rows_row_ptr, it + 1, k_end, stride_cs, BLOCK_N)  # in flight meanwhile
         m_i, l_i, acc = _attend(q_row, h_mask, cache_ptr, row, valid, m_i, l_i, acc, sm_scale_log2, seq_len,
-                                D_LAT, D_ROPE, PRECISION, FP8)
+                                D_LAT, D_ROPE, PRECISION, FP8, FLAG_NAN)
         row, valid = row_next, valid_next
     _finish(acc, m_i, l_i, t, offs_h, h_mask, split, H, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
             D_LAT, NUM_SPLITS)
@@ -452,5 +456,6 @@ def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_ind
         B, block_table.shape[1], latent_cache.shape[0],
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
         PRECISION=dot_precision(q.dtype, q.device), NUM_SPLITS=splits, VALID_FIRST=valid_first,
-        FP8=latent_cache.dtype == torch.uint8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FP8=latent_cache.dtype == torch.uint8, FLAG_NAN=q.device.type != "cuda", num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
