@@ -69,10 +69,10 @@ def cast(x, ty: tl.constexpr):
 
 
 @triton.jit
-def finite_amax(v):
-    """The largest |v| over v's finite values (0 if none), fp32, over the whole tile."""
+def finite_amax(v, axis=None):
+    """The largest |v| over v's finite values (0 if none), fp32: over the whole tile, or along `axis`."""
     a = tl.abs(v.to(tl.float32))
-    return tl.max(tl.where(a < float("inf"), a, 0.0))
+    return tl.max(tl.where(a < float("inf"), a, 0.0), axis=axis)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton.language as tl
 from dsv32ref.cache import LATENT_ROW_BYTES
 from dsv32ref.checks import (check_bool, check_range, check_rope_table, check_same_device, check_scale, check_tensor,
                              device_value_checks_on)
-from dsv32ref.kernels.fp8 import cast, e4m3_bytes, hadamard, pow2_scale, quantize_e4m3
+from dsv32ref.kernels.fp8 import cast, e4m3_bytes, finite_amax, hadamard, pow2_scale, quantize_e4m3
 from dsv32ref.kernels.launch import launch
 
 __all__ = ["fused_norm_rope"]
@@ -63,7 +63,7 @@ def _store_latent_fp8(row_ptr, c_kv, KV_LORA: tl.constexpr):
     (from the group's finite values; a NaN or inf is written as NaN). k_pe, bytes KV_LORA + KV_LORA / 32 on, is the
     caller's."""
     groups = tl.reshape(c_kv, (KV_LORA // 128, 128))  # (KV_LORA / 128, 128)
-    amax = tl.max(tl.where(tl.abs(groups) < float("inf"), tl.abs(groups), 0.0), axis=1)  # (KV_LORA / 128,)
+    amax = finite_amax(groups, axis=1)  # (KV_LORA / 128,)
     scale, inv = pow2_scale(amax, -13)
     codes = e4m3_bytes(groups * inv[:, None])  # (KV_LORA / 128, 128)
     tl.store(row_ptr + tl.arange(0, KV_LORA), tl.reshape(codes, (KV_LORA,)))

@@ -54,7 +54,8 @@ class Indexer(nn.Module):
 
     def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp8_keys: bool = False) -> torch.Tensor:
         """x [T, hidden] -> k^I [T, index_head_dim]: LayerNorm, then RoPE on the first rope_dim values. fp8_keys:
-        rotated too, for the FP8 key cache to quantise (Hadamard: q.k unchanged, outliers spread first)."""
+        rotated too, for the FP8 key cache to quantise (Hadamard: q.k unchanged; notebook 07 shows what it does to
+        the rounding)."""
         return self._rope_then_quant(self.k_norm(self.wk(x)), cos, sin, rotate=fp8_keys, round_trip=False)
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
