@@ -66,8 +66,11 @@ def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
 
 @triton.jit
 def mma(a, b, PRECISION: tl.constexpr):
-    """tl.dot(a, b) with fp32 accumulation, PRECISION from `dot_precision`."""
+    """tl.dot(a, b) with fp32 accumulation, PRECISION from `dot_precision`. fp8 x fp8: sm_90's MMA accumulates
+    8-bit products at reduced precision (about 14 bits), so the sum is promoted to fp32 after every K = 32 step."""
     if PRECISION == "upcast":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif a.dtype.is_fp8():
+        return tl.dot(a, b, max_num_imprecise_acc=32)
     else:
         return tl.dot(a, b, input_precision=PRECISION)
