@@ -308,6 +308,32 @@ def test_sparse_mla_paged_reads_fp8_rows(device, dtype, tol, splits, valid_first
     assert_close("lse", lse, ref_lse, dtype=torch.float32, rtol=64, atol=64)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("valid_first", [False, True])
+@pytest.mark.parametrize("query_lens", [(150, 1, 2, 1), (1, 1, 1, 1)], ids=["no-splits", "decode-splits"])
+def test_sm90_dequantises_fp8_rows_in_its_producer(valid_first, query_lens, seed):
+    """bf16 q, no config: on sm_90 the warp-specialized kernel runs over FlashMLA's rows (its producer dequantises
+    them into shared memory), with enough tokens to fill the GPU and with four decode tokens (top-k splits), and
+    equals the float64 reference per element: scrambled blocks, -1 and out-of-range entries, empty rows,
+    unselected rows NaN, outputs poisoned."""
+    from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
+    x = paged_sparse_mla_inputs(num_heads=128, topk=2048, context_lens=(0, 3000, 100, 5000), query_lens=query_lens,
+                                block_size=64, dtype=torch.bfloat16, device="cuda", seed=seed, valid_first=valid_first,
+                                kv_cache_dtype="fp8")
+    T, H = x.q.shape[:2]
+    plan = launch_plan(x.q, 512, 2048, None, torch.cuda.get_device_properties(0).multi_processor_count, fp8=True)
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert plan[3] == sm90 and kernel_choice(x.q, 512, plan[2], None, fp8=True)[0] == (
+        "sm_90 warp-specialized" if sm90 else "triton")
+    out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((T, H), float("nan"), device="cuda")
+    sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,
+                     out, lse, valid_first=valid_first)
+    ref, ref_lse = reference_sparse_mla_paged(x)
+    assert_close("out", out, ref, dtype=torch.bfloat16, row_dims=2, rtol=1, atol=1)
+    assert_close("lse", lse, ref_lse, dtype=torch.float32, rtol=64, atol=64)
+
+
 def test_sparse_mla_paged_refuses_what_fp8_rows_cannot_be():
     """An fp8 cache of the wrong width, for other latent widths, with a float16 q (fp8 x scale can overflow it),
     or with rows not 16-byte aligned: a ValueError naming the tensor."""

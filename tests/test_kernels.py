@@ -348,9 +348,9 @@ def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, tile, seed):
 
 
 def test_the_hopper_kernel_runs_only_where_it_applies(monkeypatch):
-    """sparse_mla_paged runs the Gluon kernel only on a CUDA sm_90 device, for bf16 with DeepSeek's latent widths,
-    without top-k splits and without a config, under a triton it was built for; an interpreter run always takes
-    the Triton kernel. Each refusal says why."""
+    """sparse_mla_paged runs the Gluon kernel only on a CUDA sm_90 device, for bf16 with DeepSeek's latent widths
+    and without a config, under a triton it was built for; an interpreter run always takes the Triton kernel. Each
+    refusal says why."""
     import triton
 
     from dsv32ref.kernels import sparse_mla_hopper
@@ -366,13 +366,12 @@ def test_the_hopper_kernel_runs_only_where_it_applies(monkeypatch):
         return SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dtype)
 
     why = sparse_mla_hopper.why_not
-    assert why(q, 512, 64, 1) == "not a CUDA tensor"
-    assert why(fake(torch.float16), 512, 64, 1) == "torch.float16 (the sm_90 kernel is bf16)"
-    assert why(fake(), 256, 64, 1) == "latent widths 256 + 64 (the sm_90 kernel is 512 + 64)"
-    assert why(fake(), 512, 64, 4).startswith("4 top-k splits")
+    assert why(q, 512, 64) == "not a CUDA tensor"
+    assert why(fake(torch.float16), 512, 64) == "torch.float16 (the sm_90 kernel is bf16)"
+    assert why(fake(), 256, 64) == "latent widths 256 + 64 (the sm_90 kernel is 512 + 64)"
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     monkeypatch.setattr(sparse_mla_hopper, "_TRITON", "3.9")
-    assert why(fake(), 512, 64, 1) == "triton 3.9.0 (the sm_90 kernel is built for 3.6, 3.7, 3.8)"
+    assert why(fake(), 512, 64) == "triton 3.9.0 (the sm_90 kernel is built for 3.6, 3.7, 3.8)"
     monkeypatch.undo()
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         g = q.cuda()

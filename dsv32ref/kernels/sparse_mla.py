@@ -16,7 +16,8 @@ in a long prefill the rows are shared by many tokens and sit in L2, and the comp
 
 FP8 cache (FlashMLA's rows, dsv32ref.reference.fp8_cache): 656 bytes per gathered row instead of 1152, so a
 memory-bound decode reads 57 % of the bytes. Each step loads the fp8 values, their four scales and k_pe, and
-forms c_kv = fp8 x scale in q's dtype (exact: the scales are powers of two) before the same MMAs.
+forms c_kv = fp8 x scale in q's dtype (exact: the scales are powers of two) before the same MMAs. (On sm_90 the
+warp-specialized kernel's producer does that work into shared memory instead, off the MMAs' path.)
 
 The program. One program owns BLOCK_H = 64 heads of one token (a DeepSeek-V3.2 token takes two) and walks its
 top-k BLOCK_N = 64 keys at a time, as the fused-attention tutorial walks K/V blocks:
@@ -337,14 +338,13 @@ def kernel_choice(q: torch.Tensor, d_lat: int, splits: int, config: dict | None,
     or "triton" (the kernel of this module). fp8: the latent cache holds FlashMLA's FP8 rows."""
     if config:
         reason = "a tile config was given"
-    elif fp8:
-        reason = "an fp8 latent cache (the warp-specialized kernel reads bf16 rows)"
     elif _hopper is None:
         reason = f"triton {triton.__version__} has no triton.experimental.gluon"
     else:
-        reason = _hopper.why_not(q, d_lat, q.shape[-1] - d_lat, splits)
+        reason = _hopper.why_not(q, d_lat, q.shape[-1] - d_lat)
     if reason is None:
-        return "sm_90 warp-specialized", "sm_90, bf16, 512 + 64 wide, no top-k splits"
+        rows = "FP8 rows dequantised by the producer" if fp8 else "bf16 rows"
+        return "sm_90 warp-specialized", f"sm_90, bf16 q, {rows}, 512 + 64 wide, {splits} top-k split(s)"
     return "triton", reason
 
 
@@ -402,7 +402,7 @@ def sparse_mla_paged(
                   min(K, seq_len) slots are visited. Off by default (FlashMLA accepts any order).
     config        tiles (CONFIG_KEYS) over DEFAULT_CONFIG (FP32_CONFIG for fp32 inputs). Without one, an sm_90
                   GPU runs the warp-specialized Gluon kernel (dsv32ref.kernels.sparse_mla_hopper) where it
-                  applies (bf16, D_LAT 512, D_ROPE 64, no top-k splits); with one, always the Triton kernel.
+                  applies (bf16 q, D_LAT 512, D_ROPE 64; bf16 or FP8 rows); with one, always the Triton kernel.
     When T x head blocks leaves SMs idle (decode), the top-k is split across NUM_SPLITS programs (`num_splits`,
     or config["NUM_SPLITS"], a power of two) and a second launch merges the partial results; the split count
     depends only on shapes, so it is fixed within a captured graph. `num_sms`: the SMs to fill (default: the
@@ -418,26 +418,31 @@ def sparse_mla_paged(
     K = topk_indices.shape[1]
     cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms, latent_cache.dtype == torch.uint8)
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
-    if hopper:
-        _hopper.sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out,
-                                  lse_arg, valid_first)
+    if splits > 1:  # fp32 partials, merged after the kernel
+        part_o = torch.empty(T, H, splits, d_lat, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
+        outputs = (part_o, 0, 0, part_lse, 0)
     else:
-        _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse_arg,
-                       cfg, block_h, splits, valid_first)
+        outputs = (out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0))
+    if hopper:
+        _hopper.sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale,
+                                  outputs, splits, valid_first)
+    else:
+        _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
+                       block_h, splits, valid_first)
+    if splits > 1:
+        launch(_combine_splits_kernel, (T, H), part_o, part_lse, out, out.stride(0), out.stride(1), lse_arg,
+               lse_arg.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)
     return out, lse
 
 
-def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse_arg, cfg,
+def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
                    block_h, splits, valid_first) -> None:
-    """This module's kernel, then (with top-k splits) the launch that merges the partial results."""
-    (T, H, D), d_lat, K, B = q.shape, out.shape[-1], topk_indices.shape[1], seq_lens.shape[0]
+    """This module's kernel into outputs (out, its strides, lse, its stride; or the fp32 partials with splits)."""
+    (T, H, D), K, B = q.shape, topk_indices.shape[1], seq_lens.shape[0]
+    o_arg, o_s0, o_s1, l_arg, l_s0 = outputs
+    d_lat = o_arg.shape[-1]
     head_blocks, d_rope = triton.cdiv(H, block_h), D - d_lat
-    if splits > 1:
-        part_o = torch.empty(T, H, splits, d_lat, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
-        o_arg, o_s0, o_s1, l_arg, l_s0 = part_o, 0, 0, part_lse, 0
-    else:
-        o_arg, o_s0, o_s1, l_arg, l_s0 = out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0)
     rows = torch.empty(T, K, dtype=torch.int32, device=q.device)
     launch(_sparse_mla_kernel, (T, head_blocks, splits),
         q, q.stride(0), q.stride(1),
@@ -454,6 +459,3 @@ def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_ind
         FP8=latent_cache.dtype == torch.uint8, FLAG_NAN=q.device.type != "cuda", num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if splits > 1:
-        launch(_combine_splits_kernel, (T, H), part_o, part_lse, out, out.stride(0), out.stride(1), lse_arg,
-               lse_arg.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)

@@ -23,7 +23,16 @@ element and are reduced once after the loop: a reduction across the warpgroups c
 and the row max already needs one. Its times beside the Triton kernel's, on the H200: data/kernels.json
 (notebook 02).
 
-Scope: bf16, D_LAT 512, D_ROPE 64, no top-k splits, triton 3.6 to 3.8 (Gluon's API moves between releases:
+FlashMLA's FP8 rows (656 bytes: fp8 c_kv, four fp32 scales, bf16 k_pe): the producer copies k_pe as it is and
+loads each row's fp8 values and scales into registers (two 128-value groups in flight at a time), multiplies them
+out into bf16 (exact: power-of-two scales) and stores them into the stage, so the consumers run unchanged on
+bf16 stages (FlashMLA's FP8 sparse decode also dequantises to bf16 before its MMAs). The producer takes 88 registers
+instead of 64: with more the consumers spill, with four groups in flight it does (triton 3.6 to 3.8).
+
+Top-k splits (decode: few tokens leave SMs idle) as the Triton kernel's: program_id(2) walks its share of the
+steps and writes fp32 partials, which sparse_mla_paged merges.
+
+Scope: bf16 q over bf16 or FP8 rows, D_LAT 512, D_ROPE 64, triton 3.6 to 3.8 (Gluon's API moves between releases:
 3.7 renamed thread_barrier to barrier, 3.9 replaced async_copy_global_to_shared by async_load; the kernel
 takes whichever name its triton has, and scripts/sass_sparse_mla.py compiles it for sm_90a offline under each
 release). `why_not` says when it does not run; everything else runs the Triton kernel.
@@ -57,25 +66,23 @@ BLOCK_H = gl.constexpr(64)  # heads per program
 BLOCK_N = gl.constexpr(64)  # keys per step
 LOAD_WARPS = gl.constexpr(4)  # the producer partition: one warpgroup
 LOAD_REGS = gl.constexpr(64)  # few registers: it only resolves rows and copies
+LOAD_REGS_FP8 = gl.constexpr(88)  # FP8: it also holds a step's fp8 values while it dequantises them
 FLAGS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
 
 _TRITON = ".".join(triton.__version__.split(".")[:2])
 
 
-def why_not(q: torch.Tensor, d_lat: int, d_rope: int, splits: int) -> str | None:
+def why_not(q: torch.Tensor, d_lat: int, d_rope: int) -> str | None:
     """Why sparse_mla_paged does not run this kernel for q (None: it does). It needs a CUDA tensor on an sm_90
-    device, bf16, DeepSeek's latent widths, no top-k splits (few programs: the split Triton kernel fills the GPU
-    better), and a triton of SUPPORTED_TRITON. Called at every launch: the reasons are formatted only when one
-    applies."""
+    device, bf16, DeepSeek's latent widths and a triton of SUPPORTED_TRITON. Called at every launch: the reasons
+    are formatted only when one applies."""
     if q.device.type != "cuda":
         return "not a CUDA tensor"
     if q.dtype != torch.bfloat16:
         return f"{q.dtype} (the sm_90 kernel is bf16)"
     if (d_lat, d_rope) != (512, 64):
         return f"latent widths {d_lat} + {d_rope} (the sm_90 kernel is 512 + 64)"
-    if splits != 1:
-        return f"{splits} top-k splits (few tokens: the split Triton kernel fills the GPU)"
     if _TRITON not in SUPPORTED_TRITON:
         return f"triton {triton.__version__} (the sm_90 kernel is built for {', '.join(SUPPORTED_TRITON)})"
     if cuda_capability(q.device) != (9, 0):
@@ -133,27 +140,62 @@ def _issue_pv(p, alpha, p_smem, kl, acc, o_l: gl.constexpr):
 
 
 @gluon.jit
-def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, D_LAT: gl.constexpr,
-            s_l: gl.constexpr, o_l: gl.constexpr):
+def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split, D_LAT: gl.constexpr,
+            NUM_SPLITS: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
     """O / l and the natural-log logsumexp (+inf where no key was valid; NaN where a score was NaN or +inf, as in
-    the reference), stored for the program's heads."""
+    the reference), stored for the program's heads; with top-k splits, fp32 partials [T, H, NUM_SPLITS, D_LAT] and
+    [T, H, NUM_SPLITS] (an empty split's lse -inf: weight 0 when sparse_mla merges them)."""
     has_key = l_i != 0
     lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
     out = acc / gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))[:, None]
     offs_ho = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_l))
     offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, o_l))
-    gl.store(out_ptr + t * stride_ot + offs_ho[:, None] * stride_oh + offs_d[None, :], out.to(gl.bfloat16),
-             mask=(offs_ho < H)[:, None])
     offs_hl = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
-    gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
+    if NUM_SPLITS > 1:
+        o_ptrs = out_ptr + ((t * H + offs_ho[:, None]) * NUM_SPLITS + split) * D_LAT + offs_d[None, :]
+        gl.store(o_ptrs, out, mask=(offs_ho < H)[:, None])
+        gl.store(lse_ptr + (t * H + offs_hl) * NUM_SPLITS + split, gl.where(has_key, lse, float("-inf")),
+                 mask=offs_hl < H)
+    else:
+        gl.store(out_ptr + t * stride_ot + offs_ho[:, None] * stride_oh + offs_d[None, :], out.to(gl.bfloat16),
+                 mask=(offs_ho < H)[:, None])
+        gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
+
+
+@gluon.jit
+def _fp8_group(base8, ok8, offs_g, g: gl.constexpr, D_LAT: gl.constexpr):
+    """Group g of the rows at byte pointers base8 (BLOCK_N, 1): its 128 fp8 values (BLOCK_N, 128) and its fp32 scale
+    (BLOCK_N, 1), zeros for invalid rows."""
+    vals = gl.load((base8 + g * 128).to(gl.pointer_type(gl.float8e4nv)) + offs_g[None, :], mask=ok8[:, None], other=0.0)
+    scale = gl.load((base8 + D_LAT + 4 * g).to(gl.pointer_type(gl.float32)), mask=ok8[:, None], other=0.0)
+    return vals, scale
+
+
+@gluon.jit
+def _dequantize_rows(k_lat_st, cache_ptr, row, stride_cs, D_LAT: gl.constexpr):
+    """FlashMLA's FP8 c_kv of the step's rows (`row`, in units of stride_cs bytes; -1: invalid) -> bf16 into the
+    stage k_lat_st (BLOCK_N, D_LAT = 512): each 128-value group's fp8 values times its fp32 scale (a power of two:
+    exact in bf16). Two groups' loads are issued before either is used, so their latencies overlap."""
+    gl.static_assert(D_LAT == 512, "FlashMLA's rows: 4 groups of 128")
+    ld8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 fp8 bytes per thread per load
+    row8 = gl.convert_layout(row, gl.SliceLayout(1, ld8))
+    ok8 = row8 >= 0
+    base8 = cache_ptr + row8.to(gl.int64)[:, None] * stride_cs  # (BLOCK_N, 1) byte pointers
+    offs_g = gl.arange(0, 128, gl.SliceLayout(0, ld8))
+    for half in gl.static_range(2):  # two groups in flight at a time: what the producer's registers hold
+        va, sa = _fp8_group(base8, ok8, offs_g, 2 * half, D_LAT)
+        vb, sb = _fp8_group(base8, ok8, offs_g, 2 * half + 1, D_LAT)
+        k_lat_st.slice(256 * half, 128, dim=1).store((va.to(gl.float32) * sa).to(gl.bfloat16))
+        k_lat_st.slice(256 * half + 128, 128, dim=1).store((vb.to(gl.float32) * sb).to(gl.bfloat16))
 
 
 @gluon.jit
 def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
-                    seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem, q_bar, ready,
-                    free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+                    it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem, q_bar, ready,
+                    free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, FP8: gl.constexpr):
     """The producer: q once, then each step's rows, resolved while it waits for the consumers to free the stage;
-    which of them are valid goes to the stage's flags, so the consumers resolve nothing."""
+    which of them are valid goes to the stage's flags, so the consumers resolve nothing. FP8 (FlashMLA's rows,
+    stride_cs bytes apart): c_kv dequantised into the stage's bf16 (_dequantize_rows), k_pe copied as it is."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
     offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
     q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
@@ -163,24 +205,31 @@ def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_p
     _async_copy(q_lat, q_row + offs_lat[None, :], mask=h_ok)
     _async_copy(q_pe, q_row + D_LAT + offs_pe[None, :], mask=h_ok)
     cp.mbarrier_arrive(q_bar, increment_count=False)
-    for i in range(gl.cdiv(k_end, BLOCK_N)):
-        st = i % 2
+    for i in range(it0, it1):  # the program's steps (its split of the top-k)
+        st = (i - it0) % 2
         row = _resolve_step(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
                             gl.SliceLayout(1, ld))
         base = cache_ptr + row.to(gl.int64)[:, None] * stride_cs
         ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
-        mbarrier.wait(free.index(st), ((i // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
+        mbarrier.wait(free.index(st), (((i - it0) // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
         valid_smem.index(st).store(ok.to(gl.int8))
-        _async_copy(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
-        _async_copy(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
+        if FP8:
+            pe = (base + D_LAT + 4 * (D_LAT // 128)).to(gl.pointer_type(gl.bfloat16))
+            _async_copy(k_pe.index(st), pe + offs_pe[None, :], mask=ok[:, None])
+            _dequantize_rows(k_lat.index(st), cache_ptr, row, stride_cs, D_LAT)
+            fence_async_shared()  # the stage's plain stores, visible to the consumers' wgmma (async proxy)
+        else:
+            _async_copy(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
+            _async_copy(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
         cp.mbarrier_arrive(ready.index(st), increment_count=False)  # when this thread's copies land
-        _cta_barrier()  # the producer warpgroup's flags are all stored ...
+        _cta_barrier()  # the producer warpgroup's flags (and FP8 values) are all stored ...
         mbarrier.arrive(ready.index(st))  # ... and released to the consumers by one thread's arrive
 
 
 @gluon.jit
 def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, ready, free, out_ptr, stride_ot,
-                       stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, D_LAT: gl.constexpr):
+                       stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, it0, it1, split, D_LAT: gl.constexpr,
+                       NUM_SPLITS: gl.constexpr):
     """The consumers (the kernel's 8 warps), then the epilogue (_finish)."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
@@ -189,10 +238,10 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, read
     acc = gl.zeros([BLOCK_H, D_LAT], gl.float32, o_l)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
     mbarrier.wait(q_bar, 0)
-    for i in range(gl.cdiv(k_end, BLOCK_N)):
-        st = i % 2
+    for i in range(it0, it1):
+        st = (i - it0) % 2
         kl = k_lat.index(st)
-        mbarrier.wait(ready.index(st), (i // 2) & 1)
+        mbarrier.wait(ready.index(st), ((i - it0) // 2) & 1)
         valid = valid_smem.index(st).load(gl.SliceLayout(0, s_l)) != 0  # (BLOCK_N,): the producer's flags
         fence_async_shared()  # the copies' generic-proxy writes, visible to the wgmma's async proxy
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -205,8 +254,8 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, read
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _cta_barrier()  # every consumer warp is done with P and with this stage
         mbarrier.arrive(free.index(st))
-    _finish(acc, m_i, gl.sum(l_acc, axis=1), out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, D_LAT,
-            s_l, o_l)
+    _finish(acc, m_i, gl.sum(l_acc, axis=1), out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split,
+            D_LAT, NUM_SPLITS, s_l, o_l)
 
 
 @gluon.jit
@@ -217,7 +266,8 @@ def _sparse_mla_ws_kernel(
     idx_ptr, stride_it,  # top-k [T, K] int32
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,  # out [T, H, D_LAT] bf16, lse [T, H] fp32
     sm_scale_log2, H, K, block_size, rows_per_block, B, max_blocks, num_blocks,
-    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, VALID_FIRST: gl.constexpr, num_warps: gl.constexpr,
+    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, VALID_FIRST: gl.constexpr, FP8: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, num_warps: gl.constexpr,
 ):
     t = gl.program_id(0)
     h0 = gl.program_id(1) * BLOCK_H
@@ -229,6 +279,11 @@ def _sparse_mla_ws_kernel(
     seq_len = gl.where(req_ok, gl.maximum(gl.minimum(seq_len, max_blocks * block_size), 0), 0)
     # With VALID_FIRST the caller promises the valid indices come first: at most seq_len slots need visiting.
     k_end = gl.minimum(K, seq_len) if VALID_FIRST else K
+    # split-K (decode): program_id(2) takes its share of the steps; an empty share leaves lse -inf
+    split = gl.program_id(2)
+    per_split = gl.cdiv(gl.cdiv(k_end, BLOCK_N), NUM_SPLITS)
+    it0 = split * per_split
+    it1 = gl.minimum(it0 + per_split, gl.cdiv(k_end, BLOCK_N))
     idx_row_ptr = idx_ptr + t * stride_it
     bt_row_ptr = block_table_ptr + gl.where(req_ok, req, 0) * stride_bt
     q_lat, q_pe, k_lat, k_pe, p_smem = _shared_buffers(D_LAT, D_ROPE)
@@ -242,24 +297,27 @@ def _sparse_mla_ws_kernel(
         mbarrier.init(free.index(st), count=1)  # one arrive: the consumers, after their barrier
     gl.warp_specialize([
         (_compute_partition, (q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, ready, free, out_ptr, stride_ot,
-                              stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, k_end, D_LAT)),
+                              stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, it0, it1, split, D_LAT,
+                              NUM_SPLITS)),
         (_load_partition, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
-                           k_end, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem,
-                           q_bar, ready, free, D_LAT, D_ROPE)),
-    ], [LOAD_WARPS], [LOAD_REGS])
+                           k_end, it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem,
+                           q_bar, ready, free, D_LAT, D_ROPE, FP8)),
+    ], [LOAD_WARPS], [LOAD_REGS_FP8 if FP8 else LOAD_REGS])
 
 
-def sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, out, lse,
-                      valid_first: bool = False):
-    """The launch (inputs checked by sparse_mla_paged, `why_not` None): one program per (token, 64 heads);
-    valid_first as sparse_mla_paged's."""
+def sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs,
+                      splits: int, valid_first: bool = False) -> None:
+    """The launch (inputs checked by sparse_mla_paged, `why_not` None): one program per (token, 64 heads, top-k
+    split); outputs = (out, out's two strides, lse, lse's stride), or with splits > 1 the fp32 partials
+    sparse_mla_paged merges (strides unused); valid_first as sparse_mla_paged's."""
     T, H = q.shape[:2]
     nb, bs = latent_cache.shape[:2]
-    launch(_sparse_mla_ws_kernel, (T, triton.cdiv(H, 64)),
+    o_arg, o_s0, o_s1, l_arg, l_s0 = outputs
+    launch(_sparse_mla_ws_kernel, (T, triton.cdiv(H, 64), splits),
         q, q.stride(0), q.stride(1), latent_cache, latent_cache.stride(1),
         block_table, block_table.stride(0), req_indices, seq_lens, topk_indices, topk_indices.stride(0),
-        out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        o_arg, o_s0, o_s1, l_arg, l_s0,
         sm_scale * math.log2(math.e), H, topk_indices.shape[1], bs,
         latent_cache.stride(0) // latent_cache.stride(1), seq_lens.shape[0], block_table.shape[1], nb,
-        D_LAT=out.shape[-1], D_ROPE=q.shape[-1] - out.shape[-1], VALID_FIRST=valid_first, num_warps=8)
-    return out, lse
+        D_LAT=q.shape[-1] - 64, D_ROPE=64, VALID_FIRST=valid_first,
+        FP8=latent_cache.dtype == torch.uint8, NUM_SPLITS=splits, num_warps=8)
