@@ -294,8 +294,9 @@ print(f"ridge of the measured ceilings: {ceil['bf16_gemm_TFLOPs'] * 1e3 / ceil['
 # warpgroups freed, and stores the stage's validity flags beside it; one `ready` and one `free` mbarrier per
 # stage carry the hand-offs; the consumers split S's keys and O's columns, keep the query in shared memory for
 # the whole program, and load nothing from global memory in their loop. `sparse_mla_paged` runs it on sm_90 for
-# bf16 with DeepSeek's latent widths wherever the top-k is not split and no tile config is given (its
-# `kernel_choice` says which and why). The Triton kernel it replaces there resolves the top-k to rows once per
+# bf16 queries with DeepSeek's latent widths wherever no tile config is given (its `kernel_choice` says which
+# and why); with few tokens it splits the top-k across programs and a second launch merges their partial
+# results, and over FlashMLA's FP8 rows its producer dequantises each step into the bf16 stage (notebook 07). The Triton kernel it replaces there resolves the top-k to rows once per
 # program into a workspace and splits QKᵀ's keys between its two warpgroups; the builds tried on the way (rows
 # resolved in the loop or one step ahead, a chained QKᵀ, the Gluon kernel without a producer) are in the git
 # history with the runs that measured them. The benchmark timed both kernels on the same inputs:
@@ -332,14 +333,16 @@ rows, failed = [], {}
 for version, kernels in sass["by_triton"].items():
     for name, v in kernels.items():
         if "error" in v:
-            failed.setdefault(version, set()).add("ptxas refused the PTX" if "ptxas" in v["error"] else v["error"][:60])
+            failed.setdefault(version, set()).add(
+                "ptxas refused the PTX (the bundled ptxas is older than it)" if "ptxas" in v["error"]
+                else f"the script's compile of the sm_90 kernel failed ({v['error'].split(':')[0]})")
             continue
         rows.append([version, name, v["registers"], v["spill_store_bytes"], v["per_step"]["LDG"],
                      v["per_step"]["LDGSTS"], v["per_step"]["HGMMA"], v["per_step"]["BAR"], v["loop_instructions"]])
 table(["triton", "kernel, loop", "registers", "spilled (B)", "LDG", "cp.async", "wgmma", "barriers",
        "instructions / step"], rows)
 for version, why in failed.items():
-    print(f"triton {version}: {'; '.join(sorted(why))} (its bundled ptxas is older than the PTX it emits)")
+    print(f"triton {version}:", *sorted(why), sep="\n    ")
 
 # %%
 from dsv32ref.kernels.sparse_mla_hopper import SUPPORTED_TRITON  # noqa: E402
@@ -347,15 +350,22 @@ from dsv32ref.kernels.sparse_mla_hopper import SUPPORTED_TRITON  # noqa: E402
 by = sass["by_triton"]
 cons = {v: k["sm_90 warp-specialized: the consumers' loop"] for v, k in by.items() if "error" not in k[
     "sm_90 warp-specialized: the consumers' loop"]}
-same_mma = len({c["per_step"]["HGMMA"] for c in cons.values()}) == 1
-per_release = ", ".join(f"{c['loop_instructions']} ({v})" for v, c in cons.items())
+if cons:
+    same_mma = len({c["per_step"]["HGMMA"] for c in cons.values()}) == 1
+    per_release = ", ".join(f"{c['loop_instructions']} ({v})" for v, c in cons.items())
+    offline = (f"The consumers' loop issues {per_release} instructions a step, the same "
+               f"{next(iter(cons.values()))['per_step']['HGMMA']} warpgroup MMAs "
+               f"{'in every release' if same_mma else 'NOT in every release'}, no global load, "
+               f"{next(iter(cons.values()))['registers']} registers. ")
+else:  # the recording's script could not compile the kernel: say so, with the error it recorded
+    err = next(iter(by.values()))["sm_90 warp-specialized: the consumers' loop"]["error"]
+    offline = (f"This recording has no offline build of the sm_90 kernel: at commit "
+               f"{sass['provenance']['git_commit'][:10]} the script compiled it without its FP8 and NUM_SPLITS "
+               f"arguments, and that failed in every release (`{err[:60]}...`). ")
 display(Markdown(
-    f"The consumers' loop issues {per_release} "
-    f"instructions a step, the same {next(iter(cons.values()))['per_step']['HGMMA']} warpgroup MMAs "
-    f"{'in every release' if same_mma else 'NOT in every release'}, no global load, "
-    f"{next(iter(cons.values()))['registers']} registers. `sparse_mla_paged` therefore runs the sm_90 kernel under "
-    f"triton {', '.join(SUPPORTED_TRITON)} (run on the H200 under {prov['triton']} by the GPU tests; compiled "
-    f"offline for the others) and the Triton kernel elsewhere, saying why in `kernel_choice`."))
+    f"{offline}`sparse_mla_paged` runs the sm_90 kernel under triton {', '.join(SUPPORTED_TRITON)} (run on the "
+    f"H200 under {prov['triton']} by the GPU tests) and the Triton kernel elsewhere, saying why in "
+    f"`kernel_choice`."))
 
 # %% [markdown]
 # ## The indexer at one decode token
@@ -439,7 +449,7 @@ display(Markdown(
     f"- `sparse_mla`: where sm_90's warp-specialized kernel runs it is {min(speedups):.2f}x to "
     f"{max(speedups):.2f}x faster than the Triton kernel on the same inputs, and at 512 query tokens and more "
     f"it reaches {min(fracs):.0%} to {max(fracs):.0%} of the bf16 GEMM rate measured in the same run. Decode "
-    f"with few tokens splits the top-k across programs and runs the Triton kernel: latency-bound, a few steps "
-    f"per program, plus the prologue and the merge.\n"
+    f"with few tokens splits the top-k across programs: latency-bound, a few steps per program, plus the "
+    f"prologue and the merge.\n"
     f"- Beside the PR: it measured whole requests through vLLM's kernels on TP4; this notebook measures our "
     f"kernels alone on one GPU, each checked against the PyTorch reference in every benchmarked case."))
