@@ -3,13 +3,14 @@
     python scripts/sass_sparse_mla.py --out sass-3.6.0.json            (under one triton)
     python scripts/sass_sparse_mla.py --merge sass-*.json --out data/sparse_mla_sass.json
 
-The Triton kernel (dsv32ref.kernels.sparse_mla; over the bf16 cache and over FlashMLA's FP8 rows) and sm_90's warp-specialized Gluon kernel
-(dsv32ref.kernels.sparse_mla_hopper: the consumers' loop and the producer's) at DeepSeek-V3.2 sizes, as
+The Triton kernel (dsv32ref.kernels.sparse_mla) and sm_90's warp-specialized Gluon kernel
+(dsv32ref.kernels.sparse_mla_hopper: the consumers' loop and the producer's), each over the bf16 cache and over
+FlashMLA's FP8 rows, at DeepSeek-V3.2 sizes, as
 sparse_mla_paged launches them. A kernel that does not compile under this triton is a result too (its error is
 recorded). scripts/sm90_triton_versions.sh runs this under each triton release and merges the files.
 
 Uses the ptxas and cuobjdump that ship with triton. The loop is the backward branch whose body holds the most
-HGMMA instructions (the producer's: the most LDGSTS); the counts are of instructions in that body (one step of
+HGMMA instructions (the producer's: the most LDGSTS, or LDG over FP8 rows); the counts are of instructions in that body (one step of
 the loop): LDG = global loads into registers, LDGSTS = cp.async copies (the gather), HGMMA = warpgroup MMAs,
 BAR = CTA barriers. ptxas also reports registers and spills.
 """
@@ -58,9 +59,11 @@ def compile_triton_kernel(fp8: bool = False):
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
-def compile_hopper_kernel():
-    const = dict(D_LAT=512, D_ROPE=64, VALID_FIRST=False, num_warps=8)
-    return triton.compile(_source(GluonASTSource, _sparse_mla_ws_kernel, const), target=SM90,
+def compile_hopper_kernel(fp8: bool = False):
+    """sm_90's kernel over the bf16 cache, or (fp8) over FlashMLA's FP8 rows; one top-k split (bf16 out)."""
+    const = dict(D_LAT=512, D_ROPE=64, VALID_FIRST=False, FP8=fp8, NUM_SPLITS=1, num_warps=8)
+    pointers = dict(POINTERS, cache_ptr="*u8") if fp8 else POINTERS
+    return triton.compile(_source(GluonASTSource, _sparse_mla_ws_kernel, const, pointers), target=SM90,
                           options=dict(num_warps=8))
 
 
@@ -102,12 +105,15 @@ def _attempt(fn) -> dict:
 
 
 def counts() -> dict:
-    hopper = _attempt(compile_hopper_kernel)
     rows = {"the Triton kernel": _attempt(lambda: loop_counts(compile_triton_kernel())),
             "the Triton kernel, fp8 cache": _attempt(lambda: loop_counts(compile_triton_kernel(fp8=True)))}
-    for name, loop in (("sm_90 warp-specialized: the consumers' loop", "HGMMA"),
-                       ("sm_90 warp-specialized: the producer's loop", "LDGSTS")):
-        rows[name] = hopper if isinstance(hopper, dict) else _attempt(lambda: loop_counts(hopper, loop))
+    # the producer's loop: over bf16 rows it gathers with cp.async; over FP8 rows it loads into registers
+    for fp8, producer_op in ((False, "LDGSTS"), (True, "LDG")):
+        hopper = _attempt(lambda: compile_hopper_kernel(fp8))
+        cache = ", fp8 cache" if fp8 else ""
+        for name, loop in ((f"sm_90 warp-specialized{cache}: the consumers' loop", "HGMMA"),
+                           (f"sm_90 warp-specialized{cache}: the producer's loop", producer_op)):
+            rows[name] = hopper if isinstance(hopper, dict) else _attempt(lambda: loop_counts(hopper, loop))
     for name, r in rows.items():
         print(f"triton {triton.__version__} {name:<44} " + (r["error"] if "error" in r else
               f"regs {r['registers']}, spills {r['spill_store_bytes']} B, shared {r['shared_bytes']} B, "
