@@ -418,22 +418,27 @@ def sparse_mla_paged(
     K = topk_indices.shape[1]
     cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms, latent_cache.dtype == torch.uint8)
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
-    if splits > 1:  # fp32 partials, merged after the kernel
-        part_o = torch.empty(T, H, splits, d_lat, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
-        outputs = (part_o, 0, 0, part_lse, 0)
-    else:
-        outputs = (out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0))
+    outputs = _kernel_outputs(out, lse_arg, splits)
     if hopper:
         _hopper.sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale,
                                   outputs, splits, valid_first)
     else:
         _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
                        block_h, splits, valid_first)
-    if splits > 1:
-        launch(_combine_splits_kernel, (T, H), part_o, part_lse, out, out.stride(0), out.stride(1), lse_arg,
+    if splits > 1:  # the partials merged into out and lse
+        launch(_combine_splits_kernel, (T, H), outputs[0], outputs[3], out, out.stride(0), out.stride(1), lse_arg,
                lse_arg.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)
     return out, lse
+
+
+def _kernel_outputs(out: torch.Tensor, lse_arg: torch.Tensor, splits: int) -> tuple:
+    """Where the kernel writes: (out, its two strides, lse, its stride); with top-k splits, fp32 partials
+    [T, H, splits, D_LAT] and [T, H, splits] instead (strides unused), which _combine_splits_kernel merges."""
+    if splits == 1:
+        return out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0)
+    T, H, d_lat = out.shape
+    return (torch.empty(T, H, splits, d_lat, dtype=torch.float32, device=out.device), 0, 0,
+            torch.empty(T, H, splits, dtype=torch.float32, device=out.device), 0)
 
 
 def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
