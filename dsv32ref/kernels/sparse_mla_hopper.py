@@ -24,10 +24,13 @@ and the row max already needs one. Its times beside the Triton kernel's, on the 
 (notebook 02).
 
 FlashMLA's FP8 rows (656 bytes: fp8 c_kv, four fp32 scales, bf16 k_pe): the producer copies k_pe as it is and
-loads each row's fp8 values and scales into registers (two 128-value groups in flight at a time), multiplies them
-out into bf16 (exact: power-of-two scales) and stores them into the stage, so the consumers run unchanged on
-bf16 stages (FlashMLA's FP8 sparse decode also dequantises to bf16 before its MMAs). The producer takes 88 registers
-instead of 64: with more the consumers spill, with four groups in flight it does (triton 3.6 to 3.8).
+loads each row's fp8 values and scales into registers, multiplies them out into bf16 (exact: power-of-two scales)
+and stores them into the stage, so the consumers run unchanged on bf16 stages (FlashMLA's FP8 sparse decode also
+dequantises to bf16 before its MMAs). A register load must land before its value is used, so the producer keeps
+the whole step's c_kv in flight (32 KiB, 64 registers a thread) and hides the rest behind it: the step's loads
+are issued before its stage is free, the next step's block-table loads and the top-k entries of the one after
+while they fly: one memory latency a step, where resolving a step and then loading it chains three. The producer takes 120 registers (the consumers 192: with fewer
+they spill more than the 8 bytes they do; with fewer the producer spills, triton 3.6).
 
 Top-k splits (decode: few tokens leave SMs idle) as the Triton kernel's: program_id(2) walks its share of the
 steps and writes fp32 partials, which sparse_mla_paged merges.
@@ -66,7 +69,7 @@ BLOCK_H = gl.constexpr(64)  # heads per program
 BLOCK_N = gl.constexpr(64)  # keys per step
 LOAD_WARPS = gl.constexpr(4)  # the producer partition: one warpgroup
 LOAD_REGS = gl.constexpr(64)  # few registers: it only resolves rows and copies
-LOAD_REGS_FP8 = gl.constexpr(88)  # FP8: it also holds a step's fp8 values while it dequantises them
+LOAD_REGS_FP8 = gl.constexpr(120)  # FP8: it also holds a step's fp8 values in flight (64 registers)
 FLAGS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
 
@@ -91,13 +94,16 @@ def why_not(q: torch.Tensor, d_lat: int, d_rope: int) -> str | None:
 
 
 @gluon.jit
-def _resolve_step(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
-               layout: gl.constexpr):
-    """Step i's BLOCK_N top-k slots (of the first k_end) -> their cache rows (in units of the cache's row
-    stride), -1 where the index is outside [0, seq_len) or its block id outside [0, num_blocks): never read.
-    (BLOCK_N,) in `layout`."""
+def _step_indices(idx_row_ptr, i, k_end, layout: gl.constexpr):
+    """Step i's BLOCK_N top-k entries (of the first k_end; -1 past them), (BLOCK_N,) in `layout`."""
     offs = i * BLOCK_N + gl.arange(0, BLOCK_N, layout)
-    idx = gl.load(idx_row_ptr + offs, mask=offs < k_end, other=-1)
+    return gl.load(idx_row_ptr + offs, mask=offs < k_end, other=-1)
+
+
+@gluon.jit
+def _rows_of(idx, bt_row_ptr, seq_len, block_size, rows_per_block, num_blocks):
+    """Top-k entries idx -> their cache rows (in units of the cache's row stride), -1 where the index is outside
+    [0, seq_len) or its block id outside [0, num_blocks): never read."""
     ok = (idx >= 0) & (idx < seq_len)
     pos = gl.where(ok, idx, 0)
     blk = gl.load(bt_row_ptr + pos // block_size, mask=ok, other=0)
@@ -172,58 +178,117 @@ def _fp8_group(base8, ok8, offs_g, g: gl.constexpr, D_LAT: gl.constexpr):
 
 
 @gluon.jit
-def _dequantize_rows(k_lat_st, cache_ptr, row, stride_cs, D_LAT: gl.constexpr):
-    """FlashMLA's FP8 c_kv of the step's rows (`row`, in units of stride_cs bytes; -1: invalid) -> bf16 into the
-    stage k_lat_st (BLOCK_N, D_LAT = 512): each 128-value group's fp8 values times its fp32 scale (a power of two:
-    exact in bf16). Two groups' loads are issued before either is used, so their latencies overlap."""
+def _load_fp8_rows(cache_ptr, row, stride_cs, D_LAT: gl.constexpr):
+    """Issue the loads of FlashMLA's FP8 c_kv at the step's rows (`row`, in units of stride_cs bytes; -1: invalid,
+    read as zeros): the four 128-value groups' fp8 values and fp32 scales, in registers (64 per thread). Nothing
+    waits for them here: the caller resolves the next step's rows and waits for a free stage meanwhile."""
     gl.static_assert(D_LAT == 512, "FlashMLA's rows: 4 groups of 128")
     ld8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 fp8 bytes per thread per load
     row8 = gl.convert_layout(row, gl.SliceLayout(1, ld8))
     ok8 = row8 >= 0
     base8 = cache_ptr + row8.to(gl.int64)[:, None] * stride_cs  # (BLOCK_N, 1) byte pointers
     offs_g = gl.arange(0, 128, gl.SliceLayout(0, ld8))
-    for half in gl.static_range(2):  # two groups in flight at a time: what the producer's registers hold
-        va, sa = _fp8_group(base8, ok8, offs_g, 2 * half, D_LAT)
-        vb, sb = _fp8_group(base8, ok8, offs_g, 2 * half + 1, D_LAT)
-        k_lat_st.slice(256 * half, 128, dim=1).store((va.to(gl.float32) * sa).to(gl.bfloat16))
-        k_lat_st.slice(256 * half + 128, 128, dim=1).store((vb.to(gl.float32) * sb).to(gl.bfloat16))
+    v0, s0 = _fp8_group(base8, ok8, offs_g, 0, D_LAT)
+    v1, s1 = _fp8_group(base8, ok8, offs_g, 1, D_LAT)
+    v2, s2 = _fp8_group(base8, ok8, offs_g, 2, D_LAT)
+    v3, s3 = _fp8_group(base8, ok8, offs_g, 3, D_LAT)
+    return v0, s0, v1, s1, v2, s2, v3, s3
+
+
+@gluon.jit
+def _store_dequantized(k_lat_st, v0, s0, v1, s1, v2, s2, v3, s3):
+    """Each group's fp8 values times its fp32 scale (a power of two: exact in bf16) -> the stage's bf16 c_kv
+    (BLOCK_N, 512), group by group, as their loads land."""
+    k_lat_st.slice(0, 128, dim=1).store((v0.to(gl.float32) * s0).to(gl.bfloat16))
+    k_lat_st.slice(128, 128, dim=1).store((v1.to(gl.float32) * s1).to(gl.bfloat16))
+    k_lat_st.slice(256, 128, dim=1).store((v2.to(gl.float32) * s2).to(gl.bfloat16))
+    k_lat_st.slice(384, 128, dim=1).store((v3.to(gl.float32) * s3).to(gl.bfloat16))
+
+
+@gluon.jit
+def _release_stage(ready_st):
+    """The stage is the consumers': when this thread's copies land (cp.async arrives), and once the producer
+    warpgroup's plain stores (flags, FP8 values) are all made (the barrier) by one thread's arrive (a release)."""
+    cp.mbarrier_arrive(ready_st, increment_count=False)
+    _cta_barrier()
+    mbarrier.arrive(ready_st)
+
+
+@gluon.jit
+def _load_q(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """The program's q (its 64 heads; missing heads zero) into shared memory, by cp.async onto q_bar."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
+    offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
+    q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    h_ok = (offs_h < H)[:, None]
+    _async_copy(q_lat, q_row + gl.arange(0, D_LAT, gl.SliceLayout(0, ld))[None, :], mask=h_ok)
+    _async_copy(q_pe, q_row + D_LAT + gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))[None, :], mask=h_ok)
+    cp.mbarrier_arrive(q_bar, increment_count=False)
+
+
+@gluon.jit
+def _produce_bf16(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size, rows_per_block,
+                  num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """bf16 rows: each step's cp.async gathers, issued as soon as its stage is free; the next step's rows are
+    resolved while they fly."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
+    offs_lat = gl.arange(0, D_LAT, gl.SliceLayout(0, ld))
+    offs_pe = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))
+    for i in range(it0, it1):  # the program's steps (its split of the top-k)
+        st = (i - it0) % 2
+        idx = _step_indices(idx_row_ptr, i, k_end, gl.SliceLayout(1, ld))
+        row = _rows_of(idx, bt_row_ptr, seq_len, block_size, rows_per_block, num_blocks)
+        base = cache_ptr + row.to(gl.int64)[:, None] * stride_cs
+        ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
+        mbarrier.wait(free.index(st), (((i - it0) // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
+        valid_smem.index(st).store(ok.to(gl.int8))
+        _async_copy(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
+        _async_copy(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
+        _release_stage(ready.index(st))
+
+
+@gluon.jit
+def _produce_fp8(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size, rows_per_block,
+                 num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """FlashMLA's FP8 rows (stride_cs bytes apart): loads into registers, which must land before they are
+    dequantised, so nothing else waits behind them: a step's c_kv loads are issued before its stage is free, and
+    while they fly the next step's block-table loads and the top-k entries of the step after; k_pe is copied as
+    it is. One load latency a step, where resolving then loading would chain three."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
+    rows_l: gl.constexpr = gl.SliceLayout(1, ld)
+    offs_pe = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))
+    row = _rows_of(_step_indices(idx_row_ptr, it0, k_end, rows_l), bt_row_ptr, seq_len, block_size, rows_per_block,
+                   num_blocks)
+    idx_next = _step_indices(idx_row_ptr, it0 + 1, k_end, rows_l)
+    for i in range(it0, it1):
+        st = (i - it0) % 2
+        v0, s0, v1, s1, v2, s2, v3, s3 = _load_fp8_rows(cache_ptr, row, stride_cs, D_LAT)
+        mbarrier.wait(free.index(st), (((i - it0) // 2) & 1) ^ 1)
+        ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
+        valid_smem.index(st).store(ok.to(gl.int8))
+        pe = (cache_ptr + row.to(gl.int64)[:, None] * stride_cs + D_LAT + 4 * (D_LAT // 128)).to(
+            gl.pointer_type(gl.bfloat16))
+        _async_copy(k_pe.index(st), pe + offs_pe[None, :], mask=ok[:, None])
+        row = _rows_of(idx_next, bt_row_ptr, seq_len, block_size, rows_per_block, num_blocks)  # step i + 1's
+        idx_next = _step_indices(idx_row_ptr, i + 2, k_end, rows_l)
+        _store_dequantized(k_lat.index(st), v0, s0, v1, s1, v2, s2, v3, s3)
+        fence_async_shared()  # the stage's plain stores, visible to the consumers' wgmma (async proxy)
+        _release_stage(ready.index(st))
 
 
 @gluon.jit
 def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
                     it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem, q_bar, ready,
                     free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, FP8: gl.constexpr):
-    """The producer: q once, then each step's rows, resolved while it waits for the consumers to free the stage;
-    which of them are valid goes to the stage's flags, so the consumers resolve nothing. FP8 (FlashMLA's rows,
-    stride_cs bytes apart): c_kv dequantised into the stage's bf16 (_dequantize_rows), k_pe copied as it is."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
-    offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
-    q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-    h_ok = (offs_h < H)[:, None]
-    offs_lat = gl.arange(0, D_LAT, gl.SliceLayout(0, ld))
-    offs_pe = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))
-    _async_copy(q_lat, q_row + offs_lat[None, :], mask=h_ok)
-    _async_copy(q_pe, q_row + D_LAT + offs_pe[None, :], mask=h_ok)
-    cp.mbarrier_arrive(q_bar, increment_count=False)
-    for i in range(it0, it1):  # the program's steps (its split of the top-k)
-        st = (i - it0) % 2
-        row = _resolve_step(idx_row_ptr, bt_row_ptr, i, k_end, seq_len, block_size, rows_per_block, num_blocks,
-                            gl.SliceLayout(1, ld))
-        base = cache_ptr + row.to(gl.int64)[:, None] * stride_cs
-        ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
-        mbarrier.wait(free.index(st), (((i - it0) // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
-        valid_smem.index(st).store(ok.to(gl.int8))
-        if FP8:
-            pe = (base + D_LAT + 4 * (D_LAT // 128)).to(gl.pointer_type(gl.bfloat16))
-            _async_copy(k_pe.index(st), pe + offs_pe[None, :], mask=ok[:, None])
-            _dequantize_rows(k_lat.index(st), cache_ptr, row, stride_cs, D_LAT)
-            fence_async_shared()  # the stage's plain stores, visible to the consumers' wgmma (async proxy)
-        else:
-            _async_copy(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
-            _async_copy(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
-        cp.mbarrier_arrive(ready.index(st), increment_count=False)  # when this thread's copies land
-        _cta_barrier()  # the producer warpgroup's flags (and FP8 values) are all stored ...
-        mbarrier.arrive(ready.index(st))  # ... and released to the consumers by one thread's arrive
+    """The producer: q once, then each step's rows into a free stage, and which of them are valid into the stage's
+    flags, so the consumers resolve nothing."""
+    _load_q(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, D_LAT, D_ROPE)
+    if FP8:
+        _produce_fp8(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
+                     rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT, D_ROPE)
+    else:
+        _produce_bf16(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
+                      rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT, D_ROPE)
 
 
 @gluon.jit
