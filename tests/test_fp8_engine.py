@@ -157,3 +157,18 @@ def test_capture_memory_starts_engines_with_the_fp8_cache():
     with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype: expected one of \('auto', 'fp8'\), got 'int8'"):
         Settings(kv_cache_dtype="int8").engine_config({"boundary": "narrow", "max_num_batched_tokens": 8,
                                                        "gpu_memory_utilization": 0.9, "estimate_graph_memory": True})
+
+
+@CPU
+def test_the_ttft_run_keeps_each_fp8_arms_tokens_beside_the_margins(tmp_path, seed):
+    """The TTFT experiment with an FP8 arm, on emulated graphs: the run keeps the FP8 arm's first token of every
+    timed request, in the order of the bf16 arm's tokens and margins, so that each difference can be set beside
+    how close the bf16 call was; its agreement is the fraction of equal pairs."""
+    from dsv32ref.experiments.ttft import TTFTProtocol, run
+    cfg = _fp8_model(seed).config
+    p = TTFTProtocol(variants=("none",), fp8_kv=("none",), requests=2, warmup=0, mode="none")
+    res = run(p, device="cpu", config=cfg, out=str(tmp_path / "t.json"))
+    fp8 = res["fp8_first_tokens"]["none+fp8"]
+    assert set(res["variants"]) == {"none", "none+fp8"} and res["variants"]["none+fp8"]["kv_cache_dtype"] == "fp8"
+    assert len(fp8) == len(res["first_tokens"]) == len(res["first_token_margins"]) == 2
+    assert res["tokens_equal_to_first_arm"]["none+fp8"] == sum(a == b for a, b in zip(fp8, res["first_tokens"])) / 2

@@ -258,6 +258,8 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
     tokens = [t["tokens"] for v, t in timed.items() if not v.endswith("+fp8")]  # the arms of one cache format
     result["same_tokens_across_variants"] = all(t == tokens[0] for t in tokens)
     result["first_tokens"] = tokens[0]  # of every timed request: compares runs (one GPU vs TP) token by token
+    if p.fp8_kv:  # each FP8 arm's tokens, request by request: set beside first_token_margins, where they differ
+        result["fp8_first_tokens"] = {v: t["tokens"] for v, t in timed.items() if v.endswith("+fp8")}
     result["tokens_equal_to_first_arm"] = {  # per arm, the fraction of requests whose token is the first arm's
         v: sum(a == b for a, b in zip(t["tokens"], tokens[0])) / max(1, len(tokens[0])) for v, t in timed.items()}
     if "wide" in result["variants"] and "narrow" in result["variants"]:
