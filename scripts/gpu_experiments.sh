@@ -12,6 +12,7 @@
 #              cache's arms (narrow, none) for AB_MODEL (default glm-5.2)     -> ttft_<model>.json
 #   fp8        the FP8 KV cache against bf16: decode and indexer scores       -> fp8_speed.json
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary   -> capture_memory_glm-5.2_h16.json
+#   capture8   the same with the FP8 KV cache                                 -> capture_memory_glm-5.2_h16_fp8.json
 #   regimes    TTFT against prompt length, decode TPOT, every variant          -> regimes_glm-5.2.json
 #   timeline   one profiled request per boundary on a time axis               -> timeline_glm-5.2.json
 #   nbval      the notebooks under nbval                                      -> nbval.txt
@@ -57,6 +58,9 @@ for step in "$@"; do
     capture)
       dsv 480 capture --model glm-5.2 --heads-per-rank 16 ${CAPTURE_ARGS:---no-threshold} --out "$OUT/capture_memory_glm-5.2_h16.json" \
         > "$OUT/capture.log"; tail -10 "$OUT/capture.log" ;;
+    capture8)
+      dsv 480 capture --model glm-5.2 --heads-per-rank 16 --kv-cache-dtype fp8 ${CAPTURE_ARGS:---no-threshold} \
+        --out "$OUT/capture_memory_glm-5.2_h16_fp8.json" > "$OUT/capture8.log"; tail -10 "$OUT/capture8.log" ;;
     regimes)
       dsv 300 regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" > "$OUT/regimes.log"; tail -5 "$OUT/regimes.log" ;;
     timeline)
