@@ -1,0 +1,337 @@
+"""The MoE layer in five launches: the router, the alignment of (token, expert) pairs, then grouped GEMMs over the
+tokens each expert received (gate/up, then down) and the combine. Graph-safe: nothing on the host depends on the
+routing, every size is the step's.
+
+Motivation. Written as PyTorch ops, a DeepSeek-V3 MoE layer is a router of about a dozen small kernels, a
+scatter, and per-expert GEMMs or a dense einsum; at a few tokens the layer is a weight read (3 H I bf16 values
+per expert that any token selected) cut into many launches, each with its gap inside a CUDA graph. Here:
+
+    router    one program per BLOCK_T tokens: s = sigmoid(x W_g^T) in fp32, the group-limited top-k of
+              s + e_score_correction_bias, the weights normalised and scaled (dsv32ref.reference.moe.route)
+    align     one program: the step's pairs (token, routed expert on this rank), plus (token, shared expert)
+              for every token, sorted by expert, each expert's run padded to BLOCK_M slots: which pair sits in
+              which slot (`sorted_pair`, -1 padding) and which expert owns each block of BLOCK_M slots
+              (`block_expert`, -1 past the last); vLLM's moe_align_block_size does this job
+    gate/up   one program per (block, BLOCK_N columns of I): h = silu(x W_gate^T) * (x W_up^T) for the block's
+              pairs, the expert's weights read once per block
+    down      one program per (block, BLOCK_N columns of hidden): y = h W_down^T times the pair's routing weight
+    combine   one program per (token, BLOCK_N columns): the routed pairs' sum, then the shared expert's output
+
+Numerics follow the reference module (dsv32ref.reference.moe.MoE) in the activation dtype: the projections'
+outputs, silu and the product are rounded to it as torch rounds them, the routed outputs are weighted and summed in
+fp32, rounded once, and the shared expert's output is added to them. Row by row the GEMMs equal the reference's up
+to fp32 summation order: where a pair lands among its expert's slots changes no result.
+
+Expert parallelism: the router sees every expert; the pairs whose expert is not among this rank's n_local (from
+expert0) are dropped by the alignment and contribute nothing here (their rank adds them in its all-reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv32ref.checks import check_int, check_same_device, check_tensor
+from dsv32ref.config import ModelConfig
+from dsv32ref.kernels.fp8 import cast
+from dsv32ref.kernels.grid import dot_precision, mma
+from dsv32ref.kernels.launch import launch
+
+__all__ = ["MAX_PAIRS", "fused_moe", "route_kernel"]
+
+MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment sorts them in one program
+BLOCK_M = 16  # pairs per block of the grouped GEMMs (decode steps hold few pairs per expert)
+
+
+@triton.jit
+def _top1(v, cols):
+    """The largest entry of each row of v (ties: the lowest column) -> (its column, its value)."""
+    best = tl.max(v, axis=1)
+    col = tl.min(tl.where(v == best[:, None], cols[None, :], v.shape[1]), axis=1)
+    return col, best
+
+
+@triton.jit
+def _router_kernel(x_ptr, stride_xt, w_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, hidden, routed_scaling_factor,
+                   N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                   NORM: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    t_ok, e_ok = offs_t < T, cols < E
+    logits = tl.zeros([BLOCK_T, E_PAD], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):  # W_g x in fp32, as the reference computes it
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :],
+                    mask=t_ok[:, None] & (offs_k < hidden)[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_K)
+        w = tl.load(w_ptr + cols[None, :] * hidden + offs_k[:, None],
+                    mask=e_ok[None, :] & (offs_k < hidden)[:, None], other=0.0)  # (BLOCK_K, E_PAD)
+        logits += tl.dot(x, w, input_precision="ieee")
+    s = tl.sigmoid(logits)
+    choice = tl.where(e_ok[None, :], s + tl.load(bias_ptr + cols, mask=e_ok, other=0.0)[None, :], float("-inf"))
+    if N_GROUP > 1:  # keep the TOPK_GROUP groups whose two best choices sum highest
+        per: tl.constexpr = PER_GROUP
+        NG_PAD: tl.constexpr = E_PAD // PER_GROUP  # padding columns form whole groups of -inf: never kept
+        groups = tl.reshape(choice, (BLOCK_T, NG_PAD, per))  # (BLOCK_T, G, E/G)
+        in_group = tl.arange(0, per)[None, None, :]
+        first = tl.max(groups, axis=2)
+        at = tl.min(tl.where(groups == first[:, :, None], in_group, per), axis=2)
+        second = tl.max(tl.where(in_group == at[:, :, None], float("-inf"), groups), axis=2)
+        score = first + second  # (BLOCK_T, G)
+        g_cols = tl.arange(0, NG_PAD)
+        keep = tl.zeros([BLOCK_T, NG_PAD], tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            g, _best = _top1(score, g_cols)
+            keep = keep | (g_cols[None, :] == g[:, None])
+            score = tl.where(g_cols[None, :] == g[:, None], float("-inf"), score)
+        kept = tl.reshape(tl.broadcast_to(keep[:, :, None], (BLOCK_T, NG_PAD, per)), (BLOCK_T, E_PAD))
+        choice = tl.where(kept, choice, float("-inf"))
+    total = tl.zeros([BLOCK_T], tl.float32)
+    for j in tl.static_range(TOP_K):  # the experts, best first, and s at each
+        e, _best = _top1(choice, cols)
+        e = tl.minimum(e, E - 1)  # a row of NaN finds no maximum: any expert (its outputs are NaN anyway)
+        s_e = tl.sum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)
+        tl.store(ids_ptr + offs_t * TOP_K + j, e, mask=t_ok)
+        tl.store(weights_ptr + offs_t * TOP_K + j, s_e, mask=t_ok)
+        total += s_e
+        choice = tl.where(cols[None, :] == e[:, None], float("-inf"), choice)
+    for j in tl.static_range(TOP_K):
+        w_j = tl.load(weights_ptr + offs_t * TOP_K + j, mask=t_ok, other=0.0)
+        if NORM:
+            w_j = w_j / (total + 1e-20)
+        tl.store(weights_ptr + offs_t * TOP_K + j, w_j * routed_scaling_factor, mask=t_ok)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, offsets_ptr, n_pairs, expert0, n_local, max_slots,
+                  max_blocks, TOP_K: tl.constexpr, SHARED: tl.constexpr, NE_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """Pair p = t * (TOP_K + SHARED) + j: token t's j-th routed expert (j < TOP_K) or its shared expert (virtual
+    expert n_local). Experts of other ranks go to bucket NE = n_local + SHARED, which gets no slot."""
+    KS: tl.constexpr = TOP_K + SHARED
+    ne = n_local + SHARED
+    for s0 in range(0, max_slots, P_PAD):  # every slot empty, every block unowned, until the pairs are placed
+        offs = s0 + tl.arange(0, P_PAD)
+        tl.store(sorted_pair_ptr + offs, -1, mask=offs < max_slots)
+        tl.store(block_expert_ptr + offs, -1, mask=offs < max_blocks)
+    p = tl.arange(0, P_PAD)
+    j = p % KS
+    routed = tl.load(ids_ptr + (p // KS) * TOP_K + j, mask=(p < n_pairs) & (j < TOP_K), other=-1) - expert0
+    e = tl.where(j < TOP_K, tl.where((routed >= 0) & (routed < n_local), routed, ne), n_local)
+    e = tl.where(p < n_pairs, e, ne)
+    counts = tl.histogram(e, NE_PAD)  # (NE_PAD,); bucket ne holds the dropped pairs and the padding
+    e_cols = tl.arange(0, NE_PAD)
+    counts = tl.where(e_cols < ne, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(offsets_ptr + e_cols, tl.cumsum(padded, axis=0) - padded)  # each expert's first slot
+    tl.store(offsets_ptr + NE_PAD + e_cols, tl.cumsum(counts, axis=0) - counts)  # its first pair in sorted order
+    tl.debug_barrier()
+    key = tl.sort(e * P_PAD + p)  # by expert, then by pair
+    e_s, p_s = key // P_PAD, key % P_PAD
+    i = tl.arange(0, P_PAD)
+    ok = e_s < ne
+    e_safe = tl.where(ok, e_s, 0)
+    slot = tl.load(offsets_ptr + e_safe) + i - tl.load(offsets_ptr + NE_PAD + e_safe)
+    tl.store(sorted_pair_ptr + slot, p_s, mask=ok)
+    tl.store(block_expert_ptr + slot // BLOCK_M, e_s, mask=ok)  # every block of an expert holds >= 1 of its pairs
+
+
+@triton.jit
+def _block_rows(sorted_pair_ptr, block_expert_ptr, b, n_local, w_ptr, stride_we, shared_ptr,
+                BLOCK_M: tl.constexpr):
+    """Block b of the aligned slots -> (its expert, whether it is the shared one, that expert's weight pointer, its
+    BLOCK_M slots, their pair ids (-1: padding))."""
+    e = tl.load(block_expert_ptr + b)
+    is_shared = e == n_local
+    w = tl.where(is_shared, shared_ptr, w_ptr + tl.minimum(tl.maximum(e, 0), n_local - 1).to(tl.int64) * stride_we)
+    slots = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, is_shared, w, slots, tl.load(sorted_pair_ptr + slots)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, stride_xt, w13_ptr, stride_we, shared_ptr, sorted_pair_ptr, block_expert_ptr, h_ptr,
+                    stride_hs, hidden, inter, inter_shared, n_local, KS: tl.constexpr, DTYPE: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[slot, n] = silu(x_t . W_gate[n]) * (x_t . W_up[n]) for the block's pairs (token t = pair // KS); W13's
+    rows are [gate (inter) ; up (inter)], the shared expert's [gate (inter_shared) ; up (inter_shared)]."""
+    b, n0 = tl.program_id(0), tl.program_id(1) * BLOCK_N
+    e, is_shared, w, slots, pair = _block_rows(sorted_pair_ptr, block_expert_ptr, b, n_local, w13_ptr, stride_we,
+                                               shared_ptr, BLOCK_M)
+    i_e = tl.where(is_shared, inter_shared, inter)
+    if (e >= 0) & (n0 < i_e):
+        tok = tl.where(pair >= 0, pair // KS, 0)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < i_e
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < hidden
+            x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
+                        mask=(pair >= 0)[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+            wg = tl.load(w + offs_n[None, :].to(tl.int64) * hidden + offs_k[:, None],
+                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # (BLOCK_K, BLOCK_N)
+            wu = tl.load(w + (i_e + offs_n[None, :]).to(tl.int64) * hidden + offs_k[:, None],
+                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc_g = mma(x, wg, PRECISION) + acc_g
+            acc_u = mma(x, wu, PRECISION) + acc_u
+        # rounded as the reference's F.linear outputs, F.silu and the product are
+        g = cast(acc_g, DTYPE).to(tl.float32)
+        silu = cast(g / (1.0 + tl.exp(-g)), DTYPE).to(tl.float32)
+        h = cast(silu * cast(acc_u, DTYPE).to(tl.float32), DTYPE)
+        tl.store(h_ptr + slots[:, None].to(tl.int64) * stride_hs + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=(pair >= 0)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, stride_hs, w2_ptr, stride_we, shared_ptr, sorted_pair_ptr, block_expert_ptr, weights_ptr,
+                 y_ptr, hidden, inter, inter_shared, n_local, TOP_K: tl.constexpr, KS: tl.constexpr,
+                 DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """y[pair, n] = (h[slot] . W_down[n]) rounded to DTYPE, times the pair's routing weight (the shared expert's: 1),
+    in fp32; W_down [hidden, inter] (the shared expert's [hidden, inter_shared])."""
+    b, n0 = tl.program_id(0), tl.program_id(1) * BLOCK_N
+    e, is_shared, w, slots, pair = _block_rows(sorted_pair_ptr, block_expert_ptr, b, n_local, w2_ptr, stride_we,
+                                               shared_ptr, BLOCK_M)
+    if e >= 0:
+        i_e = tl.where(is_shared, inter_shared, inter)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hidden
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, i_e, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < i_e
+            h = tl.load(h_ptr + slots[:, None].to(tl.int64) * stride_hs + offs_k[None, :],
+                        mask=(pair >= 0)[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+            wd = tl.load(w + offs_n[None, :].to(tl.int64) * i_e + offs_k[:, None],
+                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # (BLOCK_K, BLOCK_N)
+            acc = mma(h, wd, PRECISION) + acc
+        j = pair % KS
+        route_w = tl.load(weights_ptr + (pair // KS) * TOP_K + j, mask=(pair >= 0) & (j < TOP_K), other=1.0)
+        y = cast(acc, DTYPE).to(tl.float32) * route_w[:, None]
+        tl.store(y_ptr + pair[:, None].to(tl.int64) * hidden + offs_n[None, :], y,
+                 mask=(pair >= 0)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, hidden, expert0, n_local, TOP_K: tl.constexpr,
+                    SHARED: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t] = (sum of t's routed pairs on this rank, fp32, rounded to DTYPE) + its shared expert's output."""
+    KS: tl.constexpr = TOP_K + SHARED
+    t, offs_n = tl.program_id(0), tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j) - expert0
+        here = (e >= 0) & (e < n_local)  # another rank's expert: its pair was never computed here
+        acc += tl.load(y_ptr + (t * KS + j).to(tl.int64) * hidden + offs_n, mask=n_ok & here, other=0.0)
+    out = cast(acc, DTYPE)
+    if SHARED:
+        out = cast(out.to(tl.float32) + tl.load(y_ptr + (t * KS + TOP_K).to(tl.int64) * hidden + offs_n,
+                                                mask=n_ok, other=0.0), DTYPE)
+    tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _dtype_code(dtype: torch.dtype):
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
+                 ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """The router in one launch, into ids int32 [T, k] and weights fp32 [T, k] (dsv32ref.reference.moe.route's
+    results). x [T, hidden]; weight fp32 [E, hidden]; bias fp32 [E]."""
+    c = config
+    T, hidden = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
+                             dense_dims=1).shape
+    E, k = c.n_routed_experts, c.num_experts_per_tok
+    check_tensor("weight", weight, shape=(E, hidden), dtype=torch.float32, dense_dims=2)
+    check_tensor("e_score_correction_bias", e_score_correction_bias, shape=(E,), dtype=torch.float32, dense_dims=1)
+    check_tensor("ids", ids, shape=(T, k), dtype=torch.int32, dense_dims=2)
+    check_tensor("weights", weights, shape=(T, k), dtype=torch.float32, dense_dims=2)
+    check_same_device(x=x, weight=weight, e_score_correction_bias=e_score_correction_bias, ids=ids, weights=weights)
+    if T == 0:
+        return
+    per = E // c.n_group
+    if c.n_group > 1 and (E % c.n_group or per < 2 or per & (per - 1)):
+        raise ValueError(f"route_kernel: n_routed_experts {E} must split into n_group {c.n_group} groups of a power "
+                         f"of two >= 2 experts")
+    launch(_router_kernel, (triton.cdiv(T, 16),), x, x.stride(0), weight, e_score_correction_bias, ids, weights, T, E,
+           hidden, float(c.routed_scaling_factor), N_GROUP=c.n_group, PER_GROUP=per, TOPK_GROUP=c.topk_group, TOP_K=k,
+           NORM=bool(c.norm_topk_prob), E_PAD=max(16, triton.next_power_of_2(E)), BLOCK_T=16,
+           BLOCK_K=64)
+
+
+def _check_experts(x, w13, w2, shared, n_local: int, inter: int):
+    """The expert weights' shapes and dtypes -> the shared expert's inter (0 without one)."""
+    hidden = x.shape[1]
+    check_tensor("w13", w13, shape=(n_local, 2 * inter, hidden), dtype=x.dtype, dense_dims=3)
+    check_tensor("w2", w2, shape=(n_local, hidden, inter), dtype=x.dtype, dense_dims=3)
+    if shared is None:
+        return 0
+    if not isinstance(shared, tuple) or len(shared) != 2:
+        raise ValueError(f"shared: expected None or (gate_up_proj [2 I_s, hidden], down_proj [hidden, I_s]), got "
+                         f"{type(shared).__name__}")
+    i_s = check_tensor("shared gate_up_proj", shared[0], shape=(None, hidden), dtype=x.dtype, dense_dims=2).shape[0] // 2
+    check_tensor("shared gate_up_proj", shared[0], shape=(2 * i_s, hidden), dtype=x.dtype, dense_dims=2)
+    check_tensor("shared down_proj", shared[1], shape=(hidden, i_s), dtype=x.dtype, dense_dims=2)
+    if i_s < 1:
+        raise ValueError(f"shared gate_up_proj: expected at least 2 rows, got shape {list(shared[0].shape)}")
+    return i_s
+
+
+def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
+              w13: torch.Tensor, w2: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,
+              expert0: int = 0) -> None:
+    """The MoE layer (module docstring) into out [T, hidden]: x [T, hidden] in bf16, fp16 or fp32; the router's
+    gate_weight fp32 [E, hidden] and bias fp32 [E]; this rank's routed experts w13 [n_local, 2 I, hidden] (gate rows
+    then up rows) and w2 [n_local, hidden, I], the first of them expert expert0; shared = (gate_up_proj [2 I_s,
+    hidden], down_proj [hidden, I_s]) or None; all weights in x's dtype."""
+    c = config
+    T, hidden = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
+                             dense_dims=1).shape
+    n_local, inter, k = w13.shape[0] if w13.dim() == 3 else -1, c.moe_intermediate_size, c.num_experts_per_tok
+    check_int("fused_moe: expert0", expert0, low=0)
+    if n_local < 1 or expert0 + n_local > c.n_routed_experts:
+        raise ValueError(f"w13: expected [n_local >= 1, 2 x {inter}, {hidden}] with expert0 {expert0} + n_local <= "
+                         f"n_routed_experts {c.n_routed_experts}, got shape {list(w13.shape)}")
+    i_s = _check_experts(x, w13, w2, shared, n_local, inter)
+    check_tensor("out", out, shape=(T, hidden), dtype=x.dtype, dense_dims=1)
+    tensors = dict(x=x, gate_weight=gate_weight, w13=w13, w2=w2, out=out)
+    check_same_device(**tensors, **({} if shared is None else {"shared": shared[0]}))
+    ks = k + (shared is not None)
+    if T * ks > MAX_PAIRS:
+        raise ValueError(f"fused_moe: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x {ks}")
+    if T == 0:
+        return
+    ids = torch.empty(T, k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    route_kernel(c, x, gate_weight, e_score_correction_bias, ids, weights)
+    ne, p_pad = n_local + (shared is not None), triton.next_power_of_2(T * ks)
+    max_blocks = triton.cdiv(T * ks, BLOCK_M) + ne  # each expert's run is padded to a whole block
+    sorted_pair = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device=x.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=x.device)
+    ne_pad = triton.next_power_of_2(ne + 1)
+    offsets = torch.empty(2 * ne_pad, dtype=torch.int32, device=x.device)
+    launch(_align_kernel, (1,), ids, sorted_pair, block_expert, offsets, T * ks, expert0, n_local,
+           max_blocks * BLOCK_M, max_blocks, TOP_K=k, SHARED=shared is not None, NE_PAD=ne_pad, P_PAD=p_pad,
+           BLOCK_M=BLOCK_M)
+    _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks)
+
+
+def _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks):
+    """gate/up, down and combine over the aligned pairs (fused_moe's last three launches)."""
+    T, hidden = x.shape
+    n_local, k, max_blocks = w13.shape[0], ids.shape[1], block_expert.shape[0]
+    dt, prec = _dtype_code(x.dtype), dot_precision(x.dtype, x.device)
+    s13, s2 = (shared if shared is not None else (w13, w2))
+    h = torch.empty(sorted_pair.shape[0], max(inter, i_s), dtype=x.dtype, device=x.device)
+    y = torch.empty(T * ks, hidden, dtype=torch.float32, device=x.device)
+    bn, bk = 64, 64
+    launch(_gate_up_kernel, (max_blocks, triton.cdiv(max(inter, i_s), bn)), x, x.stride(0), w13, w13.stride(0), s13,
+           sorted_pair, block_expert, h, h.stride(0), hidden, inter, i_s, n_local, KS=ks, DTYPE=dt, PRECISION=prec,
+           BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk)
+    launch(_down_kernel, (max_blocks, triton.cdiv(hidden, bn)), h, h.stride(0), w2, w2.stride(0), s2, sorted_pair,
+           block_expert, weights, y, hidden, inter, i_s, n_local, TOP_K=k, KS=ks, DTYPE=dt, PRECISION=prec,
+           BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk)
+    launch(_combine_kernel, (T, triton.cdiv(hidden, 128)), y, ids, out, out.stride(0), hidden, expert0, n_local,
+           TOP_K=k, SHARED=shared is not None, DTYPE=dt, BLOCK_N=128)
