@@ -10,7 +10,9 @@ from dsv32ref.checks import check_int, is_int
 from dsv32ref.engine.boundary import Boundary, get_boundary
 from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "MOE_IMPLS"]
+
+MOE_IMPLS = ("dense", "fused")  # EngineConfig.moe
 
 
 @dataclass
@@ -30,6 +32,8 @@ class EngineConfig:
     # launches on a CPU)
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": FlashMLA's latent rows and DeepGEMM's
     # indexer keys (dsv32ref.cache), quantised on write, read by the kernels
+    moe: str = "dense"  # how MoE layers run: "dense" (every local expert on every token, PyTorch ops) or "fused"
+    # (dsv32ref.kernels.fused_moe: grouped GEMMs over the tokens each expert received, five launches a layer)
     skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's
     # scoring and selection (their result is known: every key); eager regions and graph-less steps only
 
@@ -47,6 +51,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"EngineConfig.kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got "
                              f"{self.kv_cache_dtype!r}")
+        if self.moe not in MOE_IMPLS:
+            raise ValueError(f"EngineConfig.moe: expected one of {MOE_IMPLS}, got {self.moe!r}")
         for name in ("skip_short_topk", "estimate_graph_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}: expected a bool, got {getattr(self, name)!r}")

@@ -34,8 +34,10 @@ class LLMEngine:
         self.config, self.ec = config, engine_config or EngineConfig()
         self.device = torch.device(device)
         if model is None:
-            model = share_weights(weights, self.ec.boundary) if weights is not None else \
-                build_model(config, self.ec.boundary, self.device, dtype, self.ec.seed)
+            model = share_weights(weights, self.ec.boundary, self.ec.moe) if weights is not None else \
+                build_model(config, self.ec.boundary, self.device, dtype, self.ec.seed, self.ec.moe)
+        elif model.moe != self.ec.moe:
+            raise ValueError(f"model: built with moe={model.moe!r}, the engine config says moe={self.ec.moe!r}")
         self.model = model
         self.runner = ModelRunner(config, self.ec, model, self.device, dtype, kv_cache)
         self.allocator = BlockAllocator(self.runner.kv_cache.num_blocks, self.ec.block_size)

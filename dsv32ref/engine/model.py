@@ -20,10 +20,12 @@ from torch.nn import functional as F
 
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.boundary import FUSED_ATTENTION, SPARSE_INDEXER_AND_ATTN, Boundary, StaticOutputs, get_boundary
+from dsv32ref.engine.config import MOE_IMPLS
 from dsv32ref.engine.context import get_forward_context
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.instrument import region
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
+from dsv32ref.kernels.fused_moe import fused_moe
 from dsv32ref.reference.moe import Router
 
 __all__ = ["EngineDSAAttention", "EngineModel", "TensorParallel", "causal_topk"]
@@ -251,14 +253,18 @@ class EngineMLP(nn.Module):
 
 
 class EngineMoE(nn.Module):
-    """Graph-safe MoE: the reference's router (dsv32ref.reference.moe.Router: the same `route`, fp32 weights),
-    then every expert of this rank on every token, combined with the routing weights (zero for unselected
-    experts). No host sync; meant for a reduced expert count."""
+    """Graph-safe MoE, no host sync, in one of two forms (MOE_IMPLS). "dense": the reference's router
+    (dsv32ref.reference.moe.Router: the same `route`, fp32 weights), then every expert of this rank on every token,
+    combined with the routing weights (zero for unselected experts), in PyTorch ops: for a reduced expert count.
+    "fused": dsv32ref.kernels.fused_moe, the router and grouped GEMMs over the tokens each expert received, the
+    shared expert among them, in five launches."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE, impl: str = "dense"):
         super().__init__()
         c = config
-        self.config = c
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"EngineMoE: impl expected one of {MOE_IMPLS}, got {impl!r}")
+        self.config, self.impl = c, impl
         self.gate = Router(c)  # gate.weight [E, hidden], gate.e_score_correction_bias [E], both kept in fp32
         self.n_local = tp.split("n_routed_experts", c.n_routed_experts)
         self.expert0 = tp.rank * self.n_local
@@ -268,6 +274,12 @@ class EngineMoE(nn.Module):
         self.shared = EngineMLP(c.hidden_size, shared) if c.n_shared_experts else None
 
     def forward(self, x):
+        if self.impl == "fused":
+            out = torch.empty_like(x)
+            shared = None if self.shared is None else (self.shared.gate_up_proj, self.shared.down_proj)
+            fused_moe(self.config, x, self.gate.weight, self.gate.e_score_correction_bias, self.w13, self.w2, shared,
+                      out, expert0=self.expert0)
+            return out
         ids, w = self.gate(x)  # (T, k), (T, k)
         dense_w = torch.zeros(x.shape[0], self.config.n_routed_experts, dtype=w.dtype, device=x.device)
         dense_w.scatter_(1, ids, w)  # (T, E)
@@ -282,14 +294,14 @@ class EngineMoE(nn.Module):
 
 class EngineLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, boundary: Boundary, outputs: StaticOutputs,
-                 tp: TensorParallel):
+                 tp: TensorParallel, moe: str = "dense"):
         super().__init__()
         self.input_layernorm = _param(config.hidden_size)
         self.post_attention_layernorm = _param(config.hidden_size)
         self.eps, self.tp = config.rms_norm_eps, tp
         self.self_attn = EngineDSAAttention(config, layer_idx, boundary, outputs, tp)
         if config.is_moe_layer(layer_idx):
-            self.mlp = EngineMoE(config, tp)
+            self.mlp = EngineMoE(config, tp, moe)
         else:
             self.mlp = EngineMLP(config.hidden_size, tp.split("intermediate_size", config.intermediate_size))
 
@@ -308,13 +320,13 @@ class EngineModel(nn.Module):
     """Embedding, decoder layers, final norm, lm_head on each request's last token; built for one boundary
     (a name of dsv32ref.engine.boundary.BOUNDARIES) and one tensor-parallel rank."""
 
-    def __init__(self, config: ModelConfig, boundary="narrow", tp: TensorParallel = SINGLE):
+    def __init__(self, config: ModelConfig, boundary="narrow", tp: TensorParallel = SINGLE, moe: str = "dense"):
         super().__init__()
-        self.config, self.boundary, self.tp = config, get_boundary(boundary), tp
+        self.config, self.boundary, self.tp, self.moe = config, get_boundary(boundary), tp, moe
         self.static_outputs = StaticOutputs(self.boundary, tp.split("num_attention_heads", config.num_attention_heads),
                                             config.kv_lora_rank)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(EngineLayer(config, i, self.boundary, self.static_outputs, tp)
+        self.layers = nn.ModuleList(EngineLayer(config, i, self.boundary, self.static_outputs, tp, moe)
                                     for i in range(config.num_hidden_layers))
         self.norm = _param(config.hidden_size)
         self.lm_head = _param(config.vocab_size, config.hidden_size)

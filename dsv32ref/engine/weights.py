@@ -14,10 +14,10 @@ from dsv32ref.engine.model import EngineModel, EngineMoE, TensorParallel
 __all__ = ["build_model", "from_reference", "init_dummy", "share_weights", "shard"]
 
 
-def from_reference(ref, boundary: str = "narrow") -> EngineModel:
+def from_reference(ref, boundary: str = "narrow", moe: str = "dense") -> EngineModel:
     """An EngineModel with the same weights as a dsv32ref reference model (for equivalence tests)."""
     c = ref.config
-    m = EngineModel(c, boundary)
+    m = EngineModel(c, boundary, moe=moe)
     dev, dt = ref.lm_head.weight.device, ref.lm_head.weight.dtype
     m.to(device=dev, dtype=dt)
     with torch.no_grad():
@@ -53,15 +53,15 @@ def from_reference(ref, boundary: str = "narrow") -> EngineModel:
                 L.mlp.down_proj.copy_(R.mlp.down_proj.weight)
     return m
 
-def _on_meta(config: ModelConfig, boundary, tp: TensorParallel) -> EngineModel:
+def _on_meta(config: ModelConfig, boundary, tp: TensorParallel, moe: str = "dense") -> EngineModel:
     with torch.device("meta"):
-        return EngineModel(config, boundary, tp)
+        return EngineModel(config, boundary, tp, moe)
 
 
-def share_weights(model: EngineModel, boundary) -> EngineModel:
-    """A model built for `boundary` over the same parameter tensors as `model` (same rank): engines that compare
-    boundaries hold one model each and one copy of the weights."""
-    out = _on_meta(model.config, boundary, model.tp)
+def share_weights(model: EngineModel, boundary, moe: str = "dense") -> EngineModel:
+    """A model built for `boundary` (and the MoE form `moe`) over the same parameter tensors as `model` (same
+    rank): engines that compare boundaries hold one model each and one copy of the weights."""
+    out = _on_meta(model.config, boundary, model.tp, moe)
     out.load_state_dict(model.state_dict(), assign=True)
     return out.eval()
 
@@ -98,20 +98,20 @@ def shard(model: EngineModel, tp: TensorParallel) -> EngineModel:
     per token, shared by all heads). `model` is the full model (one rank)."""
     if model.tp.size != 1:
         raise ValueError(f"shard: expected the full model (tensor-parallel size 1), got size {model.tp.size}")
-    out = _on_meta(model.config, model.boundary, tp)
+    out = _on_meta(model.config, model.boundary, tp, model.moe)
     out.load_state_dict({k: _shard_tensor(k, w, model.config, tp).contiguous() for k, w in model.state_dict().items()},
                         assign=True)
     return out.eval()
 
 
-def build_model(config: ModelConfig, boundary, device, dtype, seed: int) -> EngineModel:
+def build_model(config: ModelConfig, boundary, device, dtype, seed: int, moe: str = "dense") -> EngineModel:
     """Dummy weights created directly on the device in the target dtype (a full-size model never touches the
     host), fp32 where the model keeps fp32 (the router)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = EngineModel(config, boundary)
+            model = EngineModel(config, boundary, moe=moe)
     finally:
         torch.set_default_dtype(old)
     return init_dummy(model, seed).eval()

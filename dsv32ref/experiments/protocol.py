@@ -17,7 +17,7 @@ from dsv32ref.graphs import CUDAGraphMode
 __all__ = ["ARMS", "arm", "engine_config", "prompts", "stats"]
 
 # `<boundary>+<arm>`: EngineConfig switches
-ARMS = {"skip": {"skip_short_topk": True}, "fp8": {"kv_cache_dtype": "fp8"}}
+ARMS = {"skip": {"skip_short_topk": True}, "fp8": {"kv_cache_dtype": "fp8"}, "fused": {"moe": "fused"}}
 
 
 def engine_config(boundary: str, capture_sizes=(1, 2, 4, 8, 16), mode: str = "full_and_piecewise", seed: int = 0,

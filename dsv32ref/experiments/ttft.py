@@ -37,7 +37,8 @@ class TTFTProtocol:
     """What one TTFT run measures. `skip_topk`: boundaries that also run as `<boundary>+skip` (the
     short-prefill top-k skip on: the prompt has fewer keys than index_topk, so eager regions skip the indexer's
     scoring and selection). `fp8_kv`: boundaries that also run as `<boundary>+fp8`, with the FP8 KV cache
-    (EngineConfig.kv_cache_dtype "fp8"), their tokens beside the others'. `instrument_ab`: boundaries that also
+    (EngineConfig.kv_cache_dtype "fp8"), their tokens beside the others'. `fused_moe`: boundaries that also run
+    as `<boundary>+fused`, their MoE layers in dsv32ref.kernels.fused_moe (EngineConfig.moe "fused"). `instrument_ab`: boundaries that also
     run as `<boundary>+ranges`, every request with every named region and eager range open (what the instrument
     costs when it is on); TTFT of the plain arms is always timed with it off. Then the step's anatomy over `anatomy_requests` more requests, and on a GPU the
     host costs of the TTFT model (dsv32ref.experiments.host_costs) in the same process."""
@@ -52,6 +53,7 @@ class TTFTProtocol:
     variants: tuple[str, ...] = BOUNDARIES
     skip_topk: tuple[str, ...] = ()
     fp8_kv: tuple[str, ...] = ()
+    fused_moe: tuple[str, ...] = ()
     instrument_ab: tuple[str, ...] = ()
     anatomy_requests: int = 32
     host_costs: bool = True
@@ -61,15 +63,16 @@ class TTFTProtocol:
             v = getattr(self, name)
             if not is_int(v) or v < low:
                 raise ValueError(f"TTFTProtocol.{name}: expected an int >= {low}, got {v!r}")
-        for name in ("variants", "skip_topk", "fp8_kv", "instrument_ab"):
+        for name in ("variants", "skip_topk", "fp8_kv", "fused_moe", "instrument_ab"):
             unknown = [v for v in getattr(self, name) if v not in BOUNDARIES]
             if unknown or (name == "variants" and not self.variants):
                 raise ValueError(f"TTFTProtocol.{name}: unknown boundaries {unknown}; expected some of {BOUNDARIES}")
 
     def arms(self) -> list[tuple[str, str, dict]]:
-        """(name, boundary, EngineConfig switches) of every engine: the boundaries, then their +skip and +fp8 arms."""
+        """(name, boundary, EngineConfig switches) of every engine: the boundaries, then their +skip, +fp8 and
+        +fused arms."""
         return ([arm(v) for v in self.variants] + [arm(f"{v}+skip") for v in self.skip_topk] +
-                [arm(f"{v}+fp8") for v in self.fp8_kv])
+                [arm(f"{v}+fp8") for v in self.fp8_kv] + [arm(f"{v}+fused") for v in self.fused_moe])
 
 
 def anatomy(engines: dict, prompts_: list[list[int]]) -> dict:
@@ -255,7 +258,8 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
         torch.cuda.empty_cache()
     if p.instrument_ab:
         _instrument_ab(result, timed, p, lead)
-    tokens = [t["tokens"] for v, t in timed.items() if not v.endswith("+fp8")]  # the arms of one cache format
+    # the arms of one numerics: the FP8 cache and the fused MoE round differently from the bf16 cache's dense MoE
+    tokens = [t["tokens"] for v, t in timed.items() if not v.endswith(("+fp8", "+fused"))]
     result["same_tokens_across_variants"] = all(t == tokens[0] for t in tokens)
     result["first_tokens"] = tokens[0]  # of every timed request: compares runs (one GPU vs TP) token by token
     if p.fp8_kv:  # each FP8 arm's tokens, request by request: set beside first_token_margins, where they differ

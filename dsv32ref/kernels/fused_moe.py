@@ -38,7 +38,7 @@ from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.launch import launch
 
-__all__ = ["MAX_PAIRS", "fused_moe", "route_kernel"]
+__all__ = ["BLOCK_M", "MAX_PAIRS", "align_pairs", "fused_moe", "route_kernel"]
 
 MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment sorts them in one program
 BLOCK_M = 16  # pairs per block of the grouped GEMMs (decode steps hold few pairs per expert)
@@ -306,16 +306,32 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     ids = torch.empty(T, k, dtype=torch.int32, device=x.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     route_kernel(c, x, gate_weight, e_score_correction_bias, ids, weights)
-    ne, p_pad = n_local + (shared is not None), triton.next_power_of_2(T * ks)
-    max_blocks = triton.cdiv(T * ks, BLOCK_M) + ne  # each expert's run is padded to a whole block
-    sorted_pair = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device=x.device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=x.device)
-    ne_pad = triton.next_power_of_2(ne + 1)
-    offsets = torch.empty(2 * ne_pad, dtype=torch.int32, device=x.device)
-    launch(_align_kernel, (1,), ids, sorted_pair, block_expert, offsets, T * ks, expert0, n_local,
-           max_blocks * BLOCK_M, max_blocks, TOP_K=k, SHARED=shared is not None, NE_PAD=ne_pad, P_PAD=p_pad,
-           BLOCK_M=BLOCK_M)
+    sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared is not None)
     _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks)
+
+
+def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The alignment launch: the router's ids int32 [T, k] -> (sorted_pair int32 [max_blocks x BLOCK_M],
+    block_expert int32 [max_blocks]). Pair t (k + shared) + j is token t's j-th expert, or (j = k) its shared
+    expert, numbered n_local; local expert e's pairs fill its run of slots in pair order, padded with -1 to whole
+    blocks of BLOCK_M, the runs in expert order; block_expert names each block's expert, -1 past the last.
+    max_blocks = cdiv(T (k + shared), BLOCK_M) + n_local + shared, the most the runs can take."""
+    T, k = check_tensor("ids", ids, shape=(None, None), dtype=torch.int32, dense_dims=2).shape
+    check_int("align_pairs: n_local", n_local)
+    check_int("align_pairs: expert0", expert0, low=0)
+    n_pairs, ne = T * (k + shared), n_local + shared
+    if n_pairs > MAX_PAIRS:
+        raise ValueError(f"align_pairs: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x {k + shared}")
+    max_blocks = triton.cdiv(n_pairs, BLOCK_M) + ne  # each expert's run is padded to a whole block
+    sorted_pair = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    ne_pad = triton.next_power_of_2(ne + 1)
+    offsets = torch.empty(2 * ne_pad, dtype=torch.int32, device=ids.device)
+    launch(_align_kernel, (1,), ids, sorted_pair, block_expert, offsets, n_pairs, expert0, n_local,
+           max_blocks * BLOCK_M, max_blocks, TOP_K=k, SHARED=shared, NE_PAD=ne_pad,
+           P_PAD=triton.next_power_of_2(max(n_pairs, 1)), BLOCK_M=BLOCK_M)
+    return sorted_pair, block_expert
 
 
 def _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks):

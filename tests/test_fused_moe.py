@@ -1,0 +1,244 @@
+"""dsv32ref.kernels.fused_moe against the reference MoE (dsv32ref.reference.moe): the router kernel's experts
+exactly and its weights to fp32 rounding, the layer per element (poisoned outputs; against float64 and against the
+reference module in bf16, whose roundings it follows), expert parallelism, the engine's fused form against the
+reference model, and what the launchers refuse."""
+
+import copy
+
+import pytest
+import torch
+
+from dsv32ref.config import ModelConfig
+from dsv32ref.kernels.fused_moe import MAX_PAIRS, fused_moe, route_kernel
+from dsv32ref.reference.moe import MoE, route
+from dsv32ref.testing import assert_close
+
+CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on CPU-only machines")
+# (device, preset): interpreted at tiny sizes; compiled at GLM-5.2's and DeepSeek-V3.2's routers (full expert counts)
+PRESETS = [pytest.param("cpu", "tiny-deepseek-v3.2", marks=CPU, id="cpu-deepseek"),
+           pytest.param("cpu", "tiny-glm-5.2", marks=CPU, id="cpu-glm"),
+           pytest.param("cuda", "deepseek-v3.2", marks=pytest.mark.gpu, id="cuda-deepseek"),
+           pytest.param("cuda", "glm-5.2", marks=pytest.mark.gpu, id="cuda-glm")]
+
+
+def _moe(config: ModelConfig, device, dtype, seed: int) -> MoE:
+    g = torch.Generator().manual_seed(seed)
+    m = MoE(config)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        m.gate.e_score_correction_bias.copy_(torch.rand(config.n_routed_experts, generator=g) * 0.1)
+    return m.to(device=device, dtype=dtype)
+
+
+def _weights(m: MoE, experts=slice(None)):
+    """The engine's layout of the reference module's experts: (w13, w2, shared)."""
+    es = m.experts[experts]
+    w13 = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in es]).contiguous()
+    w2 = torch.stack([e.down_proj.weight for e in es]).contiguous()
+    s = m.shared_experts
+    return w13, w2, (torch.cat((s.gate_proj.weight, s.up_proj.weight)).contiguous(), s.down_proj.weight.contiguous())
+
+
+def _small(config: ModelConfig, device) -> ModelConfig:
+    """On the GPU the routers keep their full expert counts, the experts their full widths, fewer of them matter."""
+    return config if device == "cpu" else config.replace(moe_intermediate_size=256)
+
+
+@pytest.mark.parametrize("device,preset", PRESETS)
+@pytest.mark.parametrize("T", [1, 17, 40])
+def test_router_kernel_picks_the_references_experts(device, preset, T, seed):
+    """Group-limited top-k (DeepSeek-V3.2's 8 groups, top 4 of them; GLM's one group) in one launch: the same
+    experts in the same order as dsv32ref.reference.moe.route, the weights to fp32 rounding; outputs poisoned."""
+    c = _small(ModelConfig.preset(preset), device)
+    m = _moe(c, device, torch.bfloat16, seed)
+    x = torch.randn(T, c.hidden_size, device=device).to(torch.bfloat16)
+    ids = torch.full((T, c.num_experts_per_tok), -7, dtype=torch.int32, device=device)
+    w = torch.full((T, c.num_experts_per_tok), float("nan"), device=device)
+    route_kernel(c, x, m.gate.weight, m.gate.e_score_correction_bias, ids, w)
+    ref_ids, ref_w = route(c, x.double(), m.gate.weight.double(), m.gate.e_score_correction_bias.double())
+    assert torch.equal(ids.long(), ref_ids), (ids, ref_ids)
+    assert_close("weights", w, ref_w, dtype=torch.float32, rtol=16, atol=16)
+
+
+@pytest.mark.parametrize("device,preset", PRESETS[:2] + [PRESETS[3]])
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_fused_moe_equals_the_reference(device, preset, T, seed):
+    """The layer per element: fp32 against the reference module in float64; bf16 against the reference module in
+    bf16 (the same roundings: 2 units of bf16), and against float64 within bf16's accumulated rounding."""
+    c = _small(ModelConfig.preset(preset), device)
+    for dtype, tol in ((torch.float32, 64), (torch.bfloat16, 2)):
+        if device == "cuda" and dtype == torch.float32:
+            continue  # fp32 tiles take tf32-free dots on a GPU too, but the bf16 case is what the engine runs
+        m = _moe(c, device, dtype, seed)
+        x = torch.randn(T, c.hidden_size, device=device).to(dtype)
+        out = torch.full_like(x, float("nan"))
+        fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, *_weights(m), out)
+        exact = copy.deepcopy(m).double()  # the same (rounded) weights in float64
+        exp = m(x) if dtype == torch.bfloat16 else exact(x.double())
+        assert_close(f"out {dtype}", out, exp, dtype=dtype, row_dims=1, rtol=tol, atol=tol)
+        if dtype == torch.bfloat16:
+            assert_close("out vs float64", out, exact(x.double()), dtype=dtype, row_dims=1, rtol=8, atol=8)
+
+
+@CPU
+def test_fused_moe_expert_parallel_computes_this_ranks_experts_only(seed):
+    """Experts 4..7 on this rank (expert0 4), no shared expert: the sum over the pairs routed to those experts,
+    and zero for a token none of whose experts is here."""
+    c = ModelConfig.preset("tiny-deepseek-v3.2")
+    m = _moe(c, "cpu", torch.float32, seed)
+    x = torch.randn(23, c.hidden_size)
+    w13, w2, _ = _weights(m, slice(4, 8))
+    out = torch.full_like(x, float("nan"))
+    fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, w13, w2, None, out, expert0=4)
+    md, xd = m.double(), x.double()
+    ids, wts = md.gate(xd)
+    exp = torch.zeros_like(xd)
+    for e in range(4, 8):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        exp.index_add_(0, tok, md.experts[e](xd[tok]) * wts[tok, slot, None])
+    assert_close("out", out, exp, dtype=torch.float32, row_dims=1, rtol=64, atol=64)
+    assert ((ids >= 4).any(1) | (out == 0).all(1)).all()
+
+
+@CPU
+def test_engine_fused_moe_equals_the_reference_model(seed):
+    """EngineConfig(moe="fused"): the engine's MoE layers through the fused kernels; its logits equal the
+    reference model's and its dense form's over a prefill and a decode step."""
+    from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
+    from dsv32ref.graphs.runner import CUDAGraphMode
+    from helpers import tiny_model
+    ref = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32, seed=seed, num_hidden_layers=2)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    logits = {}
+    for moe in ("dense", "fused"):
+        ec = EngineConfig(boundary="none", mode=CUDAGraphMode.NONE, max_model_len=32, max_num_seqs=4,
+                          max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4, 8, 16], moe=moe)
+        eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "none", moe))
+        eng.step(StepInput([(r, p, 0) for r, p in enumerate(prompts)]))
+        logits[moe] = eng.last_logits
+    expected = torch.stack([ref(torch.tensor(p, dtype=torch.long))[-1] for p in prompts]).to(torch.float64)
+    for moe, lg in logits.items():
+        assert_close(f"{moe} logits", lg, expected, dtype=torch.float32, row_dims=1, rtol=2**10, atol=2**10)
+    with pytest.raises(ValueError, match="moe"):
+        LLMEngine(ref.config, EngineConfig(moe="fused", mode=CUDAGraphMode.NONE, max_model_len=32, max_num_seqs=4,
+                                           max_num_batched_tokens=16, capture_sizes=[16]),
+                  device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
+
+
+@CPU
+def test_fused_moe_refuses_what_it_cannot_compute():
+    """Wrong shapes, dtypes, an expert range past the router's, a malformed shared expert, too many pairs, an
+    unknown MoE form: ValueErrors naming the argument."""
+    from dsv32ref.engine import EngineConfig
+    c = ModelConfig.preset("tiny-glm-5.2")
+    m = _moe(c, "cpu", torch.float32, 0)
+    x = torch.randn(3, c.hidden_size)
+    w13, w2, shared = _weights(m)
+    args = (m.gate.weight, m.gate.e_score_correction_bias)
+    out = torch.empty_like(x)
+    for bad, match in (((x.double(), *args, w13, w2, shared, out), "x"),
+                       ((x, *args, w13[:, :-1], w2, shared, out), "w13"),
+                       ((x, *args, w13, w2.transpose(1, 2), shared, out), "w2"),
+                       ((x, *args, w13.bfloat16(), w2, shared, out), "w13"),
+                       ((x, *args, w13, w2, (shared[0],), out), "shared"),
+                       ((x, *args, w13, w2, (shared[0][:-1], shared[1]), out), "shared"),
+                       ((x, *args, w13, w2, shared, out[:2]), "out"),
+                       ((x, args[0].bfloat16(), args[1], w13, w2, shared, out), "weight")):
+        with pytest.raises(ValueError, match=match):
+            fused_moe(c, *bad)
+    with pytest.raises(ValueError, match="expert0"):
+        fused_moe(c, x, *args, w13[4:], w2[4:], shared, out, expert0=5)
+    big = torch.zeros(MAX_PAIRS, c.hidden_size)
+    with pytest.raises(ValueError, match="pairs"):
+        fused_moe(c, big, *args, w13, w2, shared, torch.empty_like(big))
+    with pytest.raises(ValueError, match="EngineConfig.moe"):
+        EngineConfig(moe="sparse")
+
+
+@CPU
+@pytest.mark.parametrize("shared", [False, True])
+def test_align_pairs_places_every_local_pair_once_in_its_experts_run(shared, seed):
+    """Random routings (experts of other ranks among them): every pair of a local expert in exactly one slot,
+    inside its expert's run (runs in expert order, each padded to whole blocks), every block of a run owned by its
+    expert and holding >= 1 pair, -1 everywhere else; no pair of another rank's expert anywhere."""
+    from dsv32ref.kernels.fused_moe import BLOCK_M, align_pairs
+    T, k, n_local, expert0 = 37, 3, 5, 2
+    ids = torch.stack([torch.randperm(12)[:k] for _ in range(T)]).int()  # experts 0..11; 2..6 are local
+    sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared)
+    ks = k + shared
+    local = {t * ks + j: int(ids[t, j]) - expert0 for t in range(T) for j in range(k)
+             if 0 <= int(ids[t, j]) - expert0 < n_local}
+    if shared:
+        local.update({t * ks + k: n_local for t in range(T)})  # the shared expert: number n_local
+    placed = [(s, int(p)) for s, p in enumerate(sorted_pair.tolist()) if p >= 0]
+    assert sorted(p for _, p in placed) == sorted(local), "each local pair exactly once"
+    start = 0
+    for e in range(n_local + shared):
+        mine = sorted(p for p, pe in local.items() if pe == e)
+        run = -(-len(mine) // BLOCK_M) * BLOCK_M
+        assert sorted_pair[start:start + len(mine)].tolist() == mine, f"expert {e}'s run, in pair order"
+        assert (sorted_pair[start + len(mine):start + run] == -1).all(), f"expert {e}'s padding"
+        assert (block_expert[start // BLOCK_M:(start + run) // BLOCK_M] == e).all(), f"expert {e}'s blocks"
+        start += run
+    assert (sorted_pair[start:] == -1).all() and (block_expert[start // BLOCK_M:] == -1).all()
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN (floats) or 2^30 (ints) while the test runs: a kernel that reads a workspace
+    entry no kernel wrote shows it."""
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        t = empty(*shape, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else 2 ** 30 if t.dtype != torch.bool else True)
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@CPU
+def test_fused_moe_reads_only_what_it_wrote(poisoned_empty, seed):
+    """Every workspace poisoned (the routing, the alignment, h, the pairs' outputs), expert parallel with
+    tokens whose experts are all on other ranks: the output is still exact."""
+    c = ModelConfig.preset("tiny-deepseek-v3.2")
+    m = _moe(c, "cpu", torch.float32, seed)
+    md = _moe(c, "cpu", torch.float64, seed)  # the same weights in float64
+    x = torch.randn(19, c.hidden_size)
+    for sl, e0, with_shared in ((slice(None), 0, True), (slice(6, 8), 6, False), (slice(0, 3), 0, True)):
+        w13, w2, shared = _weights(m, sl)
+        out = torch.full_like(x, float("nan"))
+        fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, w13, w2, shared if with_shared else None,
+                  out, expert0=e0)
+        xd = x.double()
+        ids, wts = md.gate(xd)
+        exp = md.shared_experts(xd) if with_shared else torch.zeros_like(xd)
+        routed = torch.zeros_like(xd)
+        for e in range(e0, e0 + w13.shape[0]):
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)
+            routed.index_add_(0, tok, md.experts[e](xd[tok]) * wts[tok, slot, None])
+        assert_close(f"out, experts {sl}", out, routed + exp, dtype=torch.float32, row_dims=1, rtol=64, atol=64)
+
+
+@pytest.mark.gpu
+def test_fused_moe_replays_from_a_cuda_graph(seed):
+    """Graph-safe: captured once (GLM-5.2's router and experts at a reduced width), replayed over new tokens in
+    the same input buffer, the output equals the reference's for those tokens."""
+    c = _small(ModelConfig.preset("glm-5.2"), "cuda").replace(n_routed_experts=16, num_experts_per_tok=4)
+    m = _moe(c, "cuda", torch.bfloat16, seed)
+    w13, w2, shared = _weights(m)
+    x = torch.randn(8, c.hidden_size, device="cuda").to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    call = lambda: fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, w13, w2, shared, out)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        g.replay()
+        assert_close("replayed out", out, m(x), dtype=torch.bfloat16, row_dims=1, rtol=2, atol=2)
