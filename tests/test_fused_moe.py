@@ -62,7 +62,7 @@ def test_router_kernel_picks_the_references_experts(device, preset, T, seed):
 
 
 @pytest.mark.parametrize("device,preset", PRESETS[:2] + [PRESETS[3]])
-@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("T", [1, 5, 40, 200])  # 200 tokens: 600 pairs over 9 experts, blocks of 64
 def test_fused_moe_equals_the_reference(device, preset, T, seed):
     """The layer per element: fp32 against the reference module in float64; bf16 against the reference module in
     bf16 (the same roundings: 2 units of bf16), and against float64 within bf16's accumulated rounding."""
@@ -158,14 +158,15 @@ def test_fused_moe_refuses_what_it_cannot_compute():
 
 @CPU
 @pytest.mark.parametrize("shared", [False, True])
-def test_align_pairs_places_every_local_pair_once_in_its_experts_run(shared, seed):
+@pytest.mark.parametrize("BLOCK_M", [16, 32])
+def test_align_pairs_places_every_local_pair_once_in_its_experts_run(shared, BLOCK_M, seed):
     """Random routings (experts of other ranks among them): every pair of a local expert in exactly one slot,
     inside its expert's run (runs in expert order, each padded to whole blocks), every block of a run owned by its
     expert and holding >= 1 pair, -1 everywhere else; no pair of another rank's expert anywhere."""
-    from dsv32ref.kernels.fused_moe import BLOCK_M, align_pairs
+    from dsv32ref.kernels.fused_moe import align_pairs
     T, k, n_local, expert0 = 37, 3, 5, 2
     ids = torch.stack([torch.randperm(12)[:k] for _ in range(T)]).int()  # experts 0..11; 2..6 are local
-    sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared)
+    sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared, BLOCK_M)
     ks = k + shared
     local = {t * ks + j: int(ids[t, j]) - expert0 for t in range(T) for j in range(k)
              if 0 <= int(ids[t, j]) - expert0 < n_local}

@@ -9,8 +9,8 @@ per expert that any token selected) cut into many launches, each with its gap in
     router    one program per BLOCK_T tokens: s = sigmoid(x W_g^T) in fp32, the group-limited top-k of
               s + e_score_correction_bias, the weights normalised and scaled (dsv32ref.reference.moe.route)
     align     one program: the step's pairs (token, routed expert on this rank), plus (token, shared expert)
-              for every token, sorted by expert, each expert's run padded to BLOCK_M slots: which pair sits in
-              which slot (`sorted_pair`, -1 padding) and which expert owns each block of BLOCK_M slots
+              for every token, sorted by expert, each expert's run padded to whole blocks of slots: which pair sits in
+              which slot (`sorted_pair`, -1 padding) and which expert owns each block
               (`block_expert`, -1 past the last); vLLM's moe_align_block_size does this job
     gate/up   one program per (block, BLOCK_N columns of I): h = silu(x W_gate^T) * (x W_up^T) for the block's
               pairs, the expert's weights read once per block
@@ -38,10 +38,16 @@ from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.launch import launch
 
-__all__ = ["BLOCK_M", "MAX_PAIRS", "align_pairs", "fused_moe", "route_kernel"]
+__all__ = ["MAX_PAIRS", "align_pairs", "block_m", "fused_moe", "route_kernel"]
 
 MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment sorts them in one program
-BLOCK_M = 16  # pairs per block of the grouped GEMMs (decode steps hold few pairs per expert)
+
+
+def block_m(n_pairs: int, n_experts: int) -> int:
+    """Pairs per block of the grouped GEMMs: 16 while an expert gets few pairs on average (decode: less padding),
+    up to 64 for prefill steps (each block reads its expert's weights once: fewer blocks, fewer reads)."""
+    per_expert = n_pairs / max(n_experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
 @triton.jit
@@ -306,35 +312,38 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     ids = torch.empty(T, k, dtype=torch.int32, device=x.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     route_kernel(c, x, gate_weight, e_score_correction_bias, ids, weights)
-    sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared is not None)
-    _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks)
+    bm = block_m(T * ks, n_local + (shared is not None))
+    sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared is not None, bm)
+    _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks, bm)
 
 
-def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool = False
+def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool = False, bm: int = 16
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The alignment launch: the router's ids int32 [T, k] -> (sorted_pair int32 [max_blocks x BLOCK_M],
-    block_expert int32 [max_blocks]). Pair t (k + shared) + j is token t's j-th expert, or (j = k) its shared
+    """The alignment launch: the router's ids int32 [T, k] -> (sorted_pair int32 [max_blocks x bm],
+    block_expert int32 [max_blocks]), in blocks of bm (a power of two >= 16) pairs. Pair t (k + shared) + j is token t's j-th expert, or (j = k) its shared
     expert, numbered n_local; local expert e's pairs fill its run of slots in pair order, padded with -1 to whole
-    blocks of BLOCK_M, the runs in expert order; block_expert names each block's expert, -1 past the last.
-    max_blocks = cdiv(T (k + shared), BLOCK_M) + n_local + shared, the most the runs can take."""
+    blocks of bm, the runs in expert order; block_expert names each block's expert, -1 past the last.
+    max_blocks = cdiv(T (k + shared), bm) + n_local + shared, the most the runs can take."""
     T, k = check_tensor("ids", ids, shape=(None, None), dtype=torch.int32, dense_dims=2).shape
     check_int("align_pairs: n_local", n_local)
     check_int("align_pairs: expert0", expert0, low=0)
+    if bm not in (16, 32, 64, 128):
+        raise ValueError(f"align_pairs: bm expected 16, 32, 64 or 128, got {bm!r}")
     n_pairs, ne = T * (k + shared), n_local + shared
     if n_pairs > MAX_PAIRS:
         raise ValueError(f"align_pairs: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x {k + shared}")
-    max_blocks = triton.cdiv(n_pairs, BLOCK_M) + ne  # each expert's run is padded to a whole block
-    sorted_pair = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device=ids.device)
+    max_blocks = triton.cdiv(n_pairs, bm) + ne  # each expert's run is padded to a whole block
+    sorted_pair = torch.empty(max_blocks * bm, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     ne_pad = triton.next_power_of_2(ne + 1)
     offsets = torch.empty(2 * ne_pad, dtype=torch.int32, device=ids.device)
     launch(_align_kernel, (1,), ids, sorted_pair, block_expert, offsets, n_pairs, expert0, n_local,
-           max_blocks * BLOCK_M, max_blocks, TOP_K=k, SHARED=shared, NE_PAD=ne_pad,
-           P_PAD=triton.next_power_of_2(max(n_pairs, 1)), BLOCK_M=BLOCK_M)
+           max_blocks * bm, max_blocks, TOP_K=k, SHARED=shared, NE_PAD=ne_pad,
+           P_PAD=triton.next_power_of_2(max(n_pairs, 1)), BLOCK_M=bm)
     return sorted_pair, block_expert
 
 
-def _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks):
+def _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks, bm):
     """gate/up, down and combine over the aligned pairs (fused_moe's last three launches)."""
     T, hidden = x.shape
     n_local, k, max_blocks = w13.shape[0], ids.shape[1], block_expert.shape[0]
@@ -345,9 +354,9 @@ def _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, o
     bn, bk = 64, 64
     launch(_gate_up_kernel, (max_blocks, triton.cdiv(max(inter, i_s), bn)), x, x.stride(0), w13, w13.stride(0), s13,
            sorted_pair, block_expert, h, h.stride(0), hidden, inter, i_s, n_local, KS=ks, DTYPE=dt, PRECISION=prec,
-           BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk)
+           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     launch(_down_kernel, (max_blocks, triton.cdiv(hidden, bn)), h, h.stride(0), w2, w2.stride(0), s2, sorted_pair,
            block_expert, weights, y, hidden, inter, i_s, n_local, TOP_K=k, KS=ks, DTYPE=dt, PRECISION=prec,
-           BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk)
+           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     launch(_combine_kernel, (T, triton.cdiv(hidden, 128)), y, ids, out, out.stride(0), hidden, expert0, n_local,
            TOP_K=k, SHARED=shared is not None, DTYPE=dt, BLOCK_N=128)
