@@ -46,11 +46,13 @@ def _small(config: ModelConfig, device) -> ModelConfig:
 
 
 @pytest.mark.parametrize("device,preset", PRESETS)
-@pytest.mark.parametrize("T", [1, 17, 40])
-def test_router_kernel_picks_the_references_experts(device, preset, T, seed):
-    """Group-limited top-k (DeepSeek-V3.2's 8 groups, top 4 of them; GLM's one group) in one launch: the same
-    experts in the same order as dsv32ref.reference.moe.route, the weights to fp32 rounding; outputs poisoned."""
+@pytest.mark.parametrize("T,hidden", [(1, None), (17, None), (40, None), (5, 1600)])
+def test_router_kernel_picks_the_references_experts(device, preset, T, hidden, seed):
+    """Group-limited top-k (DeepSeek-V3.2's 8 groups, top 4 of them; GLM's one group): the same experts in the same
+    order as dsv32ref.reference.moe.route, the weights to fp32 rounding; outputs poisoned. hidden 1600: the
+    logits' sum split over four programs, the last one short."""
     c = _small(ModelConfig.preset(preset), device)
+    c = c if hidden is None or device == "cuda" else c.replace(hidden_size=hidden)
     m = _moe(c, device, torch.bfloat16, seed)
     x = torch.randn(T, c.hidden_size, device=device).to(torch.bfloat16)
     ids = torch.full((T, c.num_experts_per_tok), -7, dtype=torch.int32, device=device)

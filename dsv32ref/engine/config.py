@@ -33,7 +33,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": FlashMLA's latent rows and DeepGEMM's
     # indexer keys (dsv32ref.cache), quantised on write, read by the kernels
     moe: str = "dense"  # how MoE layers run: "dense" (every local expert on every token, PyTorch ops) or "fused"
-    # (dsv32ref.kernels.fused_moe: grouped GEMMs over the tokens each expert received, five launches a layer)
+    # (dsv32ref.kernels.fused_moe: grouped GEMMs over the tokens each expert received, six launches a layer)
     skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's
     # scoring and selection (their result is known: every key); eager regions and graph-less steps only
 

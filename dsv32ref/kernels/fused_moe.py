@@ -1,4 +1,4 @@
-"""The MoE layer in five launches: the router, the alignment of (token, expert) pairs, then grouped GEMMs over the
+"""The MoE layer in six launches: the router (two), the alignment of (token, expert) pairs, then grouped GEMMs over the
 tokens each expert received (gate/up, then down) and the combine. Graph-safe: nothing on the host depends on the
 routing, every size is the step's.
 
@@ -6,8 +6,9 @@ Motivation. Written as PyTorch ops, a DeepSeek-V3 MoE layer is a router of about
 scatter, and per-expert GEMMs or a dense einsum; at a few tokens the layer is a weight read (3 H I bf16 values
 per expert that any token selected) cut into many launches, each with its gap inside a CUDA graph. Here:
 
-    router    one program per BLOCK_T tokens: s = sigmoid(x W_g^T) in fp32, the group-limited top-k of
-              s + e_score_correction_bias, the weights normalised and scaled (dsv32ref.reference.moe.route)
+    router    the logits x W_g^T in fp32 over programs of (tokens, experts, splits of hidden), then one
+              program per BLOCK_T tokens: s = sigmoid, the group-limited top-k of s + e_score_correction_bias, the
+              weights normalised and scaled (dsv32ref.reference.moe.route)
     align     one program: the step's pairs (token, routed expert on this rank), plus (token, shared expert)
               for every token, sorted by expert, each expert's run padded to whole blocks of slots: which pair sits in
               which slot (`sorted_pair`, -1 padding) and which expert owns each block
@@ -59,20 +60,40 @@ def _top1(v, cols):
 
 
 @triton.jit
-def _router_kernel(x_ptr, stride_xt, w_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, hidden, routed_scaling_factor,
+def _router_logits_kernel(x_ptr, stride_xt, w_ptr, partial_ptr, T, E, hidden, k_per_split, E_PAD: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """partial[split, t, e] = x_t . W_g[e] over the split's share of hidden, in fp32 (as the reference computes the
+    logits): programs over (tokens, experts, splits of hidden), so that a few decode tokens still spread the
+    router's weight read over many SMs."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
+    t_ok, e_ok = offs_t < T, cols < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    k_end = tl.minimum(hidden, (split + 1) * k_per_split)
+    for k0 in range(split * k_per_split, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :],
+                    mask=t_ok[:, None] & (offs_k < k_end)[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_K)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * hidden + offs_k[:, None],
+                    mask=e_ok[None, :] & (offs_k < k_end)[:, None], other=0.0)  # (BLOCK_K, BLOCK_E)
+        acc += tl.dot(x, w, input_precision="ieee")
+    tl.store(partial_ptr + (split * T + offs_t[:, None]) * E_PAD + cols[None, :], acc, mask=t_ok[:, None])
+
+
+@triton.jit
+def _router_kernel(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, routed_scaling_factor,
                    N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                   NORM: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                   NORM: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The logits (the partial sums, added in split order), then s = sigmoid, the group-limited top-k of s + bias
+    and the weights, per token."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
     t_ok, e_ok = offs_t < T, cols < E
     logits = tl.zeros([BLOCK_T, E_PAD], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):  # W_g x in fp32, as the reference computes it
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :],
-                    mask=t_ok[:, None] & (offs_k < hidden)[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_K)
-        w = tl.load(w_ptr + cols[None, :] * hidden + offs_k[:, None],
-                    mask=e_ok[None, :] & (offs_k < hidden)[:, None], other=0.0)  # (BLOCK_K, E_PAD)
-        logits += tl.dot(x, w, input_precision="ieee")
+    for split in range(0, splits):
+        logits += tl.load(partial_ptr + (split * T + offs_t[:, None]) * E_PAD + cols[None, :],
+                          mask=t_ok[:, None] & e_ok[None, :], other=0.0)
     s = tl.sigmoid(logits)
     choice = tl.where(e_ok[None, :], s + tl.load(bias_ptr + cols, mask=e_ok, other=0.0)[None, :], float("-inf"))
     if N_GROUP > 1:  # keep the TOPK_GROUP groups whose two best choices sum highest
@@ -244,8 +265,9 @@ def _dtype_code(dtype: torch.dtype):
 
 def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
                  ids: torch.Tensor, weights: torch.Tensor) -> None:
-    """The router in one launch, into ids int32 [T, k] and weights fp32 [T, k] (dsv32ref.reference.moe.route's
-    results). x [T, hidden]; weight fp32 [E, hidden]; bias fp32 [E]."""
+    """The router in two launches (the logits over many programs, then the selection per token), into ids int32
+    [T, k] and weights fp32 [T, k] (dsv32ref.reference.moe.route's results). x [T, hidden]; weight fp32 [E, hidden];
+    bias fp32 [E]."""
     c = config
     T, hidden = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
                              dense_dims=1).shape
@@ -261,10 +283,16 @@ def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_s
     if c.n_group > 1 and (E % c.n_group or per < 2 or per & (per - 1)):
         raise ValueError(f"route_kernel: n_routed_experts {E} must split into n_group {c.n_group} groups of a power "
                          f"of two >= 2 experts")
-    launch(_router_kernel, (triton.cdiv(T, 16),), x, x.stride(0), weight, e_score_correction_bias, ids, weights, T, E,
-           hidden, float(c.routed_scaling_factor), N_GROUP=c.n_group, PER_GROUP=per, TOPK_GROUP=c.topk_group, TOP_K=k,
-           NORM=bool(c.norm_topk_prob), E_PAD=max(16, triton.next_power_of_2(E)), BLOCK_T=16,
-           BLOCK_K=64)
+    e_pad = max(16, triton.next_power_of_2(E))
+    k_per_split = max(512, triton.cdiv(hidden, 16))  # up to 16 splits of hidden, each a multiple of BLOCK_K
+    k_per_split = triton.cdiv(k_per_split, 64) * 64
+    splits, block_e = triton.cdiv(hidden, k_per_split), min(64, e_pad)
+    partial = torch.empty(splits, T, e_pad, dtype=torch.float32, device=x.device)
+    launch(_router_logits_kernel, (triton.cdiv(T, 16), e_pad // block_e, splits), x, x.stride(0), weight, partial, T,
+           E, hidden, k_per_split, E_PAD=e_pad, BLOCK_T=16, BLOCK_E=block_e, BLOCK_K=64)
+    launch(_router_kernel, (triton.cdiv(T, 16),), partial, e_score_correction_bias, ids, weights, T, E, splits,
+           float(c.routed_scaling_factor), N_GROUP=c.n_group, PER_GROUP=per, TOPK_GROUP=c.topk_group, TOP_K=k,
+           NORM=bool(c.norm_topk_prob), E_PAD=e_pad, BLOCK_T=16)
 
 
 def _check_experts(x, w13, w2, shared, n_local: int, inter: int):
