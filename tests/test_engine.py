@@ -181,6 +181,10 @@ def test_ttft_experiment_control_flow_on_cpu(tmp_path):
         assert r["ledger"]["eager_region_calls"] == (0 if v == "none" else 2)  # one per layer, replayed once
     assert json.loads((tmp_path / "t.json").read_text())["protocol"]["order"].startswith("interleaved")
     assert not (tmp_path / "t.partial.json").exists()
+    # the weights a forward reads: every parameter but the embedding table (fp32 here), counted from the config
+    from dsv32ref.param_counts import model_parameter_count
+    assert res["weight_read"]["bytes"] == 4 * (model_parameter_count(cfg) - cfg.vocab_size * cfg.hidden_size)
+    assert res["weight_read"]["limit_ms"] is None and res["variants"]["none"]["floor_over_weight_read"] is None
 
 
 @CPU

@@ -104,16 +104,22 @@ def start_run() -> tuple[float, dict] | None:
 
 # ---- ceilings --------------------------------------------------------------------------------------
 
-def measure_ceilings() -> dict:
-    n = 1 << 30  # 1 GiB per buffer: far past the 50 MB L2
+def measure_copy(n: int = 1 << 30) -> dict:
+    """The copy bandwidth: a device-to-device copy of n bytes (default 1 GiB: far past the 50 MB L2), read and
+    written (2 n bytes a copy), median of 100."""
     src = torch.randn(n // 4, device=DEV)
     dst = torch.empty_like(src)
     copy_ms = bench(lambda: dst.copy_(src), rep=100)
+    return {"copy_GBps": 2 * n / copy_ms / 1e6, "copy_bytes": 2 * n}
+
+
+def measure_ceilings() -> dict:
+    copy = measure_copy()
     m = 8192
     a, b = torch.randn(m, m, device=DEV, dtype=BF16), torch.randn(m, m, device=DEV, dtype=BF16)
     gemm_ms = bench(lambda: a @ b, rep=100)
-    return {"copy_GBps": 2 * n / copy_ms / 1e6, "bf16_gemm_TFLOPs": 2 * m ** 3 / gemm_ms / 1e9,
-            "copy_bytes": 2 * n, "gemm_shape": [m, m, m]}
+    return {"copy_GBps": copy["copy_GBps"], "bf16_gemm_TFLOPs": 2 * m ** 3 / gemm_ms / 1e9,
+            "copy_bytes": copy["copy_bytes"], "gemm_shape": [m, m, m]}
 
 
 def roofline(flops: float, nbytes: float, ms: float, ceil: dict) -> dict:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv32ref.bench.kernels import measure_copy
 from dsv32ref.checks import is_int
 from dsv32ref.config import REDUCED_MOE, ModelConfig, reduced_moe
 from dsv32ref.engine import BOUNDARIES, LLMEngine, StepInput, TensorParallel, build_model, shard
@@ -153,6 +154,14 @@ def first_token_margins(eng: LLMEngine, prompts_: list) -> list[float]:
     return margins
 
 
+def weight_read(model, copy_GBps: float | None) -> dict:
+    """What one forward must read of the rank's weights, every parameter but the embedding table (a step reads
+    only its tokens' rows of it), and the time that takes at the copy bandwidth measured in the same run: the
+    floor under any step's GPU time that the weights alone set (None without a measured bandwidth)."""
+    nbytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed_tokens")
+    return {"bytes": nbytes, "copy_GBps": copy_GBps, "limit_ms": nbytes / copy_GBps / 1e6 if copy_GBps else None}
+
+
 def _arm_result(eng: LLMEngine, cap_s: float, t: dict, p: TTFTProtocol, prompt: list[int], anat) -> dict:
     led = ledger.measure(eng, prompt)
     floor = led["gpu_busy_ms"]
@@ -223,7 +232,8 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
     config, cuda, lead = config or reduced_moe(p.preset), device == "cuda", tp_rank == 0
     out = out if lead else None
     t0 = time.time()
-    engines = _engines(config, p, _weights(config, p, device, tp_rank, tp_size), device)
+    weights = _weights(config, p, device, tp_rank, tp_size)
+    engines = _engines(config, p, weights, device)
     if cuda and lead:
         print(f"{p.preset}: engines built and captured in {time.time() - t0:.1f} s", flush=True)
     requests = prompts(config.vocab_size, p.warmup + p.requests, p.prompt_len, p.seed)
@@ -246,6 +256,16 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
             write_partial(out, result)
     if cuda and p.host_costs and lead:
         result["host_costs"] = _host_costs(engines, p, requests[p.warmup])
+    # the weights' read at this GPU's copy bandwidth (measured after the timed loop), against each arm's floor
+    result["weight_read"] = weight_read(weights, measure_copy()["copy_GBps"] if cuda else None)
+    limit = result["weight_read"]["limit_ms"]
+    for r in result["variants"].values():
+        r["floor_over_weight_read"] = r["ledger"]["gpu_busy_ms"] / limit if limit else None
+    if lead and limit:
+        print(f"  weights read once: {result['weight_read']['bytes'] / 2**30:.2f} GiB at "
+              f"{result['weight_read']['copy_GBps']:.0f} GB/s = {limit:.2f} ms; floor / that: " + ", ".join(
+                  f"{v} {r['floor_over_weight_read']:.2f}" for v, r in result["variants"].items()), flush=True)
+    del weights
     if p.fp8_kv:  # why an FP8 arm's token differs: how close the first arm's top two logits were
         result["first_token_margins"] = first_token_margins(engines[p.variants[0]][0],
                                                             requests[p.warmup:p.warmup + p.requests])
