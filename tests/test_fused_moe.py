@@ -245,3 +245,55 @@ def test_fused_moe_replays_from_a_cuda_graph(seed):
         out.fill_(float("nan"))
         g.replay()
         assert_close("replayed out", out, m(x), dtype=torch.bfloat16, row_dims=1, rtol=2, atol=2)
+
+
+@CPU
+def test_router_kernel_one_expert_unnormalised_and_ties(seed):
+    """num_experts_per_tok 1 with norm_topk_prob off and a scaling factor: the reference's experts and weights.
+    Exact ties (x = 0: every expert scores sigmoid(0) + its bias, the bias 0): the lower indices, in order."""
+    c = ModelConfig.preset("tiny-glm-5.2").replace(num_experts_per_tok=1, norm_topk_prob=False,
+                                                   routed_scaling_factor=1.7)
+    m = _moe(c, "cpu", torch.float32, seed)
+    x = torch.randn(21, c.hidden_size)
+    ids = torch.full((21, 1), -7, dtype=torch.int32)
+    w = torch.full((21, 1), float("nan"))
+    route_kernel(c, x, m.gate.weight, m.gate.e_score_correction_bias, ids, w)
+    ref_ids, ref_w = route(c, x.double(), m.gate.weight.double(), m.gate.e_score_correction_bias.double())
+    assert torch.equal(ids.long(), ref_ids)
+    assert_close("weights", w, ref_w, dtype=torch.float32, rtol=16, atol=16)
+    c2 = ModelConfig.preset("tiny-deepseek-v3.2")
+    ids2 = torch.empty(3, c2.num_experts_per_tok, dtype=torch.int32)
+    w2 = torch.empty(3, c2.num_experts_per_tok)
+    route_kernel(c2, torch.zeros(3, c2.hidden_size), torch.randn(c2.n_routed_experts, c2.hidden_size),
+                 torch.zeros(c2.n_routed_experts), ids2, w2)
+    assert ids2.tolist() == [list(range(c2.num_experts_per_tok))] * 3  # groups 0 and 1 kept, experts 0, 1 first
+    assert torch.allclose(w2, torch.full_like(w2, c2.routed_scaling_factor / c2.num_experts_per_tok))
+
+
+@CPU
+def test_fused_moe_takes_strided_rows(seed):
+    """x and out with a row stride past their width (a view of wider buffers): the same output as contiguous."""
+    c = ModelConfig.preset("tiny-deepseek-v3.2")
+    m = _moe(c, "cpu", torch.float32, seed)
+    wide = torch.randn(9, 3 * c.hidden_size)
+    x = wide[:, c.hidden_size: 2 * c.hidden_size]
+    out_wide = torch.full((9, 2 * c.hidden_size), float("nan"))
+    out = out_wide[:, :c.hidden_size]
+    fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, *_weights(m), out)
+    dense = torch.empty_like(x.contiguous())
+    fused_moe(c, x.contiguous(), m.gate.weight, m.gate.e_score_correction_bias, *_weights(m), dense)
+    assert torch.equal(out, dense) and out_wide[:, c.hidden_size:].isnan().all()
+
+
+@CPU
+def test_align_pairs_refuses_what_its_keys_cannot_hold():
+    """More local experts than the int32 sort keys hold beside the pairs, a block size it has no tile for, ids of
+    the wrong dtype: ValueErrors naming them."""
+    from dsv32ref.kernels.fused_moe import MAX_EXPERTS, align_pairs
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="n_local"):
+        align_pairs(ids, MAX_EXPERTS + 1)
+    with pytest.raises(ValueError, match="bm"):
+        align_pairs(ids, 4, bm=24)
+    with pytest.raises(ValueError, match="ids"):
+        align_pairs(ids.long(), 4)

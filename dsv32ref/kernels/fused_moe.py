@@ -19,9 +19,12 @@ per expert that any token selected) cut into many launches, each with its gap in
     combine   one program per (token, BLOCK_N columns): the routed pairs' sum, then the shared expert's output
 
 Numerics follow the reference module (dsv32ref.reference.moe.MoE) in the activation dtype: the projections'
-outputs, silu and the product are rounded to it as torch rounds them, the routed outputs are weighted and summed in
-fp32, rounded once, and the shared expert's output is added to them. Row by row the GEMMs equal the reference's up
-to fp32 summation order: where a pair lands among its expert's slots changes no result.
+outputs, silu and the product are rounded to it where torch rounds them, the routed outputs are weighted and summed
+in fp32, rounded once, and the shared expert's output is added to them. Row by row the GEMMs equal the reference's up
+to fp32 summation order (where a pair lands among its expert's slots changes no result); sigmoid and silu divide
+as IEEE does but take the GPU's fast exp, so compiled, a value can land a unit of the dtype away from torch's.
+Exact ties in the router's choices go to the lower expert (or group) index; torch.topk, which the reference calls,
+breaks them its own way.
 
 Expert parallelism: the router sees every expert; the pairs whose expert is not among this rank's n_local (from
 expert0) are dropped by the alignment and contribute nothing here (their rank adds them in its all-reduce).
@@ -42,6 +45,7 @@ from dsv32ref.kernels.launch import launch
 __all__ = ["MAX_PAIRS", "align_pairs", "block_m", "fused_moe", "route_kernel"]
 
 MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment sorts them in one program
+MAX_EXPERTS = 1 << 12  # local experts (and the shared one) the alignment's int32 sort keys hold beside the pairs
 
 
 def block_m(n_pairs: int, n_experts: int) -> int:
@@ -73,18 +77,18 @@ def _router_logits_kernel(x_ptr, stride_xt, w_ptr, partial_ptr, T, E, hidden, k_
     k_end = tl.minimum(hidden, (split + 1) * k_per_split)
     for k0 in range(split * k_per_split, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :],
+        x = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
                     mask=t_ok[:, None] & (offs_k < k_end)[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_K)
         w = tl.load(w_ptr + cols[None, :].to(tl.int64) * hidden + offs_k[:, None],
                     mask=e_ok[None, :] & (offs_k < k_end)[:, None], other=0.0)  # (BLOCK_K, BLOCK_E)
         acc += tl.dot(x, w, input_precision="ieee")
-    tl.store(partial_ptr + (split * T + offs_t[:, None]) * E_PAD + cols[None, :], acc, mask=t_ok[:, None])
+    tl.store(partial_ptr + (split * T + offs_t[:, None]).to(tl.int64) * E_PAD + cols[None, :], acc, mask=t_ok[:, None])
 
 
 @triton.jit
 def _router_kernel(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, routed_scaling_factor,
                    N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                   NORM: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+                   NORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     """The logits (the partial sums, added in split order), then s = sigmoid, the group-limited top-k of s + bias
     and the weights, per token."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -92,9 +96,9 @@ def _router_kernel(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, ro
     t_ok, e_ok = offs_t < T, cols < E
     logits = tl.zeros([BLOCK_T, E_PAD], tl.float32)
     for split in range(0, splits):
-        logits += tl.load(partial_ptr + (split * T + offs_t[:, None]) * E_PAD + cols[None, :],
+        logits += tl.load(partial_ptr + (split * T + offs_t[:, None]).to(tl.int64) * E_PAD + cols[None, :],
                           mask=t_ok[:, None] & e_ok[None, :], other=0.0)
-    s = tl.sigmoid(logits)
+    s = tl.math.div_rn(tl.full(logits.shape, 1.0, tl.float32), 1.0 + tl.exp(-logits))  # IEEE division, as torch's
     choice = tl.where(e_ok[None, :], s + tl.load(bias_ptr + cols, mask=e_ok, other=0.0)[None, :], float("-inf"))
     if N_GROUP > 1:  # keep the TOPK_GROUP groups whose two best choices sum highest
         per: tl.constexpr = PER_GROUP
@@ -113,20 +117,21 @@ def _router_kernel(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, ro
             score = tl.where(g_cols[None, :] == g[:, None], float("-inf"), score)
         kept = tl.reshape(tl.broadcast_to(keep[:, :, None], (BLOCK_T, NG_PAD, per)), (BLOCK_T, E_PAD))
         choice = tl.where(kept, choice, float("-inf"))
-    total = tl.zeros([BLOCK_T], tl.float32)
-    for j in tl.static_range(TOP_K):  # the experts, best first, and s at each
+    k_cols = tl.arange(0, K_PAD)
+    ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+    w = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    for j in tl.static_range(TOP_K):  # the experts, best first (exact ties: the lower index), and s at each
         e, _best = _top1(choice, cols)
         e = tl.minimum(e, E - 1)  # a row of NaN finds no maximum: any expert (its outputs are NaN anyway)
-        s_e = tl.sum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)
-        tl.store(ids_ptr + offs_t * TOP_K + j, e, mask=t_ok)
-        tl.store(weights_ptr + offs_t * TOP_K + j, s_e, mask=t_ok)
-        total += s_e
+        ids = tl.where(k_cols[None, :] == j, e[:, None], ids)
+        w = tl.where(k_cols[None, :] == j, tl.sum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)[:, None], w)
         choice = tl.where(cols[None, :] == e[:, None], float("-inf"), choice)
-    for j in tl.static_range(TOP_K):
-        w_j = tl.load(weights_ptr + offs_t * TOP_K + j, mask=t_ok, other=0.0)
-        if NORM:
-            w_j = w_j / (total + 1e-20)
-        tl.store(weights_ptr + offs_t * TOP_K + j, w_j * routed_scaling_factor, mask=t_ok)
+    if NORM:
+        w = tl.math.div_rn(w, tl.sum(w, axis=1)[:, None] + 1e-20)
+    out = offs_t[:, None].to(tl.int64) * TOP_K + k_cols[None, :]
+    ok = t_ok[:, None] & (k_cols < TOP_K)[None, :]
+    tl.store(ids_ptr + out, ids, mask=ok)
+    tl.store(weights_ptr + out, w * routed_scaling_factor, mask=ok)
 
 
 @triton.jit
@@ -137,8 +142,8 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, offsets_ptr, n_pai
     expert n_local). Experts of other ranks go to bucket NE = n_local + SHARED, which gets no slot."""
     KS: tl.constexpr = TOP_K + SHARED
     ne = n_local + SHARED
-    for s0 in range(0, max_slots, P_PAD):  # every slot empty, every block unowned, until the pairs are placed
-        offs = s0 + tl.arange(0, P_PAD)
+    for s0 in range(0, max_slots, 1024):  # every slot empty, every block unowned, until the pairs are placed
+        offs = s0 + tl.arange(0, 1024)
         tl.store(sorted_pair_ptr + offs, -1, mask=offs < max_slots)
         tl.store(block_expert_ptr + offs, -1, mask=offs < max_blocks)
     p = tl.arange(0, P_PAD)
@@ -204,7 +209,7 @@ def _gate_up_kernel(x_ptr, stride_xt, w13_ptr, stride_we, shared_ptr, sorted_pai
             acc_u = mma(x, wu, PRECISION) + acc_u
         # rounded as the reference's F.linear outputs, F.silu and the product are
         g = cast(acc_g, DTYPE).to(tl.float32)
-        silu = cast(g / (1.0 + tl.exp(-g)), DTYPE).to(tl.float32)
+        silu = cast(tl.math.div_rn(g, 1.0 + tl.exp(-g)), DTYPE).to(tl.float32)
         h = cast(silu * cast(acc_u, DTYPE).to(tl.float32), DTYPE)
         tl.store(h_ptr + slots[:, None].to(tl.int64) * stride_hs + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=(pair >= 0)[:, None] & n_ok[None, :])
@@ -256,7 +261,7 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, hidden, expert0, n_local
     if SHARED:
         out = cast(out.to(tl.float32) + tl.load(y_ptr + (t * KS + TOP_K).to(tl.int64) * hidden + offs_n,
                                                 mask=n_ok, other=0.0), DTYPE)
-    tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _dtype_code(dtype: torch.dtype):
@@ -292,7 +297,7 @@ def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_s
            E, hidden, k_per_split, E_PAD=e_pad, BLOCK_T=16, BLOCK_E=block_e, BLOCK_K=64)
     launch(_router_kernel, (triton.cdiv(T, 16),), partial, e_score_correction_bias, ids, weights, T, E, splits,
            float(c.routed_scaling_factor), N_GROUP=c.n_group, PER_GROUP=per, TOPK_GROUP=c.topk_group, TOP_K=k,
-           NORM=bool(c.norm_topk_prob), E_PAD=e_pad, BLOCK_T=16)
+           NORM=bool(c.norm_topk_prob), E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), BLOCK_T=16)
 
 
 def _check_experts(x, w13, w2, shared, n_local: int, inter: int):
@@ -331,7 +336,8 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     i_s = _check_experts(x, w13, w2, shared, n_local, inter)
     check_tensor("out", out, shape=(T, hidden), dtype=x.dtype, dense_dims=1)
     tensors = dict(x=x, gate_weight=gate_weight, w13=w13, w2=w2, out=out)
-    check_same_device(**tensors, **({} if shared is None else {"shared": shared[0]}))
+    check_same_device(**tensors, **({} if shared is None else {"shared gate_up_proj": shared[0],
+                                                               "shared down_proj": shared[1]}))
     ks = k + (shared is not None)
     if T * ks > MAX_PAIRS:
         raise ValueError(f"fused_moe: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x {ks}")
@@ -358,6 +364,8 @@ def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool 
     if bm not in (16, 32, 64, 128):
         raise ValueError(f"align_pairs: bm expected 16, 32, 64 or 128, got {bm!r}")
     n_pairs, ne = T * (k + shared), n_local + shared
+    if ne > MAX_EXPERTS:
+        raise ValueError(f"align_pairs: n_local expected <= {MAX_EXPERTS - shared}, got {n_local}")
     if n_pairs > MAX_PAIRS:
         raise ValueError(f"align_pairs: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x {k + shared}")
     max_blocks = triton.cdiv(n_pairs, bm) + ne  # each expert's run is padded to a whole block
