@@ -106,19 +106,22 @@ def test_fused_moe_expert_parallel_computes_this_ranks_experts_only(seed):
 @CPU
 def test_engine_fused_moe_equals_the_reference_model(seed):
     """EngineConfig(moe="fused"): the engine's MoE layers through the fused kernels; its logits equal the
-    reference model's and its dense form's over a prefill and a decode step."""
+    reference model's and its dense form's over a prefill, eagerly and replayed from (emulated) FULL and
+    PIECEWISE graphs: nothing on the host depends on the routing."""
     from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
     from dsv32ref.graphs.runner import CUDAGraphMode
     from helpers import tiny_model
     ref = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32, seed=seed, num_hidden_layers=2)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     logits = {}
-    for moe in ("dense", "fused"):
-        ec = EngineConfig(boundary="none", mode=CUDAGraphMode.NONE, max_model_len=32, max_num_seqs=4,
-                          max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4, 8, 16], moe=moe)
-        eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "none", moe))
+    for moe, boundary, mode in (("dense", "none", CUDAGraphMode.NONE), ("fused", "none", CUDAGraphMode.NONE),
+                                ("fused", "none", CUDAGraphMode.FULL), ("fused", "narrow", CUDAGraphMode.PIECEWISE)):
+        ec = EngineConfig(boundary=boundary, mode=mode, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
+                          block_size=4, capture_sizes=[8, 16], moe=moe)
+        eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, boundary, moe))
+        eng.capture()
         eng.step(StepInput([(r, p, 0) for r, p in enumerate(prompts)]))
-        logits[moe] = eng.last_logits
+        logits[f"{moe} {boundary} {mode.name}"] = eng.last_logits
     expected = torch.stack([ref(torch.tensor(p, dtype=torch.long))[-1] for p in prompts]).to(torch.float64)
     for moe, lg in logits.items():
         assert_close(f"{moe} logits", lg, expected, dtype=torch.float32, row_dims=1, rtol=2**10, atol=2**10)
