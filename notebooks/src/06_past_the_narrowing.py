@@ -276,6 +276,40 @@ display(Markdown(
     f"does."))
 
 # %% [markdown]
+# ## Fewer kernels: the fused MoE
+# The reduced MoE of the recorded runs is PyTorch ops: a router of about a dozen small kernels, a scatter, the
+# experts' einsums and the shared expert's GEMMs. `EngineConfig(moe="fused")` runs each MoE layer through
+# `dsv32ref.kernels.fused_moe` instead: the router (two launches), the alignment of (token, expert) pairs, grouped
+# gate/up and down GEMMs over the tokens each expert received, the shared expert among them, and the combine.
+# The launch ledger, predicted here on the CPU from the model's structure (nothing is timed), counts what one
+# 8-token request launches inside its graph with each form.
+
+# %%
+import contextlib
+import io
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the prediction builds the engine on CPU tensors
+from dsv32ref.experiments import ledger  # noqa: E402
+
+with contextlib.redirect_stdout(io.StringIO()):  # its progress lines carry seconds
+    fused_pred = ledger.predict_all(run["preset"], variants=("none", "none+fused"))["variants"]
+moe_layers_pred = sum(ModelConfig.preset(run["preset"]).is_moe_layer(i)
+                      for i in range(ModelConfig.preset(run["preset"]).num_hidden_layers))
+rows = [(v, sum(fused_pred[v]["in_graph"].values()), fused_pred[v]["in_graph"].get("moe", 0),
+         fused_pred[v]["in_graph"].get("moe", 0) // moe_layers_pred) for v in ("none", "none+fused")]
+display(Markdown("| arm | kernels in the graph | of them MoE | per MoE layer |\n|---|---|---|---|\n" +
+                 "\n".join(f"| `{v}` | {n} | {m} | {per} |" for v, n, m, per in rows)))
+
+# %%
+(_, n_dense, m_dense, per_dense), (_, n_fused, m_fused, per_fused) = rows
+display(Markdown(
+    f"With the fused MoE a request launches {n_fused} kernels inside its graph instead of {n_dense}: "
+    f"{per_fused} per MoE layer instead of {per_dense}, {n_dense - n_fused} fewer gaps between kernels. What "
+    f"that does to the floor and to TTFT is for a GPU run (`dsv32ref ttft --fused-moe none narrow`): the runs "
+    f"recorded in `data/` predate the fused MoE."))
+
+# %% [markdown]
 # ## Conclusion
 
 # %%
@@ -293,8 +327,9 @@ display(Markdown(
     f"{gaps_ms / none['ledger']['gpu_busy_ms']:.1%} of the floor), the host's work before the launch "
     f"({a['stage_ms']:.2f} ms) and the launch of the one graph ({a['execute_ms']:.2f} ms of host time). Fewer "
     f"kernels is what would move it further: the MoE launches {moe_k} of the {pred_k} kernels we predict per "
-    f"request ({moe_k // moe_layers} per MoE layer, our reduced dense MoE with its unfused router), where a "
-    f"serving engine's fused MoE launches a handful.\n"
+    f"request ({moe_k // moe_layers} per MoE layer, our reduced dense MoE with its unfused router); the fused "
+    f"MoE (`EngineConfig(moe=\"fused\")`) launches {per_fused} per layer, {n_fused} kernels in all, not yet timed "
+    f"on the GPU.\n"
     f"- Narrowing matters where the launches are a large share of the step: short prompts, and PIECEWISE "
     f"decode. By {top} tokens the GEMMs dominate, and past the largest capture size no variant has graphs.\n"
     f"- What is different here: one GPU holds all 64 heads (four times one TP4 rank's attention work), the "
