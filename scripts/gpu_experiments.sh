@@ -8,14 +8,16 @@
 #              it must fail; the tree is restored after                       -> nanplant.txt
 #   main       the main job, `python -m dsv32ref --quick`, timed; data/ must be unchanged afterwards -> main.log
 #   kernels    the kernel benchmark                                           -> kernels.json
-#   ttft       TTFT + ledger of every boundary and the top-k skip (MODELS), the instrument A/B and the FP8 KV
-#              cache's arms (narrow, none) for AB_MODEL (default glm-5.2)     -> ttft_<model>.json
+#   ttft       TTFT + ledger of every boundary and the top-k skip (MODELS), the fused MoE's arms (FUSED, default
+#              none narrow; FUSED= for none), the instrument A/B and the FP8 KV cache's arms (narrow, none) for
+#              AB_MODEL (default glm-5.2)                                     -> ttft_<model>.json
 #   fp8        the FP8 KV cache against bf16: decode and indexer scores       -> fp8_speed.json
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary   -> capture_memory_glm-5.2_h16.json
 #   capture8   the same with the FP8 KV cache                                 -> capture_memory_glm-5.2_h16_fp8.json
 #   regimes    TTFT against prompt length, decode TPOT, every variant          -> regimes_glm-5.2.json
 #   timeline   one profiled request per boundary on a time axis               -> timeline_glm-5.2.json
 #   nbval      the notebooks under nbval                                      -> nbval.txt
+#   pack       every file under OUTDIR into OUTDIR/results.tgz (what a device call brings back is a few files)
 set -uo pipefail
 OUT=${1:?output dir}; shift
 mkdir -p "$OUT"
@@ -49,7 +51,8 @@ for step in "$@"; do
     ttft)
       for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
         ab=$([ "$model" = "${AB_MODEL:-glm-5.2}" ] && echo --instrument-ab --fp8-kv narrow none)
-        dsv 420 ttft --model "$model" $ab --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
+        fused=${FUSED-none narrow}
+        dsv 480 ttft --model "$model" $ab ${fused:+--fused-moe $fused} --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
         tail -14 "$OUT/ttft_$model.log"
       done ;;
     fp8)
@@ -67,6 +70,9 @@ for step in "$@"; do
       dsv 150 timeline --model glm-5.2 --out "$OUT/timeline_glm-5.2.json" > "$OUT/timeline.log"; tail -5 "$OUT/timeline.log" ;;
     nbval)
       timeout 400 python3 -m pytest -q -p no:cacheprovider notebooks 2>&1 | tee "$OUT/nbval.txt" | tail -6 ;;
+    pack)
+      (cd "$OUT" && tar czf results.tgz --exclude results.tgz -- * && find . -type f ! -name results.tgz -delete)
+      ls -la "$OUT" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
   echo "[$step: $(( $(date +%s) - start )) s]"
