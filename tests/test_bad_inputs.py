@@ -968,7 +968,8 @@ def test_comparator_arguments():
     (dict(prompt_len=0), r"TTFTProtocol.prompt_len: expected an int >= 1, got 0"),
     (dict(variants=("narow",)), r"TTFTProtocol.variants: unknown boundaries \['narow'\]"),
     (dict(variants=()), r"TTFTProtocol.variants: unknown boundaries \[\]"),
-    (dict(instrument_ab=("wide", "x")), r"TTFTProtocol.instrument_ab: unknown boundaries \['x'\]")])
+    (dict(instrument_ab=("wide", "x")), r"TTFTProtocol.instrument_ab: unknown boundaries \['x'\]"),
+    (dict(fused_moe=("fused",)), r"TTFTProtocol.fused_moe: unknown boundaries \['fused'\]")])
 def test_ttft_experiment_arguments(kw, match):
     from dsv32ref.experiments.ttft import TTFTProtocol
 
