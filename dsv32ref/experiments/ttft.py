@@ -162,6 +162,18 @@ def weight_read(model, copy_GBps: float | None) -> dict:
     return {"bytes": nbytes, "copy_GBps": copy_GBps, "limit_ms": nbytes / copy_GBps / 1e6 if copy_GBps else None}
 
 
+def _attach_weight_read(result: dict, weights, cuda: bool, lead: bool) -> None:
+    """The weights' read at this GPU's copy bandwidth (measured after the timed loop: nothing else runs), and
+    each arm's GPU-busy floor over it."""
+    result["weight_read"] = w = weight_read(weights, measure_copy()["copy_GBps"] if cuda else None)
+    for r in result["variants"].values():
+        r["floor_over_weight_read"] = r["ledger"]["gpu_busy_ms"] / w["limit_ms"] if w["limit_ms"] else None
+    if lead and w["limit_ms"]:
+        print(f"  weights read once: {w['bytes'] / 2**30:.2f} GiB at {w['copy_GBps']:.0f} GB/s = {w['limit_ms']:.2f} "
+              f"ms; floor / that: " + ", ".join(f"{v} {r['floor_over_weight_read']:.2f}"
+                                               for v, r in result["variants"].items()), flush=True)
+
+
 def _arm_result(eng: LLMEngine, cap_s: float, t: dict, p: TTFTProtocol, prompt: list[int], anat) -> dict:
     led = ledger.measure(eng, prompt)
     floor = led["gpu_busy_ms"]
@@ -256,15 +268,7 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
             write_partial(out, result)
     if cuda and p.host_costs and lead:
         result["host_costs"] = _host_costs(engines, p, requests[p.warmup])
-    # the weights' read at this GPU's copy bandwidth (measured after the timed loop), against each arm's floor
-    result["weight_read"] = weight_read(weights, measure_copy()["copy_GBps"] if cuda else None)
-    limit = result["weight_read"]["limit_ms"]
-    for r in result["variants"].values():
-        r["floor_over_weight_read"] = r["ledger"]["gpu_busy_ms"] / limit if limit else None
-    if lead and limit:
-        print(f"  weights read once: {result['weight_read']['bytes'] / 2**30:.2f} GiB at "
-              f"{result['weight_read']['copy_GBps']:.0f} GB/s = {limit:.2f} ms; floor / that: " + ", ".join(
-                  f"{v} {r['floor_over_weight_read']:.2f}" for v, r in result["variants"].items()), flush=True)
+    _attach_weight_read(result, weights, cuda, lead)
     del weights
     if p.fp8_kv:  # why an FP8 arm's token differs: how close the first arm's top two logits were
         result["first_token_margins"] = first_token_margins(engines[p.variants[0]][0],
