@@ -358,3 +358,24 @@ def test_capture_out_of_memory_on_gpu_is_reported_and_recoverable():
     assert torch.cuda.memory_allocated() <= base_alloc + 2**20  # nothing half-captured holds memory
     got, _ = eng.generate(prompt, 3)
     assert got == want
+
+
+@CPU
+def test_generate_prefills_a_prompt_longer_than_the_token_budget_in_chunks(seed):
+    """A 40-token prompt on an engine whose steps hold 16 tokens: three prefill steps, each over the cache the
+    earlier ones wrote; the first token and its logits equal one 40-token step's (a 64-token budget) and the
+    reference model's; the request's blocks are released afterwards."""
+    ref = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32, seed=seed, num_hidden_layers=2)
+    prompt = torch.randint(0, ref.config.vocab_size, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+    logits, toks = {}, {}
+    for budget in (16, 64):
+        ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=64, max_num_seqs=2,
+                          max_num_batched_tokens=budget, block_size=4, capture_sizes=[8, 16])
+        eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
+        toks[budget], _ = eng.generate(prompt, 2)
+        logits[budget] = eng.last_logits
+        assert not eng.allocator.tables and len(eng.allocator.free) == eng.runner.kv_cache.num_blocks, "released"
+    assert toks[16] == toks[64]
+    expected = ref(torch.tensor(prompt + toks[64][:1]))[-1].double()  # the decode step's logits
+    for budget, lg in logits.items():
+        assert_close(f"budget {budget}", lg[0], expected, dtype=torch.float32, rtol=2**10, atol=2**10)

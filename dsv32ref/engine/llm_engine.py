@@ -95,7 +95,9 @@ class LLMEngine:
         return self.sample(prep, hidden), how
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> tuple[list[int], float]:
-        """One request alone: prefill, then greedy decode. Returns (new tokens, time to first token in s)."""
+        """One request alone: prefill (chunked: steps of at most max_num_batched_tokens, each over the cache the
+        earlier ones wrote; the first token comes from the last), then greedy decode. Returns (new tokens, time
+        to first token in s)."""
         if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         if not isinstance(prompt, (list, tuple)) or not prompt:
@@ -104,11 +106,13 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(prompt)} tokens + {max_new_tokens - 1} decoded ones exceed max_model_len="
                              f"{self.ec.max_model_len}")
         seq_id, self._next_seq = self._next_seq, self._next_seq + 1
-        t0 = time.perf_counter()
-        (tok,), _ = self.step(StepInput([(seq_id, list(prompt), 0)]))
-        ttft = time.perf_counter() - t0  # .tolist() in step() synchronised with the GPU
-        out = [tok]
+        chunk = self.ec.max_num_batched_tokens
         try:
+            t0 = time.perf_counter()
+            for c0 in range(0, len(prompt), chunk):
+                (tok,), _ = self.step(StepInput([(seq_id, list(prompt[c0:c0 + chunk]), c0)]))
+            ttft = time.perf_counter() - t0  # .tolist() in step() synchronised with the GPU
+            out = [tok]
             for i in range(max_new_tokens - 1):
                 (tok,), _ = self.step(StepInput([(seq_id, [tok], len(prompt) + i)]))
                 out.append(tok)
