@@ -379,3 +379,23 @@ def test_generate_prefills_a_prompt_longer_than_the_token_budget_in_chunks(seed)
     expected = ref(torch.tensor(prompt + toks[64][:1]))[-1].double()  # the decode step's logits
     for budget, lg in logits.items():
         assert_close(f"budget {budget}", lg[0], expected, dtype=torch.float32, rtol=2**10, atol=2**10)
+
+
+@CPU
+def test_regime_map_control_flow_on_cpu(tmp_path):
+    """The regime map end to end on emulated graphs: a prompt past the token budget prefills in chunks (and
+    runs as NONE past the capture sizes), one that fits in one step; decode at two batch sizes, FULL and
+    PIECEWISE (none: FULL only). The GPU-time split is a GPU measurement: absent here."""
+    from dsv32ref.experiments.regimes import RegimeProtocol, run
+    cfg = tiny_model("tiny-deepseek-v3.2").config.replace(num_hidden_layers=1)
+    p = RegimeProtocol(variants=("narrow", "none"), prompt_lens=(8, 40), ttft_requests=1, long_requests=1,
+                       token_budget=16, batches=(1, 2), contexts=(12,), decode_steps=1, capture_sizes=(1, 2, 8),
+                       block_size=4)
+    res = run(p, out=str(tmp_path / "r.json"), device="cpu", config=cfg)
+    short, long = res["prefill"]["8"], res["prefill"]["40"]
+    assert all(short[v]["chunks"] == 1 and long[v]["chunks"] == 3 for v in p.variants)
+    assert long["narrow"]["runs_as"] == "NONE" and short["none"]["runs_as"] == "FULL"
+    assert all(len(long[v]["ttft_ms"]) == 1 and long[v]["indexer_ms"] is None for v in p.variants)
+    dec = res["decode"]["12"]
+    assert set(dec) == {"1", "2"} and dec["2"]["none"]["PIECEWISE"] is None and "gpu" not in dec["2"]["none"]["FULL"]
+    assert res["protocol"]["token_budget"] == 16

@@ -1,10 +1,12 @@
 """The regime map: where narrowing the eager break matters, on one GPU, every variant interleaved in one process.
 
     prefill   TTFT against prompt length (one request at a time, one output token), with each variant's
-              GPU-busy floor at that length. Capture sizes stop at 512 tokens, so longer prompts run with no
-              graph at all: the point where prefill leaves the graphs.
+              GPU-busy floor at that length and the indexer's and sparse MLA's kernel time in it. Capture sizes
+              stop at 512 tokens, so longer prompts run with no graph at all: the point where prefill leaves the
+              graphs; prompts longer than the token budget prefill in chunks of it (chunked prefill).
     decode    time per output token (TPOT) of a batch of B requests at context C: one uniform-decode step,
-              FULL graphs against PIECEWISE ones (the eager regions replayed between graph segments).
+              FULL graphs against PIECEWISE ones (the eager regions replayed between graph segments), and on a
+              GPU the kernel time of one FULL step, the indexer's and sparse MLA's in it.
 
 Every variant has its own engine over one copy of the weights and one KV cache (shared blocks: the engines run
 one after another and release their sequences). Decode contexts are not prefilled (64 requests of 8k tokens
@@ -30,17 +32,23 @@ from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.provenance import provenance
 from dsv32ref.results import progress, write_partial, write_result
 
-__all__ = ["RegimeProtocol", "gpu_busy_ms", "run"]
+__all__ = ["RegimeProtocol", "gpu_busy_ms", "gpu_time", "run"]
+
+# Kernel families by name (Triton kernels' function names; the rest is GEMMs, norms, the MoE, ...)
+INDEXER_KERNELS = ("_indexer_scores_kernel", "_topk")
+SPARSE_MLA_KERNELS = ("_sparse_mla", "_combine_splits_kernel")
 
 
 @dataclass(frozen=True)
 class RegimeProtocol:
     preset: str = "glm-5.2"
     variants: tuple[str, ...] = ("wide", "narrow", "narrow_out", "none")
-    prompt_lens: tuple[int, ...] = (8, 64, 256, 512, 1024, 4096)
+    prompt_lens: tuple[int, ...] = (8, 64, 256, 512, 1024, 4096, 16384, 32768)
     ttft_requests: int = 8
+    long_requests: int = 2  # prompts longer than the token budget: fewer requests (a 32k prefill takes seconds)
+    token_budget: int = 8192  # max_num_batched_tokens: longer prompts prefill in chunks of it
     batches: tuple[int, ...] = (1, 8, 32, 64)
-    contexts: tuple[int, ...] = (1024, 8192)
+    contexts: tuple[int, ...] = (1024, 8192, 32768, 131072)
     decode_steps: int = 8
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     block_size: int = 64
@@ -51,7 +59,7 @@ class RegimeProtocol:
             values = getattr(self, name)
             if not isinstance(values, (list, tuple)) or not values or not all(is_int(v) and v >= 1 for v in values):
                 raise ValueError(f"RegimeProtocol.{name}: expected a non-empty list of ints >= 1, got {values!r}")
-        for name in ("ttft_requests", "decode_steps", "block_size"):
+        for name in ("ttft_requests", "long_requests", "token_budget", "decode_steps", "block_size"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"RegimeProtocol.{name}: expected an int >= 1, got {getattr(self, name)!r}")
         unknown = [v for v in self.variants if v not in BOUNDARIES]
@@ -64,7 +72,8 @@ class RegimeProtocol:
 
     def engine_config(self, boundary: str) -> EngineConfig:
         return EngineConfig(boundary=boundary, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=self.max_model_len,
-                            max_num_seqs=max(self.batches), max_num_batched_tokens=max(self.prompt_lens),
+                            max_num_seqs=max(self.batches),
+                            max_num_batched_tokens=min(max(self.prompt_lens), self.token_budget),
                             capture_sizes=list(self.capture_sizes), block_size=self.block_size, seed=self.seed)
 
 
@@ -75,16 +84,25 @@ def _median_spread(ms: list[float]) -> dict:
             "n": len(s)}
 
 
-def gpu_busy_ms(engine: LLMEngine, prompt: list[int]) -> float:
-    """Sum of the kernel durations of one request (profiler, CUDA activity only, instrument off)."""
-    engine.generate(prompt, 1)
+def gpu_time(fn) -> dict:
+    """Kernel time of one call of fn (after one unprofiled call; profiler, CUDA activity only, instrument off),
+    kernels launched from graphs included: busy_ms (the sum of the kernel durations), indexer_ms and sparse_mla_ms
+    (those of INDEXER_KERNELS and SPARSE_MLA_KERNELS)."""
+    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompt, 1)
+        fn()
         torch.cuda.synchronize()
-    return sum(e.time_range.elapsed_us() for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("dsv32ref::", "eager::"))
-               ) / 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("dsv32ref::", "eager::"))]
+    family = lambda names: sum(e.time_range.elapsed_us() for e in kernels if e.name.startswith(names)) / 1e3  # noqa: E731
+    return {"busy_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3, "indexer_ms": family(INDEXER_KERNELS),
+            "sparse_mla_ms": family(SPARSE_MLA_KERNELS)}
+
+
+def gpu_busy_ms(engine: LLMEngine, prompt: list[int]) -> float:
+    """Sum of the kernel durations of one request (gpu_time's busy_ms)."""
+    return gpu_time(lambda: engine.generate(prompt, 1))["busy_ms"]
 
 
 def _engines(config, p: RegimeProtocol, device: str, t0: float) -> tuple[dict, PagedKVCache]:
@@ -107,7 +125,8 @@ def _engines(config, p: RegimeProtocol, device: str, t0: float) -> tuple[dict, P
 
 def _prefill(engines: dict, p: RegimeProtocol, L: int, gen, vocab: int, cuda: bool) -> dict:
     """TTFT of `ttft_requests` prompts of L tokens on every variant, interleaved (one warm-up first)."""
-    prompts = torch.randint(0, vocab, (p.ttft_requests + 1, L), generator=gen).tolist()
+    n = p.ttft_requests if L <= p.token_budget else p.long_requests
+    prompts = torch.randint(0, vocab, (n + 1, L), generator=gen).tolist()
     order, times = list(engines), {v: [] for v in engines}
     for i, prompt in enumerate(prompts):
         for k in range(len(order)):
@@ -117,10 +136,12 @@ def _prefill(engines: dict, p: RegimeProtocol, L: int, gen, vocab: int, cuda: bo
                 times[v].append(t * 1e3)
     row = {}
     for v, eng in engines.items():
-        floor = gpu_busy_ms(eng, prompts[0]) if cuda else None
-        st = _median_spread(times[v])
-        row[v] = {**st, "runs_as": eng.runner.graphs.lookup(L, False)[0], "floor_ms": floor,
-                  "over_floor": st["mean_ms"] / floor if floor else None, "ttft_ms": times[v]}
+        gpu = gpu_time(lambda: eng.generate(prompts[0], 1)) if cuda else {}
+        floor, st = gpu.get("busy_ms"), _median_spread(times[v])
+        chunk = min(L, eng.ec.max_num_batched_tokens)
+        row[v] = {**st, "runs_as": eng.runner.graphs.lookup(chunk, False)[0], "chunks": -(-L // chunk),
+                  "floor_ms": floor, "over_floor": st["mean_ms"] / floor if floor else None,
+                  "indexer_ms": gpu.get("indexer_ms"), "sparse_mla_ms": gpu.get("sparse_mla_ms"), "ttft_ms": times[v]}
     return row
 
 
@@ -156,6 +177,9 @@ def _decode(engines: dict, p: RegimeProtocol, B: int, C: int, tok: list[int]) ->
         for v in runnable:
             row.setdefault(v, {})[phase] = {**_median_spread(times[v]), "runs_as": hows[v],
                                             "stage_median_ms": statistics.median(stage[v]), "tpot_ms": times[v]}
+    for v, eng in engines.items():  # on a GPU: one more FULL step, profiled (after the timed ones)
+        if eng.device.type == "cuda":
+            row[v]["FULL"]["gpu"] = gpu_time(lambda: _decode_step(eng, CUDAGraphMode.FULL_AND_PIECEWISE, B, C, tok))
     for v, eng in engines.items():
         if eng.ec.spec.graph_safe_prefill:
             row[v]["PIECEWISE"] = None  # no eager break: its FULL graphs are its only graphs
@@ -170,7 +194,8 @@ def run(p: RegimeProtocol = RegimeProtocol(), out: str | None = None, device: st
     engines, cache = _engines(config, p, device, t0)
     result = {"provenance": provenance(), "preset": p.preset, "reduction": REDUCED_MOE, "protocol": {
         "variants": list(p.variants), "capture_sizes": list(p.capture_sizes), "mode": "full_and_piecewise",
-        "prompt_lens": list(p.prompt_lens), "ttft_requests": p.ttft_requests, "batches": list(p.batches),
+        "prompt_lens": list(p.prompt_lens), "ttft_requests": p.ttft_requests, "long_requests": p.long_requests,
+        "token_budget": p.token_budget, "batches": list(p.batches),
         "contexts": list(p.contexts), "decode_steps": p.decode_steps, "max_model_len": p.max_model_len,
         "block_size": p.block_size, "kv_cache_gib": cache.nbytes() / 2**30,
         "order": "interleaved: request i (or decode batch i) runs on every variant in turn, rotating the order",
