@@ -398,4 +398,22 @@ def test_regime_map_control_flow_on_cpu(tmp_path):
     assert all(len(long[v]["ttft_ms"]) == 1 and long[v]["indexer_ms"] is None for v in p.variants)
     dec = res["decode"]["12"]
     assert set(dec) == {"1", "2"} and dec["2"]["none"]["PIECEWISE"] is None and "gpu" not in dec["2"]["none"]["FULL"]
-    assert res["protocol"]["token_budget"] == 16
+    assert res["protocol"]["token_budget"] == 16 and res["decode_skipped"] == []
+    assert p.kv_blocks() == 40 // 4 + 1  # the longest prompt (more than 2 x (12 + 1 + 2) decode tokens), plus one
+
+
+def test_regime_map_skips_decode_cases_past_its_kv_tokens():
+    """GLM-5.2 keeps about 95 KB a token: 64 requests at 128k context would need 744 GiB. The default protocol
+    runs the (context, batch) cases that fit its kv_tokens, lists the rest, and its cache fits one H200 beside
+    the weights (about 42 GiB reduced)."""
+    from dsv32ref.cache import token_bytes
+    from dsv32ref.config import reduced_moe
+    from dsv32ref.experiments.regimes import RegimeProtocol
+    p, c = RegimeProtocol(), reduced_moe("glm-5.2")
+    fits, skipped = p.decode_cases()
+    assert (131072, 1) in fits and (131072, 64) in skipped and (8192, 64) in fits
+    assert all(B * (C + p.decode_steps + 2) <= p.kv_tokens for C, B in fits)
+    latent, key = token_bytes(c, torch.bfloat16)
+    indexer_layers = sum(t == "full" for t in c.indexer_types) if c.indexer_types else c.num_hidden_layers
+    per_token = c.num_hidden_layers * latent + indexer_layers * key
+    assert p.kv_blocks() * p.block_size * per_token < 60 * 2**30

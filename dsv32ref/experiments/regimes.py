@@ -6,7 +6,12 @@
               graphs; prompts longer than the token budget prefill in chunks of it (chunked prefill).
     decode    time per output token (TPOT) of a batch of B requests at context C: one uniform-decode step,
               FULL graphs against PIECEWISE ones (the eager regions replayed between graph segments), and on a
-              GPU the kernel time of one FULL step, the indexer's and sparse MLA's in it.
+              GPU the kernel time of one FULL step, the indexer's and sparse MLA's in it. Only the (C, B) whose
+              B (C + decode_steps + 2) tokens fit `kv_tokens` run (one GPU holds every layer's latent cache:
+              GLM-5.2 keeps about 95 KB a token); the others are listed as skipped.
+
+The engines are sized for the longest context (max_model_len), as a serving engine configured for it is: the
+graph-safe decode's score width and top-k follow max_model_len at every context.
 
 Every variant has its own engine over one copy of the weights and one KV cache (shared blocks: the engines run
 one after another and release their sequences). Decode contexts are not prefilled (64 requests of 8k tokens
@@ -28,6 +33,7 @@ from dsv32ref.cache import PagedKVCache
 from dsv32ref.checks import is_int
 from dsv32ref.config import REDUCED_MOE, reduced_moe
 from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput, build_model
+from dsv32ref.experiments.ledger import idle_time_us, span_us
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.provenance import provenance
 from dsv32ref.results import progress, write_partial, write_result
@@ -47,6 +53,7 @@ class RegimeProtocol:
     ttft_requests: int = 8
     long_requests: int = 2  # prompts longer than the token budget: fewer requests (a 32k prefill takes seconds)
     token_budget: int = 8192  # max_num_batched_tokens: longer prompts prefill in chunks of it
+    kv_tokens: int = 600_000  # the KV cache's tokens: decode cases needing more are skipped
     batches: tuple[int, ...] = (1, 8, 32, 64)
     contexts: tuple[int, ...] = (1024, 8192, 32768, 131072)
     decode_steps: int = 8
@@ -59,12 +66,24 @@ class RegimeProtocol:
             values = getattr(self, name)
             if not isinstance(values, (list, tuple)) or not values or not all(is_int(v) and v >= 1 for v in values):
                 raise ValueError(f"RegimeProtocol.{name}: expected a non-empty list of ints >= 1, got {values!r}")
-        for name in ("ttft_requests", "long_requests", "token_budget", "decode_steps", "block_size"):
+        for name in ("ttft_requests", "long_requests", "token_budget", "kv_tokens", "decode_steps", "block_size"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"RegimeProtocol.{name}: expected an int >= 1, got {getattr(self, name)!r}")
         unknown = [v for v in self.variants if v not in BOUNDARIES]
         if unknown or not self.variants:
             raise ValueError(f"RegimeProtocol.variants: unknown variant(s) {unknown}; expected some of {BOUNDARIES}")
+
+    def decode_cases(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """((C, B) that fit kv_tokens, (C, B) that do not), contexts then batches in order."""
+        cases = [(C, B) for C in self.contexts for B in self.batches]
+        fits = [c for c in cases if c[1] * (c[0] + self.decode_steps + 2) <= self.kv_tokens]
+        return fits, [c for c in cases if c not in fits]
+
+    def kv_blocks(self) -> int:
+        """Blocks of the shared KV cache: the largest decode case kept, or one longest prompt, plus one."""
+        per = lambda n: -(-n // self.block_size)  # noqa: E731
+        fits = self.decode_cases()[0]
+        return max([per(max(self.prompt_lens))] + [B * per(C + self.decode_steps + 2) for C, B in fits]) + 1
 
     @property
     def max_model_len(self) -> int:
@@ -86,8 +105,11 @@ def _median_spread(ms: list[float]) -> dict:
 
 def gpu_time(fn) -> dict:
     """Kernel time of one call of fn (after one unprofiled call; profiler, CUDA activity only, instrument off),
-    kernels launched from graphs included: busy_ms (the sum of the kernel durations), indexer_ms and sparse_mla_ms
-    (those of INDEXER_KERNELS and SPARSE_MLA_KERNELS)."""
+    kernels launched from graphs included: busy_ms, the sum of the kernel durations (the TTFT run's floor);
+    indexer_ms and sparse_mla_ms, the time kernels of INDEXER_KERNELS (the scores and the top-k, not the indexer's
+    projections, its queries' or keys' kernels, nor a short prompt's PyTorch top-k) and of SPARSE_MLA_KERNELS run:
+    the union of their intervals, since a top-k kernel launched with programmatic dependent launch starts while
+    the one before it still runs."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -95,9 +117,12 @@ def gpu_time(fn) -> dict:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith(("dsv32ref::", "eager::"))]
-    family = lambda names: sum(e.time_range.elapsed_us() for e in kernels if e.name.startswith(names)) / 1e3  # noqa: E731
-    return {"busy_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3, "indexer_ms": family(INDEXER_KERNELS),
-            "sparse_mla_ms": family(SPARSE_MLA_KERNELS)}
+
+    def running_ms(names) -> float:
+        iv = [(e.time_range.start, e.time_range.end) for e in kernels if e.name.startswith(names)]
+        return (span_us(iv) - idle_time_us(iv)) / 1e3
+    return {"busy_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3, "indexer_ms": running_ms(INDEXER_KERNELS),
+            "sparse_mla_ms": running_ms(SPARSE_MLA_KERNELS)}
 
 
 def gpu_busy_ms(engine: LLMEngine, prompt: list[int]) -> float:
@@ -108,8 +133,7 @@ def gpu_busy_ms(engine: LLMEngine, prompt: list[int]) -> float:
 def _engines(config, p: RegimeProtocol, device: str, t0: float) -> tuple[dict, PagedKVCache]:
     weights = build_model(config, p.variants[0], device, torch.bfloat16 if device == "cuda" else torch.float32,
                           p.seed)
-    blocks = max(p.batches) * -(-p.max_model_len // p.block_size) + 1
-    cache = PagedKVCache(config, blocks, p.block_size, weights.lm_head.dtype, device)
+    cache = PagedKVCache(config, p.kv_blocks(), p.block_size, weights.lm_head.dtype, device)
     with torch.no_grad():
         g = torch.Generator(device=device).manual_seed(p.seed)
         for t in cache.latent + [t for t in cache.indexer_k if t is not None]:
@@ -207,7 +231,7 @@ def run(p: RegimeProtocol = RegimeProtocol(), out: str | None = None, device: st
         progress(i + 1, len(p.prompt_lens), "prefill TTFT, all variants")
         if out:
             write_partial(out, result)
-    cases = [(C, B) for C in p.contexts for B in p.batches]
+    cases, result["decode_skipped"] = p.decode_cases()
     for i, (C, B) in enumerate(cases):
         tok = torch.randint(0, config.vocab_size, (B,), generator=gen).tolist()
         result["decode"].setdefault(str(C), {})[str(B)] = _decode(engines, p, B, C, tok)
