@@ -114,7 +114,10 @@ def cmd_capture(args) -> int:
 def cmd_regimes(args) -> int:
     if _needs_gpu("regimes"):
         return 2
-    regimes.run(regimes.RegimeProtocol(preset=args.model), out=_out(args, f"regimes_{args.model}.json"))
+    limits = {"prompt_lens": args.max_prompt, "contexts": args.max_context}
+    kw = {name: tuple(v for v in getattr(regimes.RegimeProtocol, name) if v <= cap) for name, cap in limits.items()
+          if cap is not None}
+    regimes.run(regimes.RegimeProtocol(preset=args.model, **kw), out=_out(args, f"regimes_{args.model}.json"))
     return 0
 
 
@@ -187,7 +190,11 @@ def _parser() -> argparse.ArgumentParser:
     for name, fn, help_ in (("regimes", cmd_regimes, "TTFT against prompt length and decode TPOT (GPU)"),
                             ("timeline", cmd_timeline, "one profiled request per boundary on a time axis (GPU)"),
                             ("hostcosts", cmd_hostcosts, "the TTFT model's host costs (GPU)")):
-        add(name, fn, help_).add_argument("--model", default="glm-5.2", choices=MODELS)
+        cmd = add(name, fn, help_)
+        cmd.add_argument("--model", default="glm-5.2", choices=MODELS)
+        if name == "regimes":  # the default map runs minutes at 32k prompts and 128k contexts: a shorter one
+            cmd.add_argument("--max-prompt", type=int, default=None, help="only the default prompt lengths <= this")
+            cmd.add_argument("--max-context", type=int, default=None, help="only the default contexts <= this")
     add("kernels", cmd_kernels, "the kernel benchmark (GPU)").add_argument("--quick", action="store_true")
     add("fp8-speed", cmd_fp8_speed, "the FP8 KV cache against bf16: sparse MLA decode, indexer scores (GPU)"
         ).add_argument("--quick", action="store_true")

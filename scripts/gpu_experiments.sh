@@ -15,7 +15,8 @@
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary   -> capture_memory_glm-5.2_h16.json
 #   capture8   the same with the FP8 KV cache                                 -> capture_memory_glm-5.2_h16_fp8.json
 #   regimes    TTFT against prompt length to 32k (chunked past 8k), TPOT to 128k context, every variant, with
-#              the indexer's and sparse MLA's kernel time (several minutes: a call of its own) -> regimes_glm-5.2.json
+#              the indexer's and sparse MLA's kernel time (several minutes: a call of its own; REGIMES_ARGS="--max-prompt
+#              4096 --max-context 8192" for the shorter map, about 2 minutes)          -> regimes_glm-5.2.json
 #   timeline   one profiled request per boundary on a time axis               -> timeline_glm-5.2.json
 #   nbval      the notebooks under nbval                                      -> nbval.txt
 #   pack       every file under OUTDIR into OUTDIR/results.tgz (what a device call brings back is a few files)
@@ -66,7 +67,7 @@ for step in "$@"; do
       dsv 480 capture --model glm-5.2 --heads-per-rank 16 --kv-cache-dtype fp8 ${CAPTURE_ARGS:---no-threshold} \
         --out "$OUT/capture_memory_glm-5.2_h16_fp8.json" > "$OUT/capture8.log"; tail -10 "$OUT/capture8.log" ;;
     regimes)
-      dsv 560 regimes --model glm-5.2 --out "$OUT/regimes_glm-5.2.json" > "$OUT/regimes.log"; tail -5 "$OUT/regimes.log" ;;
+      dsv 560 regimes --model glm-5.2 ${REGIMES_ARGS:-} --out "$OUT/regimes_glm-5.2.json" > "$OUT/regimes.log"; tail -5 "$OUT/regimes.log" ;;
     timeline)
       dsv 150 timeline --model glm-5.2 --out "$OUT/timeline_glm-5.2.json" > "$OUT/timeline.log"; tail -5 "$OUT/timeline.log" ;;
     nbval)
