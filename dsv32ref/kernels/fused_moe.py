@@ -42,7 +42,7 @@ from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.launch import launch
 
-__all__ = ["MAX_PAIRS", "align_pairs", "block_m", "fused_moe", "route_kernel"]
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "align_pairs", "block_m", "fused_moe", "route_kernel"]
 
 MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment sorts them in one program
 MAX_EXPERTS = 1 << 12  # local experts (and the shared one) the alignment's int32 sort keys hold beside the pairs
@@ -310,7 +310,8 @@ def _check_experts(x, w13, w2, shared, n_local: int, inter: int):
     if not isinstance(shared, tuple) or len(shared) != 2:
         raise ValueError(f"shared: expected None or (gate_up_proj [2 I_s, hidden], down_proj [hidden, I_s]), got "
                          f"{type(shared).__name__}")
-    i_s = check_tensor("shared gate_up_proj", shared[0], shape=(None, hidden), dtype=x.dtype, dense_dims=2).shape[0] // 2
+    rows = check_tensor("shared gate_up_proj", shared[0], shape=(None, hidden), dtype=x.dtype, dense_dims=2).shape[0]
+    i_s = rows // 2
     check_tensor("shared gate_up_proj", shared[0], shape=(2 * i_s, hidden), dtype=x.dtype, dense_dims=2)
     check_tensor("shared down_proj", shared[1], shape=(hidden, i_s), dtype=x.dtype, dense_dims=2)
     if i_s < 1:
@@ -354,10 +355,11 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
 def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool = False, bm: int = 16
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The alignment launch: the router's ids int32 [T, k] -> (sorted_pair int32 [max_blocks x bm],
-    block_expert int32 [max_blocks]), in blocks of bm (a power of two >= 16) pairs. Pair t (k + shared) + j is token t's j-th expert, or (j = k) its shared
-    expert, numbered n_local; local expert e's pairs fill its run of slots in pair order, padded with -1 to whole
-    blocks of bm, the runs in expert order; block_expert names each block's expert, -1 past the last.
-    max_blocks = cdiv(T (k + shared), bm) + n_local + shared, the most the runs can take."""
+    block_expert int32 [max_blocks]), in blocks of bm (a power of two >= 16) pairs. Pair t (k + shared) + j is
+    token t's j-th expert, or (j = k) its shared expert, numbered n_local; local expert e's pairs fill its run of
+    slots in pair order, padded with -1 to whole blocks of bm, the runs in expert order; block_expert names each
+    block's expert, -1 past the last. max_blocks = cdiv(T (k + shared), bm) + n_local + shared, the most the runs
+    can take."""
     T, k = check_tensor("ids", ids, shape=(None, None), dtype=torch.int32, dense_dims=2).shape
     check_int("align_pairs: n_local", n_local)
     check_int("align_pairs: expert0", expert0, low=0)
@@ -367,7 +369,8 @@ def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool 
     if ne > MAX_EXPERTS:
         raise ValueError(f"align_pairs: n_local expected <= {MAX_EXPERTS - shared}, got {n_local}")
     if n_pairs > MAX_PAIRS:
-        raise ValueError(f"align_pairs: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x {k + shared}")
+        raise ValueError(f"align_pairs: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x "
+                         f"{k + shared}")
     max_blocks = triton.cdiv(n_pairs, bm) + ne  # each expert's run is padded to a whole block
     sorted_pair = torch.empty(max_blocks * bm, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)

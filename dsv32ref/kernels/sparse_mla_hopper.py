@@ -23,14 +23,15 @@ element and are reduced once after the loop: a reduction across the warpgroups c
 and the row max already needs one. Its times beside the Triton kernel's, on the H200: data/kernels.json
 (notebook 02).
 
-FlashMLA's FP8 rows (656 bytes: fp8 c_kv, four fp32 scales, bf16 k_pe): the producer copies k_pe as it is and
-loads each row's fp8 values and scales into registers, multiplies them out into bf16 (exact: power-of-two scales)
-and stores them into the stage, so the consumers run unchanged on bf16 stages (FlashMLA's FP8 sparse decode also
-dequantises to bf16 before its MMAs). A register load must land before its value is used, so the producer keeps
-the whole step's c_kv in flight (32 KiB, 64 registers a thread) and hides the rest behind it: the step's loads
-are issued before its stage is free, the next step's block-table loads and the top-k entries of the one after
-while they fly: one memory latency a step, where resolving a step and then loading it chains three. The producer takes 120 registers (the consumers 192: with fewer
-they spill more than the 8 bytes they do; with fewer the producer spills, triton 3.6).
+FlashMLA's FP8 rows (656 bytes: fp8 c_kv, four fp32 scales, bf16 k_pe): the producer copies k_pe as it is and loads
+each row's fp8 values and scales into registers, multiplies them out into bf16 (exact: power-of-two scales) and
+stores them into the stage, so the consumers run unchanged on bf16 stages (FlashMLA's FP8 sparse decode also
+dequantises to bf16 before its MMAs). A register load must land before its value is used, so the producer keeps the
+whole step's c_kv in flight (32 KiB, 64 registers a thread) and hides the rest behind it: the step's loads are
+issued before its stage is free, the next step's block-table loads and the top-k entries of the one after while they
+fly: one memory latency a step, where resolving a step and then loading it chains three. The producer takes 120
+registers (the consumers 192: with fewer they spill more than the 8 bytes they do; with fewer the producer spills,
+triton 3.6).
 
 Top-k splits (decode: few tokens leave SMs idle) as the Triton kernel's: program_id(2) walks its share of the
 steps and writes fp32 partials, which sparse_mla_paged merges.
@@ -240,7 +241,8 @@ def _produce_bf16(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1
         row = _rows_of(idx, bt_row_ptr, seq_len, block_size, rows_per_block, num_blocks)
         base = cache_ptr + row.to(gl.int64)[:, None] * stride_cs
         ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
-        mbarrier.wait(free.index(st), (((i - it0) // 2) & 1) ^ 1)  # step i - 2's consumers are done (a fresh one passes)
+        # step i - 2's consumers are done (a fresh one passes)
+        mbarrier.wait(free.index(st), (((i - it0) // 2) & 1) ^ 1)
         valid_smem.index(st).store(ok.to(gl.int8))
         _async_copy(k_lat.index(st), base + offs_lat[None, :], mask=ok[:, None])
         _async_copy(k_pe.index(st), base + D_LAT + offs_pe[None, :], mask=ok[:, None])
