@@ -165,6 +165,18 @@ def cmd_ledger(args) -> int:
     return 0
 
 
+def _add_model_commands(add) -> None:
+    """The GPU commands that take only a model: regimes (and how far its map reaches), timeline, hostcosts."""
+    for name, fn, help_ in (("regimes", cmd_regimes, "TTFT against prompt length and decode TPOT (GPU)"),
+                            ("timeline", cmd_timeline, "one profiled request per boundary on a time axis (GPU)"),
+                            ("hostcosts", cmd_hostcosts, "the TTFT model's host costs (GPU)")):
+        cmd = add(name, fn, help_)
+        cmd.add_argument("--model", default="glm-5.2", choices=MODELS)
+        if name == "regimes":  # the default map runs minutes at 32k prompts and 128k contexts: a shorter one
+            cmd.add_argument("--max-prompt", type=int, default=None, help="only the default prompt lengths <= this")
+            cmd.add_argument("--max-context", type=int, default=None, help="only the default contexts <= this")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv32ref", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd")
@@ -187,14 +199,7 @@ def _parser() -> argparse.ArgumentParser:
     for p in (parser, rp):
         p.add_argument("--quick", action="store_true", help="the quick preset (minutes) instead of the full one")
         p.add_argument("--record", action="store_true", help="write the live run into data/ instead of runs/")
-    for name, fn, help_ in (("regimes", cmd_regimes, "TTFT against prompt length and decode TPOT (GPU)"),
-                            ("timeline", cmd_timeline, "one profiled request per boundary on a time axis (GPU)"),
-                            ("hostcosts", cmd_hostcosts, "the TTFT model's host costs (GPU)")):
-        cmd = add(name, fn, help_)
-        cmd.add_argument("--model", default="glm-5.2", choices=MODELS)
-        if name == "regimes":  # the default map runs minutes at 32k prompts and 128k contexts: a shorter one
-            cmd.add_argument("--max-prompt", type=int, default=None, help="only the default prompt lengths <= this")
-            cmd.add_argument("--max-context", type=int, default=None, help="only the default contexts <= this")
+    _add_model_commands(add)
     add("kernels", cmd_kernels, "the kernel benchmark (GPU)").add_argument("--quick", action="store_true")
     add("fp8-speed", cmd_fp8_speed, "the FP8 KV cache against bf16: sparse MLA decode, indexer scores (GPU)"
         ).add_argument("--quick", action="store_true")
