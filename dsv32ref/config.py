@@ -315,10 +315,12 @@ PRESETS["tiny-glm-5.2"] = _tiny(
 )
 
 
-REDUCED_MOE = ("MoE reduced to 4 routed experts (top-2) + 1 shared expert, moe_intermediate_size unchanged, computed "
-               "densely (every routed expert on every token, weighted by the router) so a step has no host sync; the "
-               "router keeps the DeepSeek-V3 formula. Everything else (embedding, every attention layer at full width, "
-               "indexers, dense MLPs of the first layers, lm_head) is at full size.")
+REDUCED_MOE = ("MoE reduced to 4 routed experts (top-2) + 1 shared expert, moe_intermediate_size unchanged; the router "
+               "keeps the DeepSeek-V3 formula. The engine's MoE computes it densely (every routed expert on every "
+               "token, weighted by the router: moe='dense', the default) or with the fused kernels over the tokens "
+               "each expert received (moe='fused', the '+fused' arms); neither has a host sync. Everything else "
+               "(embedding, every attention layer at full width, indexers, dense MLPs of the first layers, lm_head) is "
+               "at full size.")
 
 
 def reduced_moe(name: str) -> ModelConfig:

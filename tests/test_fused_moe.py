@@ -302,3 +302,21 @@ def test_align_pairs_refuses_what_its_keys_cannot_hold():
         align_pairs(ids, 4, bm=24)
     with pytest.raises(ValueError, match="ids"):
         align_pairs(ids.long(), 4)
+
+
+@CPU
+def test_the_ttft_run_keeps_the_fused_arms_tokens_beside_the_margins(tmp_path):
+    """The TTFT experiment with '+fused' arms, on the CPU without graphs: each runs its engine with moe "fused",
+    the fused arms' tokens are compared among themselves (`same_tokens_within`) and to the first arm's, and the
+    first arm's margins are kept for the requests where they differ."""
+    from dsv32ref.experiments.ttft import TTFTProtocol, run
+    from helpers import tiny_model
+    cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
+                                                    n_routed_experts=4, num_experts_per_tok=2)
+    p = TTFTProtocol(variants=("none",), fused_moe=("narrow", "none"), requests=2, warmup=0, mode="none",
+                     anatomy_requests=0)
+    res = run(p, device="cpu", config=cfg, out=str(tmp_path / "t.json"))
+    assert set(res["variants"]) == {"none", "narrow+fused", "none+fused"}
+    assert set(res["same_tokens_within"]) == {"+fused"} and res["same_tokens_within"]["+fused"]
+    assert len(res["first_token_margins"]) == len(res["first_tokens"]) == 2
+    assert set(res["tokens_equal_to_first_arm"]) == set(res["variants"]) and res["same_tokens_across_variants"]

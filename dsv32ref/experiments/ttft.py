@@ -270,7 +270,7 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
         result["host_costs"] = _host_costs(engines, p, requests[p.warmup])
     _attach_weight_read(result, weights, cuda, lead)
     del weights
-    if p.fp8_kv:  # why an FP8 arm's token differs: how close the first arm's top two logits were
+    if p.fp8_kv or p.fused_moe:  # why an FP8 or fused arm's token differs: how close the first arm's top two were
         result["first_token_margins"] = first_token_margins(engines[p.variants[0]][0],
                                                             requests[p.warmup:p.warmup + p.requests])
     for eng, _ in engines.values():
@@ -285,6 +285,9 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
     # the arms of one numerics: the FP8 cache and the fused MoE round differently from the bf16 cache's dense MoE
     tokens = [t["tokens"] for v, t in timed.items() if not v.endswith(("+fp8", "+fused"))]
     result["same_tokens_across_variants"] = all(t == tokens[0] for t in tokens)
+    result["same_tokens_within"] = {  # the arms of each other numerics, among themselves
+        tail: all(t["tokens"] == group[0]["tokens"] for t in group)
+        for tail in ("+fp8", "+fused") if (group := [t for v, t in timed.items() if v.endswith(tail)])}
     result["first_tokens"] = tokens[0]  # of every timed request: compares runs (one GPU vs TP) token by token
     if p.fp8_kv:  # each FP8 arm's tokens, request by request: set beside first_token_margins, where they differ
         result["fp8_first_tokens"] = {v: t["tokens"] for v, t in timed.items() if v.endswith("+fp8")}
