@@ -13,8 +13,8 @@
 #    token (TPOT), FULL against PIECEWISE, per variant.
 # 3. A TTFT model: the CPU-predicted launch ledger, host costs measured once on the GPU, and the floor.
 #
-# The model is GLM-5.2's attention at full size (64 heads, every layer) with the MoE reduced to four dense
-# experts, on one GPU, bf16 (`dsv32ref.config.REDUCED_MOE`); the PR ran TP4/EP4.
+# The model is GLM-5.2's attention at full size (64 heads, every layer) with the MoE reduced to four routed
+# experts and the shared one, on one GPU, bf16 (`dsv32ref.config.REDUCED_MOE`); the PR ran TP4/EP4.
 
 # %%
 import json
@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
 from dsv32ref import ModelConfig
+from dsv32ref.config import reduced_moe
 from dsv32ref.engine import BOUNDARIES
 from dsv32ref.report import OKABE_ITO, show
 
@@ -109,7 +110,9 @@ print("same first tokens in every arm:", run["same_tokens_across_variants"])
 
 # %% [markdown]
 # ## 2. The regime map
-# One process, the variants interleaved, one shared KV cache; capture sizes up to 512 tokens.
+# One process, the variants interleaved, one shared KV cache; capture sizes up to 512 tokens. Prompts longer than
+# the step's token budget are prefilled in chunks of it (chunked prefill, as vLLM does); decode runs at every
+# (context, batch) whose cache fits the KV budget.
 
 # %%
 P = regimes["prefill"]
@@ -148,7 +151,7 @@ display(Markdown(
 
 # %%
 D = regimes["decode"]
-fig, axes = plt.subplots(1, len(D), figsize=(12, 4), sharey=False)
+fig, axes = plt.subplots(1, len(D), figsize=(14, 4), sharey=False)
 for ax, (C, rows_) in zip(axes, D.items()):
     batches = [int(b) for b in rows_]
     for v in regimes["protocol"]["variants"]:
@@ -177,6 +180,55 @@ display(Markdown(
     f"pays its eager regions once per token. The step's host work before the launch grows with the context "
     f"(block tables built and validated in Python): {r['narrow']['FULL']['stage_median_ms']:.2f} ms of the "
     f"{r['narrow']['FULL']['median_ms']:.1f} ms here."))
+
+# %% [markdown]
+# **Where the GPU time goes at long context.** Each case's GPU time is split by kernel: the indexer (scores and
+# top-k) and the sparse attention, out of everything the step ran (its GEMMs, norms, MoE), from one profiled step.
+
+# %%
+pr_ = regimes["protocol"]
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+for v in pr_["variants"]:
+    axes[0].plot(lens, [P[str(L)][v]["sparse_mla_ms"] / P[str(L)][v]["floor_ms"] for L in lens], marker="o",
+                 color=COLORS[v], label=f"{v}: sparse MLA")
+    axes[0].plot(lens, [P[str(L)][v]["indexer_ms"] / P[str(L)][v]["floor_ms"] for L in lens], marker="x", ls="--",
+                 color=COLORS[v], label=f"{v}: indexer")
+axes[0].set_xscale("log", base=2)
+axes[0].set_xlabel("prompt length (tokens)")
+axes[0].set_ylabel("share of the prefill's GPU time")
+axes[0].set_title("prefill: the sparse path's share")
+axes[0].legend(fontsize=7, ncol=2)
+ctxs = [int(C) for C in D]
+for b, mk in ((min(pr_["batches"]), "o"), (max(int(x) for x in D[str(ctxs[-1])]), "s")):
+    g = [D[str(C)][str(b)]["none"]["FULL"]["gpu"] for C in ctxs if str(b) in D[str(C)]]
+    cs = [C for C in ctxs if str(b) in D[str(C)]]
+    axes[1].plot(cs, [x["sparse_mla_ms"] / x["busy_ms"] for x in g], marker=mk, color=OKABE_ITO[5],
+                 label=f"sparse MLA, {b} request(s)")
+    axes[1].plot(cs, [x["indexer_ms"] / x["busy_ms"] for x in g], marker=mk, ls="--", color=OKABE_ITO[6],
+                 label=f"indexer, {b} request(s)")
+axes[1].set_xscale("log", base=2)
+axes[1].set_xlabel("context (tokens)")
+axes[1].set_ylabel("share of the decode step's GPU time")
+axes[1].set_title("decode (none, FULL): the sparse path's share")
+axes[1].legend(fontsize=7)
+show(fig)
+
+# %%
+L_hi, C_top = max(lens), max(ctxs)
+ph = P[str(L_hi)]["none"]
+d1 = D[str(C_top)][str(min(pr_["batches"]))]["none"]["FULL"]
+skipped = regimes["decode_skipped"]
+display(Markdown(
+    f"A {L_hi}-token prompt takes {ph['mean_ms'] / 1e3:.2f} s to prefill with `none` ({ph['chunks']} chunks of up "
+    f"to {pr_['token_budget']} tokens, {ph['over_floor']:.3f} x its floor): sparse attention "
+    f"{ph['sparse_mla_ms'] / ph['floor_ms']:.0%} of its GPU time and the indexer "
+    f"{ph['indexer_ms'] / ph['floor_ms']:.0%}, against {P[str(lens[0])]['none']['sparse_mla_ms'] / P[str(lens[0])]['none']['floor_ms']:.0%} "
+    f"and {P[str(lens[0])]['none']['indexer_ms'] / P[str(lens[0])]['none']['floor_ms']:.1%} at {lens[0]} tokens. "
+    f"Decoding one request at {C_top} tokens of context takes {d1['median_ms']:.1f} ms per token, the indexer "
+    f"{d1['gpu']['indexer_ms'] / d1['gpu']['busy_ms']:.1%} and sparse attention "
+    f"{d1['gpu']['sparse_mla_ms'] / d1['gpu']['busy_ms']:.1%} of it: at one token per request the weights' read "
+    f"dominates. Not run, their caches exceeding the run's {regimes['protocol']['kv_cache_gib']:.1f} GiB KV cache, as "
+    f"(context, requests): " + ", ".join(f"({c}, {b})" for c, b in skipped) + "."))
 
 # %% [markdown]
 # ## 3. A TTFT model
@@ -277,7 +329,7 @@ display(Markdown(
 
 # %% [markdown]
 # ## Fewer kernels: the fused MoE
-# The reduced MoE of the recorded runs is PyTorch ops: a router of about a dozen small kernels, a scatter, the
+# The reduced MoE of the plain arms is PyTorch ops: a router of about a dozen small kernels, a scatter, the
 # experts' einsums and the shared expert's GEMMs. `EngineConfig(moe="fused")` runs each MoE layer through
 # `dsv32ref.kernels.fused_moe` instead: the router (two launches), the alignment of (token, expert) pairs, grouped
 # gate/up and down GEMMs over the tokens each expert received, the shared expert among them, and the combine.
@@ -300,14 +352,62 @@ rows = [(v, sum(fused_pred[v]["in_graph"].values()), fused_pred[v]["in_graph"].g
          fused_pred[v]["in_graph"].get("moe", 0) // moe_layers_pred) for v in ("none", "none+fused")]
 display(Markdown("| arm | kernels in the graph | of them MoE | per MoE layer |\n|---|---|---|---|\n" +
                  "\n".join(f"| `{v}` | {n} | {m} | {per} |" for v, n, m, per in rows)))
+(_, n_dense, m_dense, per_dense), (_, n_fused, m_fused, per_fused) = rows
+
+# %% [markdown]
+# The TTFT runs time every boundary with both forms of the MoE in one process (the `+fused` arms), for both
+# models. The weight-read limit is the time to read every parameter but the embedding table once, at the copy
+# bandwidth measured in the same run: no step of one forward can be faster.
 
 # %%
-(_, n_dense, m_dense, per_dense), (_, n_fused, m_fused, per_fused) = rows
+runs = {"glm-5.2": run, "deepseek-v3.2": load("ttft_deepseek-v3.2.json")}
+rows = []
+for model, rr in runs.items():
+    wr = rr["weight_read"]
+    for v in BOUNDARIES:
+        if f"{v}+fused" not in rr["variants"]:
+            continue
+        d, f = rr["variants"][v], rr["variants"][f"{v}+fused"]
+        rows.append(f"| {model} | {v} | {d['mean_ms']:.2f} / {f['mean_ms']:.2f} | {d['ledger']['gpu_busy_ms']:.2f} / "
+                    f"{f['ledger']['gpu_busy_ms']:.2f} | {d['floor_over_weight_read']:.2f} / "
+                    f"{f['floor_over_weight_read']:.2f} | {d['ttft_over_floor']:.3f} / {f['ttft_over_floor']:.3f} | "
+                    f"{rr['tokens_equal_to_first_arm'][f'{v}+fused']:.0%} |")
+display(Markdown("| model | boundary | TTFT mean (ms), dense / fused | floor (ms) | floor / weight read | TTFT / floor "
+                 "| fused tokens = dense |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows)))
+for model, rr in runs.items():
+    wr = rr["weight_read"]
+    print(f"{model}: weights read once {wr['bytes'] / 2**30:.2f} GiB at {wr['copy_GBps']:.0f} GB/s = "
+          f"{wr['limit_ms']:.2f} ms; commit {rr['provenance']['git_commit'][:7]}, {rr['provenance']['date'][:10]}")
+
+# %%
+nf, nd = vs["none+fused"], vs["none"]
+by_region = nf["ledger"]["gpu_ms_by_region_eager"]
+cfg_r = reduced_moe(run["preset"])  # the TTFT run's model
+expert_bytes = (moe_layers_pred * (cfg_r.n_routed_experts + cfg_r.n_shared_experts) * 3 * cfg_r.hidden_size
+                * cfg_r.moe_intermediate_size * 2)
+moe_limit_ms = expert_bytes / run["weight_read"]["copy_GBps"] / 1e6
+rest_limit_ms = run["weight_read"]["limit_ms"] - moe_limit_ms
+top_regions = sorted(by_region.items(), key=lambda kv: -kv[1])[:4]
 display(Markdown(
-    f"With the fused MoE a request launches {n_fused} kernels inside its graph instead of {n_dense}: "
-    f"{per_fused} per MoE layer instead of {per_dense}, {n_dense - n_fused} fewer gaps between kernels. What "
-    f"that does to the floor and to TTFT is for a GPU run (`dsv32ref ttft --fused-moe none narrow`): the runs "
-    f"recorded in `data/` predate the fused MoE."))
+    f"With the fused MoE a request launches {nf['ledger']['kernels']} kernels on the GPU instead of "
+    f"{nd['ledger']['kernels']} (the prediction above: {per_fused} per MoE layer instead of {per_dense}). The floor "
+    f"drops from {nd['ledger']['gpu_busy_ms']:.2f} to {nf['ledger']['gpu_busy_ms']:.2f} ms, mean TTFT from "
+    f"{nd['mean_ms']:.2f} to {nf['mean_ms']:.2f} ms, and `none+fused` runs at {nf['ttft_over_floor']:.3f} x its "
+    f"floor. The floor is still {nf['floor_over_weight_read']:.2f} x the weight-read limit "
+    f"({run['weight_read']['limit_ms']:.2f} ms). By region of the model (GPU ms of the profiled request): "
+    + ", ".join(f"{k} {x:.2f}" for k, x in top_regions) +
+    f". The MoE layers take {by_region['moe']:.2f} ms against {moe_limit_ms:.2f} ms to read their experts once "
+    f"({expert_bytes / 1e9:.1f} GB, if the 8 tokens select every expert of every layer: "
+    f"{moe_limit_ms / by_region['moe']:.0%} of the copy rate), everything else "
+    f"{nf['ledger']['gpu_busy_ms'] - by_region['moe']:.2f} ms against {rest_limit_ms:.2f} ms "
+    f"({rest_limit_ms / (nf['ledger']['gpu_busy_ms'] - by_region['moe']):.0%}): at 8 tokens every GEMM is a weight "
+    f"read, and each of the {nf['ledger']['kernels']} kernels reads its share below the copy rate. The fused arms "
+    f"agree with each other on every first token, and with the dense arms on "
+    f"{run['tokens_equal_to_first_arm']['none+fused']:.0%} of them: the two forms round the routed sum "
+    f"differently (the dense form weights the experts in bf16, the fused one in fp32, as the reference module "
+    f"does), and on these random weights the top two logits of a request are a median "
+    f"{sorted(run['first_token_margins'])[len(run['first_token_margins']) // 2]:.3f} apart (logit units), "
+    f"{sum(m == 0 for m in run['first_token_margins'])} of {len(run['first_token_margins'])} exactly tied."))
 
 # %% [markdown]
 # ## Conclusion
@@ -328,10 +428,11 @@ display(Markdown(
     f"({a['stage_ms']:.2f} ms) and the launch of the one graph ({a['execute_ms']:.2f} ms of host time). Fewer "
     f"kernels is what would move it further: the MoE launches {moe_k} of the {pred_k} kernels we predict per "
     f"request ({moe_k // moe_layers} per MoE layer, our reduced dense MoE with its unfused router); the fused "
-    f"MoE (`EngineConfig(moe=\"fused\")`) launches {per_fused} per layer, {n_fused} kernels in all, not yet timed "
-    f"on the GPU.\n"
+    f"MoE (`EngineConfig(moe=\"fused\")`) launches {per_fused} per layer and takes `none` to "
+    f"{vs['none+fused']['mean_ms']:.2f} ms, {vs['none+fused']['ttft_over_floor']:.3f} x its floor, the floor "
+    f"{vs['none+fused']['floor_over_weight_read']:.2f} x the time to read the weights once.\n"
     f"- Narrowing matters where the launches are a large share of the step: short prompts, and PIECEWISE "
     f"decode. By {top} tokens the GEMMs dominate, and past the largest capture size no variant has graphs.\n"
     f"- What is different here: one GPU holds all 64 heads (four times one TP4 rank's attention work), the "
-    f"MoE is four dense experts, and the host is this machine's; so compare variants within one run, not our "
+    f"MoE is four routed experts and the shared one, and the host is this machine's; so compare variants within one run, not our "
     f"milliseconds with the PR's."))
