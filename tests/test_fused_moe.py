@@ -320,3 +320,7 @@ def test_the_ttft_run_keeps_the_fused_arms_tokens_beside_the_margins(tmp_path):
     assert set(res["same_tokens_within"]) == {"+fused"} and res["same_tokens_within"]["+fused"]
     assert len(res["first_token_margins"]) == len(res["first_tokens"]) == 2
     assert set(res["tokens_equal_to_first_arm"]) == set(res["variants"]) and res["same_tokens_across_variants"]
+    fused = res["fused_first_tokens"]
+    assert set(fused) == {"narrow+fused", "none+fused"} and all(len(t) == 2 for t in fused.values())
+    assert res["tokens_equal_to_first_arm"]["none+fused"] == sum(
+        a == b for a, b in zip(fused["none+fused"], res["first_tokens"])) / 2

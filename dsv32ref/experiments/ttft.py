@@ -289,8 +289,9 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
         tail: all(t["tokens"] == group[0]["tokens"] for t in group)
         for tail in ("+fp8", "+fused") if (group := [t for v, t in timed.items() if v.endswith(tail)])}
     result["first_tokens"] = tokens[0]  # of every timed request: compares runs (one GPU vs TP) token by token
-    if p.fp8_kv:  # each FP8 arm's tokens, request by request: set beside first_token_margins, where they differ
-        result["fp8_first_tokens"] = {v: t["tokens"] for v, t in timed.items() if v.endswith("+fp8")}
+    for name, arms in (("fp8", p.fp8_kv), ("fused", p.fused_moe)):  # each such arm's tokens, request by request,
+        if arms:  # to set beside first_token_margins where they differ
+            result[f"{name}_first_tokens"] = {v: t["tokens"] for v, t in timed.items() if v.endswith(f"+{name}")}
     result["tokens_equal_to_first_arm"] = {  # per arm, the fraction of requests whose token is the first arm's
         v: sum(a == b for a, b in zip(t["tokens"], tokens[0])) / max(1, len(tokens[0])) for v, t in timed.items()}
     if "wide" in result["variants"] and "narrow" in result["variants"]:
