@@ -182,7 +182,8 @@ class StepPlan:
 
 
 class BlockAllocator:
-    """A free list of cache blocks; each sequence id owns a growing list of block ids."""
+    """A free list of cache blocks; each sequence id owns a growing list of block ids and a count of the tokens its
+    cache rows hold (`held`: what the steps wrote, or what `assume` declared), which a step's context must equal."""
 
     def __init__(self, num_blocks: int, block_size: int):
         check_int("BlockAllocator: num_blocks", num_blocks)
@@ -190,6 +191,15 @@ class BlockAllocator:
         self.block_size = block_size
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.tables: dict[int, list[int]] = {}
+        self.held: dict[int, int] = {}
+
+    def assume(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Blocks for sequence `seq_id`'s first num_tokens tokens, declared as held without a step writing them:
+        the caller vouches for those rows (it wrote them itself, or times decode over the cache's values as they
+        are). Returns its block list."""
+        table = self.ensure(seq_id, num_tokens)
+        self.held[seq_id] = max(self.held.get(seq_id, 0), num_tokens)
+        return table
 
     def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
         """Grow sequence `seq_id` to hold num_tokens tokens; returns its block list."""
@@ -208,6 +218,7 @@ class BlockAllocator:
         """Return the sequence's blocks to the free list (a sequence that holds none: nothing to do)."""
         check_int("BlockAllocator.release: seq_id", seq_id, low=0)
         self.free.extend(reversed(self.tables.pop(seq_id, [])))
+        self.held.pop(seq_id, None)
 
 
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv32ref import AttentionMetadata, BlockAllocator, ModelConfig, PagedKVCache, load_pretrained, save_pretrained
 from dsv32ref.cache import gather_tokens, write_tokens
+from dsv32ref.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
 from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
@@ -53,6 +54,8 @@ CONFIG_CASES = [
     (dict(rope_theta=0.0), r"ModelConfig.rope_theta: expected a finite number > 0, got 0.0"),
     (dict(rope_theta=math.inf), r"ModelConfig.rope_theta: expected a finite number > 0, got inf"),
     (dict(rope_theta="1e4"), r"ModelConfig.rope_theta: expected a finite number > 0, got '1e4'"),
+    (dict(rope_theta=1.0), r"ModelConfig.rope_theta: expected a base > 1, got 1.0"),
+    (dict(rope_theta=0.5), r"ModelConfig.rope_theta: expected a base > 1, got 0.5"),
     (dict(routed_scaling_factor=math.nan), r"ModelConfig.routed_scaling_factor: expected a finite number > 0"),
     (dict(rms_norm_eps=0.0), r"ModelConfig.rms_norm_eps: expected a finite number > 0, got 0.0"),
     (dict(rms_norm_eps=-1e-6), r"ModelConfig.rms_norm_eps: expected a finite number > 0"),
@@ -138,11 +141,17 @@ def _hf_dir(tmp_path, **edits):
     (dict(mlp_layer_types=5), r"config.json: mlp_layer_types must be a list, got 5"),
     (dict(quantization_config="fp8"), r"config.json: quantization_config must be an object, got 'fp8'"),
     (dict(index_topk_pattern="FFFF"), r"config.json: indexer_types disagrees with index_topk_pattern"),
+    # lists where strings belong: refused as values, not as unhashable types
+    (dict(rope_parameters={"rope_type": ["yarn"], "rope_theta": 1e4}), r"rope_type / type must be a string"),
+    (dict(layer_types=[["full_attention"]] * 8), r"layer_types must list only"),
+    (dict(mlp_layer_types=[["dense"]] * 8), r"mlp_layer_types must be 8 entries of 'dense'/'sparse'"),
+    (dict(indexer_types=[["full"]] * 8), r"ModelConfig.indexer_types: unknown entries \[\['full'\]"),
 ], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
         "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
         "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "indexer-types-int", "pattern-int",
         "mlp-types-int",
-        "quant-config-str", "pattern-disagrees"])
+        "quant-config-str", "pattern-disagrees", "rope-type-list", "layer-types-lists", "mlp-types-lists",
+        "indexer-types-lists"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
@@ -408,6 +417,16 @@ REFERENCE_CASES = [
     # non-finite input: an inf would be rounded to a number, a NaN would set its block's scale
     (lambda: fp8_quantize(torch.tensor([[float("inf")] + [1.0] * 127])), r"fp8_quantize: x: expected finite values, got 1"),
     (lambda: fp8_quantize(torch.tensor([[float("nan")] + [1.0] * 127])), r"fp8_quantize: x: expected finite values, got 1"),
+    # float64 past fp32's range: inf where the format computes (it was quantised to a number)
+    (lambda: fp8_quantize(torch.full((1, 128), 1e300, dtype=torch.float64)),
+     r"fp8_quantize: x: expected finite values, got 128 NaN or inf \(in float32\)"),
+    (lambda: quantize_fp8_blocks(torch.full((4, 4), 1e300, dtype=torch.float64)), r"w: expected finite values"),
+    (lambda: quantize_fp8_blocks(torch.full((4, 4), float("nan"))), r"w: expected finite values in float32's range, got 16"),
+    (lambda: quantize_fp8_blocks(torch.ones(4, 4), (0, 128)), r"block: expected two ints >= 1 .*got \(0, 128\)"),
+    (lambda: quantize_fp8_blocks(torch.ones(4)), r"w: expected shape \[\*, \*\], got \[4\]"),
+    (lambda: dequantize_fp8_blocks(torch.ones(4, 4), torch.ones(1, 1)), r"q: expected dtype torch.float8_e4m3fn"),
+    (lambda: dequantize_fp8_blocks(torch.ones(4, 4).to(torch.float8_e4m3fn), torch.ones(1, 1), (0, 0)),
+     r"block: expected two ints >= 1"),
     (lambda: fp8_dequantize(torch.zeros(2, 128), torch.ones(2, 1)), r"q: expected dtype torch.float8_e4m3fn, got torch.float32"),
     (lambda: fp8_dequantize(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 1)),
      r"fp8_dequantize: scale: expected finite values > 0, got \[0.0, 0.0\]"),
@@ -889,10 +908,18 @@ def test_engine_rejects_requests_it_cannot_run(cpu_engine):
          r"StepInput.requests: 3 requests in one step, max_num_seqs is 2"),
         (lambda: eng.step(StepInput([(0, [1] * 17, 0)])), r"step of 17 tokens exceeds max_num_batched_tokens=16"),
         (lambda: eng.step(StepInput([(0, [1] * 4, 14)])), r"sequence 0 would hold 18 tokens \(context 14 \+ 4 new\)"),
+        # a context the cache does not hold: rows no step wrote would be read as context, or written ones skipped
+        (lambda: eng.step(StepInput([(5, [1], 3)])), r"requests\[0\]: sequence 5 holds 0 cached tokens, got "
+                                                     r"context_len 3"),
+        (lambda: eng.step(StepInput([(6, [4], 3), (7, [4], 2)])), r"requests\[1\]: sequence 7 holds 0 .*context_len 2"),
+        (lambda: eng.step(StepInput([(6, [4], 4)])), r"sequence 6 holds 3 cached tokens, got context_len 4"),
     ]
+    eng.step(StepInput([(6, [1, 2, 3], 0)]))
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
             call()
+    eng.step(StepInput([(6, [4], 3)]))  # nothing was staged by the refused steps: sequence 6 goes on from 3
+    eng.allocator.release(6)
     toks, _ = eng.generate([1, 2, 3], 2)  # still usable afterwards, and no block leaked
     assert len(toks) == 2 and len(eng.allocator.free) == eng.runner.kv_cache.num_blocks
 

@@ -65,11 +65,15 @@ class LLMEngine:
             if ctx_len + len(toks) > ec.max_model_len:
                 raise ValueError(f"StepInput.requests[{b}]: sequence {seq_id} would hold {ctx_len + len(toks)} tokens "
                                  f"(context {ctx_len} + {len(toks)} new), max_model_len is {ec.max_model_len}")
+            held = self.allocator.held.get(seq_id, 0)
+            if ctx_len != held:  # the attention would read cache rows no step wrote, or skip written ones
+                raise ValueError(f"StepInput.requests[{b}]: sequence {seq_id} holds {held} cached tokens, got "
+                                 f"context_len {ctx_len} (a sequence's steps follow one another from 0)")
             bad = [t for t in toks if not 0 <= t < V]
             if bad:
                 raise ValueError(f"StepInput.requests[{b}].token_ids: ids must lie in [0, {V}) (vocab_size), "
                                  f"got {bad[:4]}")
-        tables = [self.allocator.ensure(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
+        tables = [self.allocator.assume(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
         return self.runner.batch.stage(step, tables, self.runner.kv_cache.num_blocks)
 
     def upload(self) -> None:
@@ -105,6 +109,8 @@ class LLMEngine:
         if len(prompt) + max_new_tokens - 1 > self.ec.max_model_len:
             raise ValueError(f"prompt: {len(prompt)} tokens + {max_new_tokens - 1} decoded ones exceed max_model_len="
                              f"{self.ec.max_model_len}")
+        while self._next_seq in self.allocator.tables:  # an id a caller's own steps hold: not this request's
+            self._next_seq += 1
         seq_id, self._next_seq = self._next_seq, self._next_seq + 1
         chunk = self.ec.max_num_batched_tokens
         try:
