@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_bool, check_device, is_int
+from dsv32ref.checks import check_bool, check_device, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -35,10 +35,19 @@ def _is_fp8_weight(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith(".weight") and not name.endswith(_BF16_LINEARS) and "norm" not in name
 
 
+def _block(block) -> tuple[int, int]:
+    if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(is_int(b) and b >= 1 for b in block)):
+        raise ValueError(f"block: expected two ints >= 1 (rows, columns of a scale block), got {block!r}")
+    return int(block[0]), int(block[1])
+
+
 def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (float8_e4m3fn [out, in], weight_scale_inv fp32 [ceil(out/bo), ceil(in/bi)])."""
-    bo, bi = block
-    out_f, in_f = w.shape
+    bo, bi = _block(block)
+    out_f, in_f = check_tensor("w", w, shape=(None, None), dtype=_FLOATS).shape
+    if not torch.isfinite(w.float()).all():  # a NaN would set its block's scale, an inf (or a float64 past fp32) too
+        raise ValueError(f"w: expected finite values in float32's range, got {int((~torch.isfinite(w.float())).sum())} "
+                         f"NaN or inf")
     nbo, nbi = -(-out_f // bo), -(-in_f // bi)
     padded = torch.zeros(nbo * bo, nbi * bi, dtype=torch.float32, device=w.device)
     padded[:out_f, :in_f] = w.float()
@@ -50,8 +59,8 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) ->
 
 def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """float8 [out, in] * scale_inv [ceil(out/bo), ceil(in/bi)] broadcast over each block -> fp32 [out, in]."""
-    bo, bi = block
-    out_f, in_f = q.shape
+    bo, bi = _block(block)
+    out_f, in_f = check_tensor("q", q, shape=(None, None), dtype=torch.float8_e4m3fn).shape
     expected = (-(-out_f // bo), -(-in_f // bi))
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"weight_scale_inv: expected shape {list(expected)} for a weight of {[out_f, in_f]}, "
@@ -148,13 +157,13 @@ def _load_one(name: str, read, where: dict, block, want: torch.Size, dtype: torc
         scale = read(scale_name)
         if scale.dtype not in _FLOATS:
             return f"wrong dtype: {scale_name}: {scale.dtype} (expected a float type)"
-        bad = _nonfinite(scale_name, scale)
-        if bad and nonfinite == "raise":
-            return bad
+        bad, sf = _nonfinite(scale_name, scale), scale.float()
+        low = int((sf <= 0).sum())  # zero zeroes its block, a negative one flips it: not a scale, whatever the switch
+        low = f"non-positive: {scale_name} ({low} of {scale.numel()} scales <= 0)" if low else None
+        if low or (bad and nonfinite == "raise"):
+            return "; ".join(p for p in (bad if nonfinite == "raise" else None, low) if p)
         if bad:
             warnings.warn(f"load_pretrained: {bad}", stacklevel=3)
-        elif not (scale > 0).all():  # zero zeroes its block, a negative one flips it: not a scale
-            return f"non-positive: {scale_name} ({int((scale <= 0).sum())} of {scale.numel()} scales <= 0)"
         try:
             t = dequantize_fp8_blocks(t, scale, block)
         except ValueError as e:

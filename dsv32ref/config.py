@@ -190,6 +190,8 @@ def _check_sizes(c: ModelConfig) -> None:
                          f"{c.num_nextn_predict_layers!r}")
     for name in ("rope_theta", "rms_norm_eps"):
         check_scale(f"ModelConfig.{name}", getattr(c, name))
+    if c.rope_theta <= 1:  # the frequencies theta^(-2i/d) fall with i only above 1 (and YaRN divides by log theta)
+        raise ValueError(f"ModelConfig.rope_theta: expected a base > 1, got {c.rope_theta!r}")
     for name in ("indexer_rope_interleave", "norm_topk_prob"):
         if not isinstance(getattr(c, name), bool):
             raise ValueError(f"ModelConfig.{name}: expected a bool, got {getattr(c, name)!r}")
@@ -248,7 +250,7 @@ def _check_indexer_types(c: ModelConfig) -> None:
     if len(c.indexer_types) != c.num_hidden_layers:
         raise ValueError(f"ModelConfig.indexer_types: expected {c.num_hidden_layers} entries, got "
                          f"{len(c.indexer_types)}")
-    bad = sorted(set(c.indexer_types) - set(_INDEXER_TYPES))
+    bad = [t for t in c.indexer_types if t not in _INDEXER_TYPES]
     if bad:
         raise ValueError(f"ModelConfig.indexer_types: unknown entries {bad}; expected {_INDEXER_TYPES}")
     if c.indexer_types[0] != "full":

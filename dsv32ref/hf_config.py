@@ -110,8 +110,8 @@ def _check_attention(raw: dict, kw: dict) -> None:
         raise ValueError(f"config.json: use_sliding_window={raw['use_sliding_window']!r} is not implemented "
                          f"(every layer attends to its whole top-k)")
     layer_types = raw.get("layer_types")
-    kinds = {"full_attention", "indexed_attention"}  # (transformers writes the latter: every layer its top-k)
-    if layer_types is not None and (not isinstance(layer_types, list) or set(layer_types) - kinds):
+    kinds = ("full_attention", "indexed_attention")  # (transformers writes the latter: every layer its top-k)
+    if layer_types is not None and (not isinstance(layer_types, list) or any(t not in kinds for t in layer_types)):
         raise ValueError(f"config.json: layer_types must list only {sorted(kinds)}, got {layer_types!r}")
 
 
@@ -139,7 +139,10 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         raise ValueError("config.json: neither rope_parameters nor rope_theta is given")
     parsed = []
     for where, theta, params in forms:
-        types = {params.get(k) for k in ("rope_type", "type") if params.get(k) is not None}
+        types = [params.get(k) for k in ("rope_type", "type") if params.get(k) is not None]
+        if any(not isinstance(t, str) for t in types):
+            raise ValueError(f"config.json: {where}: rope_type / type must be a string, got {types!r}")
+        types = set(types)
         if len(types) > 1:
             raise ValueError(f"config.json: {where}: rope_type and type disagree: {sorted(types)}")
         rope_type = types.pop() if types else "default"
@@ -214,7 +217,7 @@ def _check_mlp_layer_types(raw: dict, kw: dict) -> None:
         return
     types = _list(raw, "mlp_layer_types")
     n = kw.get("num_hidden_layers", len(types))
-    if len(types) != n or set(types) - {"dense", "sparse"}:
+    if len(types) != n or any(t not in ("dense", "sparse") for t in types):
         raise ValueError(f"config.json: mlp_layer_types must be {n} entries of 'dense'/'sparse'")
     k = types.index("sparse") if "sparse" in types else n
     if any(t != "sparse" for t in types[k:]):

@@ -176,9 +176,51 @@ def test_fp8_indexer_reference_against_float64_keys(seed):
                            x.softmax_scale)
 
 
+def test_the_references_read_only_what_they_select(seed):
+    """A cache partly written, as an engine's is: every row (latent) or token (indexer key) that nothing selects is
+    left as zero bytes, whose scales are not the formats'. The references read the selected ones alone: same results
+    bit for bit; a selected row that was never written is refused, naming its scales."""
+    x = fp8_sparse_decode_inputs(num_heads=16, topk=64, context_lens=(40, 200), block_size=16, seed=seed)
+    nb, bs = x.kv_cache.shape[:2]
+    want = sparse_mla_fp8(x.q, x.kv_cache, x.indices, x.sm_scale)
+    flat = x.kv_cache.clone().view(nb * bs, LATENT_ROW_BYTES)
+    keep = torch.zeros(nb * bs, dtype=torch.bool)
+    sel = x.indices[(x.indices >= 0) & (x.indices < nb * bs)].long()
+    keep[sel] = True
+    flat[~keep] = 0
+    got = sparse_mla_fp8(x.q, flat.view(nb, bs, 1, -1), x.indices, x.sm_scale)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and (~keep).any()
+    flat[sel[0]] = 0
+    with pytest.raises(ValueError, match=r"rows: c_kv scales"):
+        sparse_mla_fp8(x.q, flat.view(nb, bs, 1, -1), x.indices, x.sm_scale)
+    k = fp8_indexer_inputs(num_heads=8, head_dim=32, context_lens=(0, 70), query_lens=(3, 2), block_kv=16, seed=seed)
+    L = int(k.seq_lens[1])
+    want = indexer_scores_fp8(k.q[3:], k.weights[3:], k.k_cache, k.block_table[1], L, k.softmax_scale)
+    d, nbk, bk = k.k_cache.shape[-1] - 4, k.k_cache.shape[0], k.k_cache.shape[1]
+    cache = k.k_cache.clone().view(nbk, -1)
+    read = set()
+    for pos in range(L):
+        read.add((int(k.block_table[1, pos // bk]), pos % bk))
+    for b in range(nbk):
+        for t in range(bk):
+            if (b, t) not in read:  # its fp8 values and its scale
+                cache[b, t * d:(t + 1) * d] = 0
+                cache[b, bk * d + 4 * t: bk * d + 4 * t + 4] = 0
+    got = indexer_scores_fp8(k.q[3:], k.weights[3:], cache.view(k.k_cache.shape), k.block_table[1], L, k.softmax_scale)
+    assert torch.equal(got, want)
+    b0 = int(k.block_table[1, 0])
+    cache[b0, bk * d: bk * d + 4] = 0  # the sequence's first token: read, not a power of two
+    with pytest.raises(ValueError, match=r"key scales .* of the sequence's tokens: expected finite powers of two"):
+        indexer_scores_fp8(k.q[3:], k.weights[3:], cache.view(k.k_cache.shape), k.block_table[1], L, k.softmax_scale)
+
+
 BAD = [
     (lambda: quantize_latent(torch.full((2, 576), float("nan"))), r"latent: expected finite values, got 1152 NaN or inf"),
     (lambda: quantize_latent(torch.tensor([[float("inf")] + [0.0] * 575])), r"latent: expected finite values, got 1 NaN"),
+    (lambda: quantize_latent(torch.full((1, 576), 1e300, dtype=torch.float64)),
+     r"latent: expected finite values, got 576 NaN or inf \(in float32"),
+    (lambda: quantize_indexer_keys(torch.full((1, 2, 4), -1e300, dtype=torch.float64)),
+     r"keys: expected finite values, got 8 NaN or inf \(in float32"),
     (lambda: quantize_latent(torch.zeros(2, 575)), r"latent: expected shape \[..., 576\], got \[2, 575\]"),
     (lambda: quantize_latent(torch.zeros(2, 576, dtype=torch.int32)), r"latent: expected dtype"),
     (lambda: quantize_latent(torch.zeros(2, 576), torch.full((2, 4), 3.0)), r"scale: expected finite powers of two"),

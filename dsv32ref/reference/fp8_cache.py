@@ -49,9 +49,9 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _finite(name: str, x: torch.Tensor) -> None:
-    bad = ~torch.isfinite(x)
+    bad = ~torch.isfinite(x.float())  # in fp32, where the formats compute: a float64 past its range is inf there
     if bad.any():
-        raise ValueError(f"{name}: expected finite values, got {int(bad.sum())} NaN or inf (first at "
+        raise ValueError(f"{name}: expected finite values, got {int(bad.sum())} NaN or inf (in float32; first at "
                          f"{tuple(int(i) for i in bad.nonzero()[0])})")
 
 
@@ -134,13 +134,19 @@ def quantize_indexer_keys(keys: torch.Tensor, scale: torch.Tensor | None = None)
 def indexer_key_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cache uint8 [num_blocks, block_kv, 1, D + 4] -> (keys fp8 e4m3 [num_blocks, block_kv, D], scales fp32
     [num_blocks, block_kv]), the bytes read as they are laid out."""
+    values, scale = _indexer_key_bytes(cache)
+    _powers_of_two("cache: key scales (each block's last block_kv x 4 bytes)", scale)
+    return values, scale
+
+
+def _indexer_key_bytes(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """indexer_key_parts without the scales' check (for a reader that checks only the tokens it reads)."""
     nb, bk, _, w = check_tensor("cache", cache, shape=(None, None, 1, None), dtype=torch.uint8).shape
     d = w - 4
     if d < 1 or bk < 1:
         raise ValueError(f"cache: expected block_kv >= 1 and a last dim of D + 4 > 4, got shape {list(cache.shape)}")
     flat = cache.contiguous().view(nb, bk * w)
     scale = flat[:, bk * d:].contiguous().view(torch.float32)  # (NB, BK)
-    _powers_of_two("cache: key scales (each block's last block_kv x 4 bytes)", scale)
     return flat[:, : bk * d].contiguous().view(torch.float8_e4m3fn).view(nb, bk, d), scale
 
 
@@ -154,12 +160,19 @@ def sparse_mla_fp8(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, sm
                    d_v: int = D_LAT) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's sparse decode over the FP8 latent cache: q [n, H, 576], cache uint8 [NB, BS, 1, 656], slots
     int32 [n, k] (flat slots block x BS + offset; -1 or out of the cache: none) -> (out [n, H, d_v], lse [n, H]),
-    in q's dtype promoted to fp32 (float64 for float64 q): the reference's sparse_mla on the dequantised rows."""
+    in q's dtype promoted to fp32 (float64 for float64 q): the reference's sparse_mla on the dequantised rows.
+    Only the rows some slot selects are read (and their scales checked): the rest of the cache may be unwritten."""
     nb, bs = check_tensor("cache", cache, shape=(None, None, 1, LATENT_ROW_BYTES), dtype=torch.uint8).shape[:2]
     check_tensor("slots", slots, shape=(q.shape[0], None), dtype=torch.int32)
     dt = torch.promote_types(q.dtype, torch.float32)
-    kv = dequantize_latent(cache.view(nb * bs, LATENT_ROW_BYTES)).to(dt)  # (NB x BS, 576)
-    return sparse_mla(q.to(dt), kv, slots, sm_scale, d_v)
+    slots = slots.to(cache.device).long()
+    valid = (slots >= 0) & (slots < nb * bs)
+    read = torch.unique(slots[valid])  # the selected rows, sorted
+    kv = dequantize_latent(cache.reshape(nb * bs, LATENT_ROW_BYTES)[read]).to(dt)  # (rows read, 576)
+    if not len(read):  # nothing selected: one zero row that no index points at
+        kv = torch.zeros(1, kv.shape[-1], dtype=dt, device=cache.device)
+    at = torch.where(valid, torch.searchsorted(read, slots), -1).to(torch.int32)  # slot -> its row in kv
+    return sparse_mla(q.to(dt), kv, at, sm_scale, d_v)
 
 
 def indexer_scores_fp8(q_idx: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table_row: torch.Tensor,
@@ -167,9 +180,12 @@ def indexer_scores_fp8(q_idx: torch.Tensor, weights: torch.Tensor, cache: torch.
     """DeepGEMM's paged logits over the FP8 key cache for one sequence: sum_h w[h] relu(q_h . k s), q_idx
     [n, H_I, D] (fp8 or float), weights [n, H_I] fp32 (with any query scales folded in), the sequence's first
     seq_len keys read through block_table_row -> [n, seq_len] fp32 (float64 for float64 weights)."""
-    keys = dequantize_indexer_keys(cache)  # (NB, BK, D)
-    nb, bk, d = keys.shape
-    k = keys.view(nb * bk, d)[token_slots(block_table_row.to(keys.device), seq_len, nb, bk)]  # (seq_len, D)
+    values, scale = _indexer_key_bytes(cache)  # (NB, BK, D), (NB, BK): only the sequence's keys are read
+    nb, bk, d = values.shape
+    at = token_slots(block_table_row.to(values.device), seq_len, nb, bk)  # (seq_len,)
+    s = scale.reshape(-1)[at]
+    _powers_of_two("cache: key scales (each block's last block_kv x 4 bytes) of the sequence's tokens", s)
+    k = values.reshape(nb * bk, d)[at].float() * s[:, None]  # (seq_len, D)
     return indexer_scores(q_idx.float() if q_idx.dtype == torch.float8_e4m3fn else q_idx, k, weights, softmax_scale)
 
 

@@ -64,9 +64,9 @@ def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
     """x [..., n] -> (fp8 e4m3 values [..., n], fp32 scales [..., n/block]) with ue8m0 scales, or with the
     given scales [..., n/block] (e.g. a kernel's, to compare its values at its own scales)."""
     check_tensor("x", x, shape=(..., None), dtype=_FLOATS)
-    bad = ~torch.isfinite(x)
+    bad = ~torch.isfinite(x.float())  # (in fp32, where it computes: a float64 past fp32's range is inf there)
     if bad.any():  # an inf would be rounded to a number, a NaN would set its block's scale
-        raise ValueError(f"fp8_quantize: x: expected finite values, got {int(bad.sum())} NaN or inf")
+        raise ValueError(f"fp8_quantize: x: expected finite values, got {int(bad.sum())} NaN or inf (in float32)")
     check_int("fp8_quantize: block", block)
     n = x.shape[-1]
     if n % block:
