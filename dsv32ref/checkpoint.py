@@ -45,9 +45,9 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) ->
     """w [out, in] -> (float8_e4m3fn [out, in], weight_scale_inv fp32 [ceil(out/bo), ceil(in/bi)])."""
     bo, bi = _block(block)
     out_f, in_f = check_tensor("w", w, shape=(None, None), dtype=_FLOATS).shape
-    if not torch.isfinite(w.float()).all():  # a NaN would set its block's scale, an inf (or a float64 past fp32) too
-        raise ValueError(f"w: expected finite values in float32's range, got {int((~torch.isfinite(w.float())).sum())} "
-                         f"NaN or inf")
+    bad = _nonfinite("w", w)  # a NaN would set its block's scale, an inf (or a float64 past fp32's range) too
+    if bad:
+        raise ValueError(f"w: expected finite values in float32's range, got {bad}")
     nbo, nbi = -(-out_f // bo), -(-in_f // bi)
     padded = torch.zeros(nbo * bo, nbi * bi, dtype=torch.float32, device=w.device)
     padded[:out_f, :in_f] = w.float()
@@ -157,11 +157,13 @@ def _load_one(name: str, read, where: dict, block, want: torch.Size, dtype: torc
         scale = read(scale_name)
         if scale.dtype not in _FLOATS:
             return f"wrong dtype: {scale_name}: {scale.dtype} (expected a float type)"
-        bad, sf = _nonfinite(scale_name, scale), scale.float()
-        low = int((sf <= 0).sum())  # zero zeroes its block, a negative one flips it: not a scale, whatever the switch
-        low = f"non-positive: {scale_name} ({low} of {scale.numel()} scales <= 0)" if low else None
-        if low or (bad and nonfinite == "raise"):
-            return "; ".join(p for p in (bad if nonfinite == "raise" else None, low) if p)
+        bad = _nonfinite(scale_name, scale)
+        problems = [bad] if bad and nonfinite == "raise" else []
+        low = int((scale.float() <= 0).sum())  # zero zeroes its block, a negative one flips it: refused either way
+        if low:
+            problems.append(f"non-positive: {scale_name} ({low} of {scale.numel()} scales <= 0)")
+        if problems:
+            return "; ".join(problems)
         if bad:
             warnings.warn(f"load_pretrained: {bad}", stacklevel=3)
         try:

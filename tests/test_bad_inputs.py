@@ -421,7 +421,7 @@ REFERENCE_CASES = [
     (lambda: fp8_quantize(torch.full((1, 128), 1e300, dtype=torch.float64)),
      r"fp8_quantize: x: expected finite values, got 128 NaN or inf \(in float32\)"),
     (lambda: quantize_fp8_blocks(torch.full((4, 4), 1e300, dtype=torch.float64)), r"w: expected finite values"),
-    (lambda: quantize_fp8_blocks(torch.full((4, 4), float("nan"))), r"w: expected finite values in float32's range, got 16"),
+    (lambda: quantize_fp8_blocks(torch.full((4, 4), float("nan"))), r"w: expected finite values in float32's range, got non-finite: w \(16 NaN"),
     (lambda: quantize_fp8_blocks(torch.ones(4, 4), (0, 128)), r"block: expected two ints >= 1 .*got \(0, 128\)"),
     (lambda: quantize_fp8_blocks(torch.ones(4)), r"w: expected shape \[\*, \*\], got \[4\]"),
     (lambda: dequantize_fp8_blocks(torch.ones(4, 4), torch.ones(1, 1)), r"q: expected dtype torch.float8_e4m3fn"),

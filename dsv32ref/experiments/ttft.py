@@ -235,6 +235,22 @@ def _weights(config: ModelConfig, p: TTFTProtocol, device: str, tp_rank: int, tp
     return model
 
 
+def _token_summary(result: dict, timed: dict, p: TTFTProtocol) -> None:
+    """Which arms produced the same first tokens: within each numerics, and each arm against the first."""
+    # the arms of one numerics: the FP8 cache and the fused MoE round differently from the bf16 cache's dense MoE
+    tokens = [t["tokens"] for v, t in timed.items() if not v.endswith(("+fp8", "+fused"))]
+    result["same_tokens_across_variants"] = all(t == tokens[0] for t in tokens)
+    result["same_tokens_within"] = {  # the arms of each other numerics, among themselves
+        tail: all(t["tokens"] == group[0]["tokens"] for t in group)
+        for tail in ("+fp8", "+fused") if (group := [t for v, t in timed.items() if v.endswith(tail)])}
+    result["first_tokens"] = tokens[0]  # of every timed request: compares runs (one GPU vs TP) token by token
+    for name, arms in (("fp8", p.fp8_kv), ("fused", p.fused_moe)):  # each such arm's tokens, request by request,
+        if arms:  # to set beside first_token_margins where they differ
+            result[f"{name}_first_tokens"] = {v: t["tokens"] for v, t in timed.items() if v.endswith(f"+{name}")}
+    result["tokens_equal_to_first_arm"] = {  # per arm, the fraction of requests whose token is the first arm's
+        v: sum(a == b for a, b in zip(t["tokens"], tokens[0])) / max(1, len(tokens[0])) for v, t in timed.items()}
+
+
 def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = "cuda",
         config: ModelConfig | None = None, tp_rank: int = 0, tp_size: int = 1) -> dict:
     """The experiment; `device="cpu"` (with a tiny `config`) runs the same control flow on emulated graphs as a
@@ -282,18 +298,7 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
         torch.cuda.empty_cache()
     if p.instrument_ab:
         _instrument_ab(result, timed, p, lead)
-    # the arms of one numerics: the FP8 cache and the fused MoE round differently from the bf16 cache's dense MoE
-    tokens = [t["tokens"] for v, t in timed.items() if not v.endswith(("+fp8", "+fused"))]
-    result["same_tokens_across_variants"] = all(t == tokens[0] for t in tokens)
-    result["same_tokens_within"] = {  # the arms of each other numerics, among themselves
-        tail: all(t["tokens"] == group[0]["tokens"] for t in group)
-        for tail in ("+fp8", "+fused") if (group := [t for v, t in timed.items() if v.endswith(tail)])}
-    result["first_tokens"] = tokens[0]  # of every timed request: compares runs (one GPU vs TP) token by token
-    for name, arms in (("fp8", p.fp8_kv), ("fused", p.fused_moe)):  # each such arm's tokens, request by request,
-        if arms:  # to set beside first_token_margins where they differ
-            result[f"{name}_first_tokens"] = {v: t["tokens"] for v, t in timed.items() if v.endswith(f"+{name}")}
-    result["tokens_equal_to_first_arm"] = {  # per arm, the fraction of requests whose token is the first arm's
-        v: sum(a == b for a, b in zip(t["tokens"], tokens[0])) / max(1, len(tokens[0])) for v, t in timed.items()}
+    _token_summary(result, timed, p)
     if "wide" in result["variants"] and "narrow" in result["variants"]:
         result["wide_over_narrow"] = result["variants"]["wide"]["mean_ms"] / result["variants"]["narrow"]["mean_ms"]
     if out:
