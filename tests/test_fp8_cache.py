@@ -2,6 +2,7 @@
 the formats put them, round trips bit-exact, the values fp8 rounding gives, the reference over them against the
 bf16 reference, and what a hostile caller passes."""
 
+import dataclasses
 import struct
 
 import pytest
@@ -421,16 +422,28 @@ def test_indexer_scores_paged_reads_fp8_keys(device, dtype, tol, tokens, seed):
 
 # fp8 queries as deployed: interpreted, the fp8 products are taken in fp32 (exact) and summed in fp32; compiled, the
 # sm_90 fp8 MMA accumulates at reduced precision (DeepSeek-V3's report: about 14 bits), so it is held to 2^-13
-# of the result's scale (1024 fp32 steps) instead of a few steps
+# (1024 fp32 steps) of the scale of the terms it sums instead of a few steps. That scale is the score of the inputs'
+# magnitudes, sum_h |w_h| |q_h| . |k| s: a score is a difference of head terms and can be far smaller than they are.
 FP8_QUERY_CASES = [pytest.param("cpu", 64, id="cpu-fp8", marks=CPU),
                    pytest.param("cuda", 1024, id="cuda-fp8", marks=pytest.mark.gpu)]
+
+
+def _term_scale(x) -> torch.Tensor:
+    """The reference score of |q|, |w| and |k| (sign bits of the fp8 values cleared, the fp32 scales kept): the sum of
+    the magnitudes of the terms each score adds up, [T, max seq_len] float64."""
+    keys = x.k_cache.clone()
+    nb, block_kv, _, row = keys.shape
+    keys.view(nb, -1)[:, : block_kv * (row - 4)] &= 0x7F  # per block: the values first, then one scale a key
+    return reference_indexer_scores_fp8(dataclasses.replace(x, q=x.q.float().abs().to(x.q.dtype),
+                                                            weights=x.weights.abs(), k_cache=keys))
 
 
 @pytest.mark.parametrize("device,tol", FP8_QUERY_CASES)
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, tokens, seed):
     """fp8 queries (their per-head scales in the weights) over DeepGEMM's FP8 keys: fp8 x fp8 MMAs, every visible
-    score of every token equal to the float64 reference per element; nothing past a token's position written."""
+    score of every token equal to the float64 reference per element, in units of its terms' scale; nothing past a
+    token's position written."""
     cpu = device == "cpu"
     x = fp8_indexer_inputs(num_heads=4 if cpu else 64, head_dim=32 if cpu else 128,
                            context_lens=(0, 37, 9) if cpu else (0, 3000, 100), query_lens=(3, 1, 2) if cpu else (70, 1, 2),
@@ -441,10 +454,12 @@ def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, toke
     indexer_scores_paged(x.q, x.weights, x.k_cache.squeeze(2), x.block_table, x.req_indices, x.positions,
                          x.softmax_scale, scores, block_s=8 if cpu else 64, tokens=tokens)
     visible = torch.arange(scores.shape[1]) <= x.positions.cpu()[:, None]  # (T, S_MAX)
-    want = torch.cat((ref, torch.full((ref.shape[0], 5), float("-inf"), dtype=ref.dtype)), 1)
-    assert_close("scores", torch.where(visible, scores.cpu(), 0.0), torch.where(visible, want, 0.0),
-                 dtype=torch.float32, row_dims=1, rtol=tol, atol=tol)
     assert scores.cpu()[~visible].isnan().all()
+    visible = visible[:, : ref.shape[1]]
+    scale = torch.where(visible, _term_scale(x), 1.0).clamp_min(torch.finfo(torch.float32).tiny)  # (T, max seq_len)
+    got = torch.where(visible, scores.cpu()[:, : ref.shape[1]].double(), 0.0) / scale
+    assert_close("scores / their terms' scale", got, torch.where(visible, ref, 0.0) / scale, dtype=torch.float64,
+                 precision=torch.float32, row_dims=1, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
