@@ -442,8 +442,8 @@ def _term_scale(x) -> torch.Tensor:
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, tokens, seed):
     """fp8 queries (their per-head scales in the weights) over DeepGEMM's FP8 keys: fp8 x fp8 MMAs, every visible
-    score of every token equal to the float64 reference per element, in units of its terms' scale; nothing past a
-    token's position written."""
+    score of every token equal to the float64 reference per element, within tol fp32 steps of its terms' scale;
+    nothing past a token's position written."""
     cpu = device == "cpu"
     x = fp8_indexer_inputs(num_heads=4 if cpu else 64, head_dim=32 if cpu else 128,
                            context_lens=(0, 37, 9) if cpu else (0, 3000, 100), query_lens=(3, 1, 2) if cpu else (70, 1, 2),
@@ -456,10 +456,14 @@ def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, toke
     visible = torch.arange(scores.shape[1]) <= x.positions.cpu()[:, None]  # (T, S_MAX)
     assert scores.cpu()[~visible].isnan().all()
     visible = visible[:, : ref.shape[1]]
-    scale = torch.where(visible, _term_scale(x), 1.0).clamp_min(torch.finfo(torch.float32).tiny)  # (T, max seq_len)
-    got = torch.where(visible, scores.cpu()[:, : ref.shape[1]].double(), 0.0) / scale
-    assert_close("scores / their terms' scale", got, torch.where(visible, ref, 0.0) / scale, dtype=torch.float64,
-                 precision=torch.float32, row_dims=1, rtol=tol, atol=tol)
+    scale = torch.where(visible, _term_scale(x), 1.0)  # (T, max seq_len)
+    got = torch.where(visible, scores.cpu()[:, : ref.shape[1]].double(), 0.0)
+    err = (got - torch.where(visible, ref, 0.0)).abs() / scale  # in units of each score's terms
+    bound = tol * torch.finfo(torch.float32).eps
+    worst = divmod(int(err.argmax()), err.shape[1])
+    assert not (err > bound).any(), (f"scores: {int((err > bound).sum())} element(s) in {int((err > bound).any(1).sum())} "
+                                     f"row(s) past {tol} fp32 steps of their terms' scale; worst at {worst}: got "
+                                     f"{got[worst]:.6g}, expected {ref[worst]:.6g}, {err[worst] / bound:.3g} x the bound")
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
