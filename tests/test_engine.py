@@ -37,9 +37,11 @@ def _reference_logits(ref, tokens):
 def test_engine_matches_reference_and_boundaries_agree(preset, seed):
     """Prefill of two requests in one batch, then a decode step; same logits under the four paths a boundary can
     take (the copy variants add a copy after narrow's: the graph-hazard tests run them against eager)."""
-    # GLM-5.2's IndexShare in four layers: a dense one, an indexer, a layer sharing it, an indexer after that
-    glm = dict(num_hidden_layers=4, indexer_types=("full", "full", "shared", "full")) if "glm" in preset else {}
-    ref = tiny_model(preset, dtype=torch.float32, seed=seed, **glm)
+    # GLM-5.2's IndexShare in four layers: a dense one, an indexer, a layer sharing it, an indexer after that;
+    # DeepSeek-V3.2 in two: a dense one and a MoE one, each with its indexer
+    layers = dict(num_hidden_layers=4, indexer_types=("full", "full", "shared", "full")) if "glm" in preset else \
+        dict(num_hidden_layers=2)
+    ref = tiny_model(preset, dtype=torch.float32, seed=seed, **layers)
     V = ref.config.vocab_size
     p0, p1 = torch.randint(0, V, (11,)).tolist(), torch.randint(0, V, (5,)).tolist()
     results = {}
@@ -364,31 +366,31 @@ def test_capture_out_of_memory_on_gpu_is_reported_and_recoverable():
 
 @CPU
 def test_generate_prefills_a_prompt_longer_than_the_token_budget_in_chunks(seed):
-    """A 40-token prompt on an engine whose steps hold 16 tokens: three prefill steps, each over the cache the
+    """A 24-token prompt on an engine whose steps hold 8 tokens: three prefill steps, each over the cache the
     earlier ones wrote. With the indexer's top-8 selecting among the cached keys, the first token and the next
-    step's logits equal one 40-token step's (a 64-token budget: the same scores, the same selection); with a
+    step's logits equal one 24-token step's (a 32-token budget: the same scores, the same selection); with a
     top-k that keeps every key (no near-ties to flip), both are within fp32's accumulated rounding (2^13 units of
     the row's largest logit, which is small with these weights) of a float64 copy of the reference model. The
     request's blocks are released afterwards."""
     for index_topk in (8, 64):
         ref = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32, seed=seed, num_hidden_layers=2,
                          index_topk=index_topk)
-        prompt = torch.randint(0, ref.config.vocab_size, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+        prompt = torch.randint(0, ref.config.vocab_size, (24,), generator=torch.Generator().manual_seed(seed)).tolist()
         logits, toks = {}, {}
-        for budget in (16, 64):
+        for budget in (8, 32):
             ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=64, max_num_seqs=2,
-                              max_num_batched_tokens=budget, block_size=4, capture_sizes=[8, 16])
+                              max_num_batched_tokens=budget, block_size=4, capture_sizes=[8])
             eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
             toks[budget], _ = eng.generate(prompt, 2)
             logits[budget] = eng.last_logits[0]
             assert not eng.allocator.tables and len(eng.allocator.free) == eng.runner.kv_cache.num_blocks, "released"
-        assert toks[16] == toks[64]
-        assert_close(f"top-{index_topk}: chunked vs one step", logits[16], logits[64].double(), dtype=torch.float32,
+        assert toks[8] == toks[32]
+        assert_close(f"top-{index_topk}: chunked vs one step", logits[8], logits[32].double(), dtype=torch.float32,
                      rtol=16, atol=16)
         if index_topk == 64:
             exact = copy.deepcopy(ref).double()  # the same weights in float64: the engines' error alone
             with torch.no_grad():
-                expected = exact(torch.tensor(prompt + toks[64][:1]))[-1]  # the decode step's logits
+                expected = exact(torch.tensor(prompt + toks[32][:1]))[-1]  # the decode step's logits
             for budget, lg in logits.items():
                 assert_close(f"budget {budget}", lg, expected, dtype=torch.float32, rtol=2**13, atol=2**13)
 
