@@ -43,6 +43,8 @@ MODELS = ["glm-5.2", "deepseek-v3.2", "glm-5"]
 
 
 def _out(args, name: str) -> str:
+    if args.out is not None and getattr(args, "record", False):
+        raise ValueError(f"--record and --out {args.out!r}: give one (--record writes into data/, --out to a path)")
     if args.out is not None and (not args.out or os.path.isdir(args.out)):
         raise ValueError(f"--out: expected a file path, got {args.out!r}" + (" (a directory)" if args.out else ""))
     if args.out:  # where the result goes, before the work that makes it
@@ -158,9 +160,10 @@ def cmd_ledger(args) -> int:
     measured = args.measured or os.path.join(DATA_DIR, f"ttft_{args.model}.json")
     if args.measured and not os.path.isfile(measured):
         raise ValueError(f"--measured: no such file {measured!r}")
+    run = ttft_model.load_ttft_result(measured) if os.path.exists(measured) else None  # before the minutes below
     predicted = ledger.predict_all(args.model)
-    if os.path.exists(measured):
-        ttft_model.attach(predicted, measured)
+    if run is not None:
+        ttft_model.attach(predicted, measured, run)
     write_result(out, predicted)
     return 0
 

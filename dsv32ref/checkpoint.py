@@ -323,6 +323,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
     attention logits have a spread of order 1 (softmax neither uniform nor one-hot) and indexer scores
     differ between queries; `tests/test_checkpoint.py` checks both.
     """
+    if not is_int(seed):
+        raise ValueError(f"init_dummy_weights: seed: expected an int, got {seed!r}")
     for name, p in model.named_parameters():
         g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         x = torch.randn(p.shape, generator=g, dtype=torch.float32)

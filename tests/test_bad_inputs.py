@@ -892,6 +892,27 @@ def cpu_engine():
     return LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
 
 
+def test_engine_rejects_a_placement_it_cannot_run():
+    """A device name torch does not know, a dtype given as a string, a context past the model's positions, a seed
+    that is not an int: ValueErrors naming the argument (they were a RuntimeError, an engine that failed later, and
+    accepted)."""
+    from dsv32ref import init_dummy_weights
+    cfg = tiny_model("tiny-glm-5.2").config
+    ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=16, max_num_seqs=2,
+                      max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
+    with pytest.raises(ValueError, match="LLMEngine: device: expected a torch.device or a name .* got 'gpu'"):
+        LLMEngine(cfg, ec, device="gpu")
+    with pytest.raises(ValueError, match="LLMEngine: dtype: expected one of torch.bfloat16, .* got 'bf16'"):
+        LLMEngine(cfg, ec, device="cpu", dtype="bf16")
+    long = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=8192, max_num_seqs=2,
+                        max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
+    with pytest.raises(ValueError, match=r"max_model_len: 8192 exceeds the model's max_position_embeddings \(4096\)"):
+        LLMEngine(cfg, long, device="cpu", dtype=torch.float32)
+    for seed in (0.5, "0", True):
+        with pytest.raises(ValueError, match="init_dummy_weights: seed: expected an int"):
+            init_dummy_weights(tiny_model("tiny-glm-5.2"), seed)
+
+
 @CPU
 def test_engine_rejects_requests_it_cannot_run(cpu_engine):
     eng = cpu_engine
@@ -969,6 +990,11 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "--heads-per-rank: expected an int >= 1, got -5" in capsys.readouterr().err
     assert main(["ledger", "--predict", "--measured", "/nonexistent/ttft.json"]) == 2
     assert "dsv32ref: error: --measured: no such file '/nonexistent/ttft.json'" in capsys.readouterr().err
+    wrong = os.path.join(os.path.dirname(__file__), "..", "data", "fp8_speed.json")  # a result, not a TTFT run's
+    assert main(["ledger", "--predict", "--measured", wrong]) == 2
+    assert "not a TTFT result (`dsv32ref ttft`'s file): it has no host_costs, variants" in capsys.readouterr().err
+    assert main(["ledger", "--predict", "--record", "--out", "x.json"]) == 2
+    assert "dsv32ref: error: --record and --out 'x.json': give one" in capsys.readouterr().err
 
 
 def test_the_recorded_runs_are_found_from_any_directory(tmp_path, monkeypatch):

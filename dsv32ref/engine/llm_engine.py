@@ -22,6 +22,24 @@ from dsv32ref.engine.weights import build_model, share_weights
 
 __all__ = ["LLMEngine"]
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activations and weights the engine runs in
+
+
+def _check_placement(config: ModelConfig, ec: EngineConfig, device, dtype) -> torch.device:
+    """LLMEngine's device (a torch.device or its name) and dtype (a torch float dtype), and max_model_len within the
+    positions the model was built for -> the device."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"LLMEngine: device: expected a torch.device or a name such as 'cuda' or 'cpu', got "
+                         f"{device!r} ({e})") from None
+    if dtype not in DTYPES:
+        raise ValueError(f"LLMEngine: dtype: expected one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+    if ec.max_model_len > config.max_position_embeddings:
+        raise ValueError(f"EngineConfig.max_model_len: {ec.max_model_len} exceeds the model's max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    return dev
+
 
 class LLMEngine:
     def __init__(self, config: ModelConfig, engine_config: EngineConfig | None = None, device="cuda",
@@ -32,7 +50,7 @@ class LLMEngine:
         dummy weights drawn from engine_config.seed. `kv_cache`: share a cache between engines that run one
         after another (each keeps its own block allocator, so no two of them may hold live sequences at once)."""
         self.config, self.ec = config, engine_config or EngineConfig()
-        self.device = torch.device(device)
+        self.device = _check_placement(config, self.ec, device, dtype)
         if model is None:
             model = share_weights(weights, self.ec.boundary, self.ec.moe) if weights is not None else \
                 build_model(config, self.ec.boundary, self.device, dtype, self.ec.seed, self.ec.moe)

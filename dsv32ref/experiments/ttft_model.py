@@ -106,11 +106,25 @@ def compare(predicted_ledger: dict, ttft_result: dict, costs: dict | None = None
     return out
 
 
-def attach(predicted: dict, measured_path: str) -> dict:
+def load_ttft_result(path: str) -> dict:
+    """A TTFT run's file (`dsv32ref ttft`'s JSON), checked for what the model reads: ValueError naming the file and
+    what it lacks (a wrong file fails here, before the prediction's minutes)."""
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path!r}: not a readable TTFT result ({e})") from None
+    missing = [k for k in ("provenance", "host_costs", "variants") if not isinstance(run, dict) or k not in run]
+    if missing:
+        raise ValueError(f"{path!r}: not a TTFT result (`dsv32ref ttft`'s file): it has no {', '.join(missing)}")
+    return run
+
+
+def attach(predicted: dict, measured_path: str, run: dict | None = None) -> dict:
     """Put the model of every variant of a TTFT run (data/ttft_<preset>.json: its measurement and the host costs
-    it measured in its own process) beside the predicted ledger, under "ttft_model"; returns `predicted`."""
-    with open(measured_path) as f:
-        run = json.load(f)
+    it measured in its own process; `run`: the file's contents, if already loaded) beside the predicted ledger,
+    under "ttft_model"; returns `predicted`."""
+    run = run if run is not None else load_ttft_result(measured_path)
     predicted["ttft_model"] = {"measured": measured_path, "measured_commit": run["provenance"].get("git_commit"),
                                "host_costs": run["host_costs"], "variants": compare(predicted, run)}
     for v, m in predicted["ttft_model"]["variants"].items():
