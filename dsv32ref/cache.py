@@ -309,6 +309,10 @@ def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Te
     if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= nb * bs):
         raise ValueError(f"slot_mapping: slots must lie in [0, {nb * bs}), got "
                          f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
+    slots, counts = torch.unique(slot_mapping, return_counts=True)
+    if (counts > 1).any():  # index_copy_ would keep one of the rows, which one unspecified on a GPU
+        raise ValueError(f"slot_mapping: each slot at most once, got slots {slots[counts > 1][:4].tolist()} "
+                         f"{int(counts.max())} times")
     cache.view(nb * bs, d).index_copy_(0, slot_mapping.long(), rows.to(cache.dtype))
 
 

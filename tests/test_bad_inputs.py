@@ -531,6 +531,8 @@ CACHE_CASES = [
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([8]), torch.zeros(1, 8)),
      r"slot_mapping: slots must lie in \[0, 8\), got \[8, 8\]"),
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([1]), torch.zeros(1, 9)), r"rows: expected shape \[1, 8\]"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([3, 1, 3]), torch.zeros(3, 8)),
+     r"slot_mapping: each slot at most once, got slots \[3\] 2 times"),
     (lambda: gather_tokens(torch.zeros(2, 4, 8), torch.tensor([0, 5]), 6),
      r"block_table_row: a sequence of 6 tokens reads blocks outside \[0, 2\)"),
 ]
