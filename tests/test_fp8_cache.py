@@ -458,7 +458,7 @@ def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, toke
     visible = visible[:, : ref.shape[1]]
     scale = torch.where(visible, _term_scale(x), 1.0)  # (T, max seq_len)
     got = torch.where(visible, scores.cpu()[:, : ref.shape[1]].double(), 0.0)
-    err = (got - torch.where(visible, ref, 0.0)).abs() / scale  # in units of each score's terms
+    err = ((got - torch.where(visible, ref, 0.0)).abs() / scale).nan_to_num(nan=float("inf"))  # units of its terms
     bound = tol * torch.finfo(torch.float32).eps
     worst = divmod(int(err.argmax()), err.shape[1])
     assert not (err > bound).any(), (f"scores: {int((err > bound).sum())} element(s) in {int((err > bound).any(1).sum())} "

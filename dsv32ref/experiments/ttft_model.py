@@ -120,11 +120,10 @@ def load_ttft_result(path: str) -> dict:
     return run
 
 
-def attach(predicted: dict, measured_path: str, run: dict | None = None) -> dict:
-    """Put the model of every variant of a TTFT run (data/ttft_<preset>.json: its measurement and the host costs
-    it measured in its own process; `run`: the file's contents, if already loaded) beside the predicted ledger,
-    under "ttft_model"; returns `predicted`."""
-    run = run if run is not None else load_ttft_result(measured_path)
+def attach(predicted: dict, measured_path: str, run: dict) -> dict:
+    """Put the model of every variant of a TTFT run (`run`, load_ttft_result of measured_path, e.g.
+    data/ttft_<preset>.json: its measurement and the host costs it measured in its own process) beside the
+    predicted ledger, under "ttft_model"; returns `predicted`."""
     predicted["ttft_model"] = {"measured": measured_path, "measured_commit": run["provenance"].get("git_commit"),
                                "host_costs": run["host_costs"], "variants": compare(predicted, run)}
     for v, m in predicted["ttft_model"]["variants"].items():
