@@ -352,22 +352,23 @@ def test_sparse_mla_paged_reads_fp8_rows(device, dtype, tol, splits, valid_first
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 16])
 @pytest.mark.parametrize("valid_first", [False, True])
 @pytest.mark.parametrize("query_lens", [(150, 1, 2, 1), (1, 1, 1, 1)], ids=["no-splits", "decode-splits"])
-def test_sm90_dequantises_fp8_rows_in_its_producer(valid_first, query_lens, seed):
-    """bf16 q, no config: on sm_90 the warp-specialized kernel runs over FlashMLA's rows (its producer dequantises
-    them into shared memory), with enough tokens to fill the GPU and with four decode tokens (top-k splits), and
-    equals the float64 reference per element: scrambled blocks, -1 and out-of-range entries, empty rows,
-    unselected rows NaN, outputs poisoned."""
+def test_sm90_dequantises_fp8_rows_in_its_producer(heads, valid_first, query_lens, seed):
+    """bf16 q, no config: on sm_90 a warp-specialized kernel runs over FlashMLA's rows (its producer dequantises
+    them into shared memory; at 16 heads the one with the heads as the MMA's N, two steps of rows in flight), with
+    enough tokens to fill the GPU and with four decode tokens (top-k splits), and equals the float64 reference per
+    element: scrambled blocks, -1 and out-of-range entries, empty rows, unselected rows NaN, outputs poisoned."""
     from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
-    x = paged_sparse_mla_inputs(num_heads=128, topk=2048, context_lens=(0, 3000, 100, 5000), query_lens=query_lens,
+    x = paged_sparse_mla_inputs(num_heads=heads, topk=2048, context_lens=(0, 3000, 100, 5000), query_lens=query_lens,
                                 block_size=64, dtype=torch.bfloat16, device="cuda", seed=seed, valid_first=valid_first,
                                 kv_cache_dtype="fp8")
     T, H = x.q.shape[:2]
     plan = launch_plan(x.q, 512, 2048, None, torch.cuda.get_device_properties(0).multi_processor_count, fp8=True)
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     assert plan[3] == sm90 and kernel_choice(x.q, 512, plan[2], None, fp8=True)[0] == (
-        "sm_90 warp-specialized" if sm90 else "triton")
+        "triton" if not sm90 else "sm_90 heads as N" if heads <= 32 else "sm_90 warp-specialized")
     out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((T, H), float("nan"), device="cuda")
     sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,

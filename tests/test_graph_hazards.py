@@ -221,10 +221,10 @@ def test_hazard_on_cuda_graphs(pair, hazard):
 
 @pytest.mark.gpu
 def test_the_gpu_hazards_run_the_sm90_kernel():
-    """At DeepSeek's latent widths with one SM to fill, bf16, no config: what the GPU hazards replay is sm_90's
-    warp-specialized kernel where the device is an sm_90 one."""
+    """At DeepSeek's latent widths with one SM to fill, bf16, no config: what the GPU hazards replay (16 heads) is
+    sm_90's warp-specialized kernel with the heads as the MMA's N where the device is an sm_90 one."""
     from dsv32ref.kernels.sparse_mla import kernel_choice
 
     q = torch.zeros(3, 16, 576, dtype=torch.bfloat16, device="cuda")
-    want = "sm_90 warp-specialized" if torch.cuda.get_device_capability() == (9, 0) else "triton"
+    want = "sm_90 heads as N" if torch.cuda.get_device_capability() == (9, 0) else "triton"
     assert kernel_choice(q, 512, 1, None)[0] == want

@@ -379,16 +379,20 @@ def test_the_hopper_kernel_runs_only_where_it_applies(monkeypatch):
         for args in ((g[:1], 512, 2048, None), (g, 512, 2048, {"BLOCK_N": 32}), (g.half(), 512, 2048, None),
                      (g[..., :320], 256, 2048, None)):  # splits; a config; fp16; other latent widths
             assert not launch_plan(*args, 132)[3], args[1:]
+        # the heads on the MMA's N up to 32 heads a token, on its M past them
+        assert [kernel_choice(g[:, :h], 512, 1, None)[0] for h in (1, 16, 32, 33, 64)] == (
+            ["sm_90 heads as N"] * 3 + ["sm_90 warp-specialized"] * 2)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", [128, 64, 40])
+@pytest.mark.parametrize("heads", [128, 64, 40, 32, 24, 16])
 @pytest.mark.parametrize("valid_first", [False, True])
 def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
-    """sm_90's warp-specialized kernel, as sparse_mla_paged runs it, against the reference and against the Triton
-    kernel (a config selects that one): outputs poisoned; invalid, out-of-range and repeated indices; a token of a
-    request outside the block table; a token with no valid key; block ids outside the cache (the producer zero-fills
-    those rows and flags them invalid: they must not count); a head count that is not a multiple of 64."""
+    """sm_90's warp-specialized kernels, as sparse_mla_paged runs them (64 heads a program past 32 heads, heads as
+    the MMA's N up to 32), against the reference and against the Triton kernel (a config selects that one): outputs
+    poisoned; invalid, out-of-range and repeated indices; a token of a request outside the block table; a token with
+    no valid key; block ids outside the cache (the producer zero-fills those rows and flags them invalid: they must
+    not count); head counts that are not a multiple of a program's heads."""
     from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, launch_plan
 
     if torch.cuda.get_device_capability() != (9, 0):

@@ -49,10 +49,11 @@ from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.launch import launch
 
-try:  # the warp-specialized Gluon kernel that sm_90 runs (needs triton.experimental.gluon)
+try:  # the warp-specialized Gluon kernels that sm_90 runs (need triton.experimental.gluon)
+    from dsv32ref.kernels import sparse_mla_heads_n as _heads_n
     from dsv32ref.kernels import sparse_mla_hopper as _hopper
 except ImportError:  # an older triton: every device runs the Triton kernel below
-    _hopper = None
+    _hopper = _heads_n = None
 
 __all__ = ["sparse_mla_paged", "DEFAULT_CONFIG", "kernel_choice", "launch_plan"]
 
@@ -334,18 +335,24 @@ def num_splits(T: int, head_blocks: int, sms: int) -> int:
 
 def kernel_choice(q: torch.Tensor, d_lat: int, splits: int, config: dict | None, fp8: bool = False
                   ) -> tuple[str, str]:
-    """(the kernel sparse_mla_paged runs, why): "sm_90 warp-specialized" (dsv32ref.kernels.sparse_mla_hopper)
-    or "triton" (the kernel of this module). fp8: the latent cache holds FlashMLA's FP8 rows."""
+    """(the kernel sparse_mla_paged runs, why): on sm_90 one of the warp-specialized Gluon kernels, "sm_90 heads
+    as N" for at most 32 heads a token (dsv32ref.kernels.sparse_mla_heads_n) or "sm_90 warp-specialized" for more
+    (dsv32ref.kernels.sparse_mla_hopper); elsewhere "triton" (the kernel of this module). fp8: the latent cache
+    holds FlashMLA's FP8 rows."""
     if config:
         reason = "a tile config was given"
     elif _hopper is None:
         reason = f"triton {triton.__version__} has no triton.experimental.gluon"
     else:
         reason = _hopper.why_not(q, d_lat, q.shape[-1] - d_lat)
-    if reason is None:
-        rows = "FP8 rows dequantised by the producer" if fp8 else "bf16 rows"
-        return "sm_90 warp-specialized", f"sm_90, bf16 q, {rows}, 512 + 64 wide, {splits} top-k split(s)"
-    return "triton", reason
+    if reason is not None:
+        return "triton", reason
+    rows = "FP8 rows dequantised by the producer" if fp8 else "bf16 rows"
+    H = q.shape[1]
+    if H <= _heads_n.MAX_HEADS:
+        return "sm_90 heads as N", (f"sm_90, bf16 q, {rows}, {H} heads: keys as the MMA's M, "
+                                    f"{_heads_n.heads_per_program(H)} heads as its N, {splits} top-k split(s)")
+    return "sm_90 warp-specialized", f"sm_90, bf16 q, {rows}, 64 heads a program, {splits} top-k split(s)"
 
 
 def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: int, fp8: bool = False
@@ -420,8 +427,9 @@ def sparse_mla_paged(
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
     outputs = _kernel_outputs(out, lse_arg, splits)
     if hopper:
-        _hopper.sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale,
-                                  outputs, splits, valid_first)
+        kernel = _heads_n.sparse_mla_heads_n if H <= _heads_n.MAX_HEADS else _hopper.sparse_mla_hopper
+        kernel(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, splits,
+               valid_first)
     else:
         _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
                        block_h, splits, valid_first)

@@ -217,9 +217,9 @@ def _release_stage(ready_st):
 
 @gluon.jit
 def _load_q(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
-    """The program's q (its 64 heads; missing heads zero) into shared memory, by cp.async onto q_bar."""
+    """The program's q (its q_lat.shape[0] heads; missing heads zero) into shared memory, by cp.async onto q_bar."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
-    offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
+    offs_h = h0 + gl.arange(0, q_lat.shape[0], gl.SliceLayout(1, ld))
     q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
     h_ok = (offs_h < H)[:, None]
     _async_copy(q_lat, q_row + gl.arange(0, D_LAT, gl.SliceLayout(0, ld))[None, :], mask=h_ok)

@@ -1,0 +1,317 @@
+"""sparse_mla on Hopper (sm_90) for few heads per token: the keys as the MMA's M, the heads as its N. Graph-safe.
+
+Motivation. A warpgroup MMA is at least 64 rows (M) tall. The kernel of dsv32ref.kernels.sparse_mla_hopper puts
+the heads on M, so a tensor-parallel rank's 16 heads (GLM-5.2 at TP4, DeepSeek-V3.2 at TP8) fill a quarter of
+every tile: per 64-key step its consumers multiply 8.9 MFLOP of which 2.2 are wanted, and decode, which should
+be bound by the bytes of the gathered rows, is bound by those padded MMAs instead. Here the products are turned
+around, so that the step's 64 keys are M and the program's HB = 16 or 32 heads are N:
+
+    S^T (64 keys x HB)    = K (64 x 576, the stage in shared memory)  .  q^T (576 x HB)
+    O^T (512 x HB)       += V^T (512 x 64, the same stage, transposed) .  P^T (64 x HB)
+
+and nothing is padded but the heads past H within the last program. The softmax runs along M (the keys), per
+column (head). One consumer warpgroup does both products; its accumulator O^T is 512 x HB fp32 (64 registers a
+thread at HB = 16), which leaves the producer the registers to keep two steps of FP8 rows in flight.
+
+    producer   one warpgroup, as in sparse_mla_hopper: q once; per step the 64 keys' rows into a free stage, and
+               their validity flags beside it. bf16 rows: cp.async gathers. FlashMLA's FP8 rows: register loads
+               of the fp8 values and scales, dequantised into the stage's bf16; the next step's loads are issued
+               before this step's are stored, so that two steps (64 KiB) are always in flight
+    consumer   one warpgroup: per step wait for the stage, S^T, online softmax along the keys, P^T to shared
+               memory, O^T += V^T P^T, free the stage
+    shared     q HB x 576 + 2 stages of 64 x 576 + P^T 64 x HB, bf16: 164 KiB at HB = 16, 182 KiB at 32
+
+Per step and program: 2 * 64 * HB * (576 + 512) FLOPs (2.2 MFLOP at HB = 16) for 72 KiB (bf16) or 41 KiB (FP8) of
+gathered rows: at 16 heads the step is bound by the rows' bytes, on either cache.
+
+Top-k splits and the outputs (bf16 out and lse, or fp32 partials for sparse_mla_paged to merge) are the other
+kernel's, as are the semantics: invalid or unselected keys never count, a NaN or +inf score at a valid key makes
+that head's out and lse NaN, a head with no valid key gets out 0 and lse +inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from dsv32ref.kernels.launch import launch
+from dsv32ref.kernels.sparse_mla_hopper import (BLOCK_N, FLAGS_LAYOUT, LOAD_WARPS, _async_copy, _cta_barrier,
+                                                _load_q, _produce_bf16, _release_stage, _rows_of,
+                                                _step_indices)
+
+__all__ = ["MAX_HEADS", "heads_per_program", "sparse_mla_heads_n"]
+
+MAX_HEADS = 32  # heads per token up to which sparse_mla_paged runs this kernel (past it: 64 heads on M)
+LOAD_REGS = gl.constexpr(64)  # the producer over bf16 rows: it resolves rows and issues copies
+LOAD_REGS_FP8 = gl.constexpr(248)  # over FP8 rows: two steps of fp8 values and scales in flight (160 registers)
+
+
+def heads_per_program(H: int) -> int:
+    """HB, the MMA's N: 16 heads a program, or 32 where H needs more than 16."""
+    return 16 if H <= 16 else 32
+
+
+@gluon.jit
+def _load_fp8_words(cache_ptr, row, stride_cs, D_LAT: gl.constexpr):
+    """Issue the loads of FlashMLA's FP8 c_kv at the step's rows (-1: invalid, read as zeros): per 128-value
+    group, its fp8 values as int32 words (BLOCK_N, 32), four a word (value 4j + b is byte b of word j), and its
+    fp32 scale (BLOCK_N, 1). Words, not fp8 tensors: carried across a loop iteration, a byte tensor takes a
+    register a byte; a word tensor takes 16 registers a thread per group."""
+    gl.static_assert(D_LAT == 512, "FlashMLA's rows: 4 groups of 128")
+    ldw: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 bytes per thread per load
+    row_w = gl.convert_layout(row, gl.SliceLayout(1, ldw))
+    ok = (row_w >= 0)[:, None]
+    base = cache_ptr + row_w.to(gl.int64)[:, None] * stride_cs  # (BLOCK_N, 1) byte pointers
+    offs_w = gl.arange(0, 32, gl.SliceLayout(0, ldw))[None, :]
+    w0 = gl.load(base.to(gl.pointer_type(gl.int32)) + offs_w, mask=ok, other=0)
+    w1 = gl.load((base + 128).to(gl.pointer_type(gl.int32)) + offs_w, mask=ok, other=0)
+    w2 = gl.load((base + 256).to(gl.pointer_type(gl.int32)) + offs_w, mask=ok, other=0)
+    w3 = gl.load((base + 384).to(gl.pointer_type(gl.int32)) + offs_w, mask=ok, other=0)
+    scales = (base + D_LAT).to(gl.pointer_type(gl.float32))
+    s0 = gl.load(scales, mask=ok, other=0.0)
+    s1 = gl.load(scales + 1, mask=ok, other=0.0)
+    s2 = gl.load(scales + 2, mask=ok, other=0.0)
+    s3 = gl.load(scales + 3, mask=ok, other=0.0)
+    return w0, s0, w1, s1, w2, s2, w3, s3
+
+
+# One word of four fp8 e4m3 values ($4, value b in byte b) times a power-of-two scale ($5, fp32 bits) -> four bf16
+# ($0..$3): two fp8x2 -> f16x2 conversions, each f16 to f32, the products (exact), packed to bf16 pairs.
+_WORD_TIMES_SCALE = gl.constexpr("""{
+.reg .b16 lo, hi, h0, h1, h2, h3;
+.reg .b32 a, b, p, q;
+.reg .f32 f0, f1, f2, f3, s;
+mov.b32 s, $5;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 a, lo;
+cvt.rn.f16x2.e4m3x2 b, hi;
+mov.b32 {h0, h1}, a;
+mov.b32 {h2, h3}, b;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+cvt.f32.f16 f2, h2;
+cvt.f32.f16 f3, h3;
+mul.f32 f0, f0, s;
+mul.f32 f1, f1, s;
+mul.f32 f2, f2, s;
+mul.f32 f3, f3, s;
+cvt.rn.bf16x2.f32 p, f1, f0;
+cvt.rn.bf16x2.f32 q, f3, f2;
+mov.b32 {$0, $1}, p;
+mov.b32 {$2, $3}, q;
+}""")
+
+
+@gluon.jit
+def _dequantize_words(w, s):
+    """A group's words (BLOCK_N, 32) and scale (BLOCK_N, 1) -> its values (BLOCK_N, 128) bf16, in order."""
+    c0, c1, c2, c3 = gl.inline_asm_elementwise(_WORD_TIMES_SCALE, "=h,=h,=h,=h,r,r", [w, s.to(gl.int32, bitcast=True)],
+                                               dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+                                               is_pure=True, pack=1)
+    v = gl.join(gl.join(c0, c2), gl.join(c1, c3))  # (BLOCK_N, 32, 2, 2): [r, j, x, y] is byte 2x + y of word j
+    return gl.reshape(v, [w.shape[0], 4 * w.shape[1]])
+
+
+@gluon.jit
+def _store_dequantized_words(k_lat_st, w0, s0, w1, s1, w2, s2, w3, s3):
+    """The four groups, dequantised, into the stage's bf16 c_kv (BLOCK_N, 512)."""
+    k_lat_st.slice(0, 128, dim=1).store(_dequantize_words(w0, s0))
+    k_lat_st.slice(128, 128, dim=1).store(_dequantize_words(w1, s1))
+    k_lat_st.slice(256, 128, dim=1).store(_dequantize_words(w2, s2))
+    k_lat_st.slice(384, 128, dim=1).store(_dequantize_words(w3, s3))
+
+
+@gluon.jit
+def _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
+                       rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT: gl.constexpr,
+                       D_ROPE: gl.constexpr):
+    """FlashMLA's FP8 rows, two steps in flight: step i + 1's fp8 values and scales are loaded into registers
+    before step i's (loaded one iteration earlier) are waited on, dequantised and stored, and step i + 2's rows
+    are resolved meanwhile. Nothing past the program's own steps is read."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
+    rows_l: gl.constexpr = gl.SliceLayout(1, ld)
+    offs_pe = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))
+    k_stop = gl.minimum(k_end, it1 * BLOCK_N)  # the end of this program's top-k slots
+    row = _rows_of(_step_indices(idx_row_ptr, it0, k_stop, rows_l), bt_row_ptr, seq_len, block_size,
+                   rows_per_block, num_blocks)
+    v0, s0, v1, s1, v2, s2, v3, s3 = _load_fp8_words(cache_ptr, row, stride_cs, D_LAT)
+    row_next = _rows_of(_step_indices(idx_row_ptr, it0 + 1, k_stop, rows_l), bt_row_ptr, seq_len, block_size,
+                        rows_per_block, num_blocks)
+    idx_after = _step_indices(idx_row_ptr, it0 + 2, k_stop, rows_l)
+    for i in range(it0, it1):
+        st = (i - it0) % 2
+        n0, t0, n1, t1, n2, t2, n3, t3 = _load_fp8_words(cache_ptr, row_next, stride_cs, D_LAT)  # step i + 1's
+        row_after = _rows_of(idx_after, bt_row_ptr, seq_len, block_size, rows_per_block, num_blocks)  # i + 2's
+        idx_after = _step_indices(idx_row_ptr, i + 3, k_stop, rows_l)
+        mbarrier.wait(free.index(st), (((i - it0) // 2) & 1) ^ 1)  # step i - 2's consumer is done
+        ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
+        valid_smem.index(st).store(ok.to(gl.int8))
+        pe = (cache_ptr + row.to(gl.int64)[:, None] * stride_cs + D_LAT + 4 * (D_LAT // 128)).to(
+            gl.pointer_type(gl.bfloat16))
+        _async_copy(k_pe.index(st), pe + offs_pe[None, :], mask=ok[:, None])
+        _store_dequantized_words(k_lat.index(st), v0, s0, v1, s1, v2, s2, v3, s3)
+        fence_async_shared()  # the stage's plain stores, visible to the consumer's wgmma (async proxy)
+        _release_stage(ready.index(st))
+        row, row_next = row_next, row_after
+        v0, s0, v1, s1, v2, s2, v3, s3 = n0, t0, n1, t1, n2, t2, n3, t3
+
+
+@gluon.jit
+def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
+                    it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem,
+                    q_bar, ready, free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, FP8: gl.constexpr):
+    """The producer: q once, then each step's rows into a free stage and their validity flags beside it."""
+    _load_q(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, D_LAT, D_ROPE)
+    if FP8:
+        _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
+                           rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT, D_ROPE)
+    else:
+        _produce_bf16(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
+                      rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT, D_ROPE)
+
+
+@gluon.jit
+def _finish(acc, m_i, l_acc, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split, HB: gl.constexpr,
+            D_LAT: gl.constexpr, NUM_SPLITS: gl.constexpr, o_l: gl.constexpr):
+    """O^T / l and the natural-log logsumexp per head (+inf where no key was valid, NaN where a score was NaN or
+    +inf), stored for the program's heads; with top-k splits, fp32 partials [T, H, NUM_SPLITS, D_LAT] and
+    [T, H, NUM_SPLITS] (an empty split's lse -inf)."""
+    l_i = gl.sum(l_acc, axis=0)  # (HB,)
+    has_key = l_i != 0
+    lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
+    out = acc / gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(0, o_l))[None, :]  # (D_LAT, HB)
+    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(1, o_l))
+    offs_ho = h0 + gl.arange(0, HB, gl.SliceLayout(0, o_l))
+    offs_hl = h0 + gl.arange(0, HB, m_i.type.layout)
+    if NUM_SPLITS > 1:
+        o_ptrs = out_ptr + ((t * H + offs_ho[None, :]) * NUM_SPLITS + split) * D_LAT + offs_d[:, None]
+        gl.store(o_ptrs, out, mask=(offs_ho < H)[None, :])
+        gl.store(lse_ptr + (t * H + offs_hl) * NUM_SPLITS + split, gl.where(has_key, lse, float("-inf")),
+                 mask=offs_hl < H)
+    else:
+        gl.store(out_ptr + t * stride_ot + offs_ho[None, :] * stride_oh + offs_d[:, None], out.to(gl.bfloat16),
+                 mask=(offs_ho < H)[None, :])
+        gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
+
+
+@gluon.jit
+def _compute_partition(q_lat, q_pe, k_lat, k_pe, pt_smem, valid_smem, q_bar, ready, free, out_ptr, stride_ot,
+                       stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, it0, it1, split, HB: gl.constexpr,
+                       D_LAT: gl.constexpr, NUM_SPLITS: gl.constexpr):
+    """The consumer warpgroup: per step S^T, the online softmax along the keys, O^T += V^T P^T; then _finish."""
+    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+    m_i = gl.full([HB], float("-inf"), gl.float32, gl.SliceLayout(0, mma_l))
+    l_acc = gl.zeros([BLOCK_N, HB], gl.float32, mma_l)  # row sums accumulated per element, reduced after the loop
+    acc = gl.zeros([D_LAT, HB], gl.float32, mma_l)  # O^T
+    s_zero = gl.zeros([BLOCK_N, HB], gl.float32, mma_l)
+    mbarrier.wait(q_bar, 0)
+    for i in range(it0, it1):
+        st = (i - it0) % 2
+        kl = k_lat.index(st)
+        mbarrier.wait(ready.index(st), ((i - it0) // 2) & 1)
+        valid = valid_smem.index(st).load(gl.SliceLayout(1, mma_l)) != 0  # (BLOCK_N,): the producer's flags
+        fence_async_shared()  # the copies' generic-proxy writes, visible to the wgmma's async proxy
+        s = warpgroup_mma(kl, q_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_pe.index(st), q_pe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # S^T (BLOCK_N, HB)
+        s = gl.where(valid[:, None], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a head with no valid key yet
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        pt_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()  # P^T is written
+        acc = warpgroup_mma(kl.permute((1, 0)), pt_smem, acc * alpha[None, :], is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _cta_barrier()  # every consumer warp is done with P^T and with this stage
+        mbarrier.arrive(free.index(st))
+    _finish(acc, m_i, l_acc, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split, HB, D_LAT,
+            NUM_SPLITS, mma_l)
+
+
+@gluon.jit
+def _shared_buffers(HB: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """q (HB x 576), two stages of K (64 x 576) and P^T (64 x HB), in MMA-ready layouts."""
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [HB, D_LAT],
+                                      gl.NVMMASharedLayout.get_default_for([HB, D_LAT], gl.bfloat16))
+    q_pe = gl.allocate_shared_memory(gl.bfloat16, [HB, D_ROPE],
+                                     gl.NVMMASharedLayout.get_default_for([HB, D_ROPE], gl.bfloat16))
+    k_lat = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_LAT],
+                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16))
+    k_pe = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_ROPE],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16))
+    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HB],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HB], gl.bfloat16))
+    return q_lat, q_pe, k_lat, k_pe, pt_smem
+
+
+@gluon.jit
+def _sparse_mla_heads_n_kernel(
+    q_ptr, stride_qt, stride_qh,  # q [T, H, D_LAT + D_ROPE] bf16
+    cache_ptr, stride_cs,  # latent cache rows (stride_cs: one token's row)
+    block_table_ptr, stride_bt, req_ptr, seq_lens_ptr,  # [B, max_blocks], [T], [B]
+    idx_ptr, stride_it,  # top-k [T, K] int32
+    out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,  # out [T, H, D_LAT] bf16, lse [T, H] fp32
+    sm_scale_log2, H, K, block_size, rows_per_block, B, max_blocks, num_blocks,
+    HB: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, VALID_FIRST: gl.constexpr, FP8: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+):
+    t = gl.program_id(0)
+    h0 = gl.program_id(1) * HB
+    # A request index outside [0, B) attends to nothing; a sequence longer than its block-table row (or
+    # negative) is cut to what the row can address.
+    req = gl.load(req_ptr + t)
+    req_ok = (req >= 0) & (req < B)
+    seq_len = gl.load(seq_lens_ptr + gl.where(req_ok, req, 0))
+    seq_len = gl.where(req_ok, gl.maximum(gl.minimum(seq_len, max_blocks * block_size), 0), 0)
+    k_end = gl.minimum(K, seq_len) if VALID_FIRST else K  # VALID_FIRST: at most seq_len slots hold valid keys
+    split = gl.program_id(2)  # top-k splits: this program's share of the steps
+    per_split = gl.cdiv(gl.cdiv(k_end, BLOCK_N), NUM_SPLITS)
+    it0 = split * per_split
+    it1 = gl.minimum(it0 + per_split, gl.cdiv(k_end, BLOCK_N))
+    idx_row_ptr = idx_ptr + t * stride_it
+    bt_row_ptr = block_table_ptr + gl.where(req_ok, req, 0) * stride_bt
+    q_lat, q_pe, k_lat, k_pe, pt_smem = _shared_buffers(HB, D_LAT, D_ROPE)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    valid_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], FLAGS_LAYOUT)  # per stage: which rows are valid
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=LOAD_WARPS * 32)  # every producer thread, when its copies land
+    for st in gl.static_range(2):
+        mbarrier.init(ready.index(st), count=LOAD_WARPS * 32 + 1)  # the copies, and the flags' release
+        mbarrier.init(free.index(st), count=1)  # one arrive: the consumer, after its barrier
+    gl.warp_specialize([
+        (_compute_partition, (q_lat, q_pe, k_lat, k_pe, pt_smem, valid_smem, q_bar, ready, free, out_ptr, stride_ot,
+                              stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, it0, it1, split, HB, D_LAT,
+                              NUM_SPLITS)),
+        (_load_partition, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
+                           k_end, it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe,
+                           valid_smem, q_bar, ready, free, D_LAT, D_ROPE, FP8)),
+    ], [LOAD_WARPS], [LOAD_REGS_FP8 if FP8 else LOAD_REGS])
+
+
+def sparse_mla_heads_n(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs,
+                       splits: int, valid_first: bool = False) -> None:
+    """The launch (inputs checked by sparse_mla_paged; sparse_mla_hopper.why_not None; H <= MAX_HEADS): one program
+    per (token, HB heads, top-k split); outputs as sparse_mla_hopper's."""
+    T, H = q.shape[:2]
+    hb = heads_per_program(H)
+    nb, bs = latent_cache.shape[:2]
+    o_arg, o_s0, o_s1, l_arg, l_s0 = outputs
+    launch(_sparse_mla_heads_n_kernel, (T, triton.cdiv(H, hb), splits),
+        q, q.stride(0), q.stride(1), latent_cache, latent_cache.stride(1),
+        block_table, block_table.stride(0), req_indices, seq_lens, topk_indices, topk_indices.stride(0),
+        o_arg, o_s0, o_s1, l_arg, l_s0,
+        sm_scale * math.log2(math.e), H, topk_indices.shape[1], bs,
+        latent_cache.stride(0) // latent_cache.stride(1), seq_lens.shape[0], block_table.shape[1], nb,
+        HB=hb, D_LAT=q.shape[-1] - 64, D_ROPE=64, VALID_FIRST=valid_first,
+        FP8=latent_cache.dtype == torch.uint8, NUM_SPLITS=splits, num_warps=4)

@@ -1,0 +1,109 @@
+"""sm_90's two sparse-MLA decode schedules side by side, in one process, on bench.fp8's decode inputs (GPU).
+
+    python scripts/ab_sparse_mla_heads.py [--heads 16 32] [--batches 1 16 64 128] [--context 32768] [--out F.json]
+
+At a few heads per token sparse_mla_paged runs dsv32ref.kernels.sparse_mla_heads_n (the keys as the MMA's M, the
+heads as its N); dsv32ref.kernels.sparse_mla_hopper (64 heads a program on M) runs any head count too. Each is
+launched here over the bf16 and the FP8 cache, with the top-k splits sparse_mla_paged would use and its merge of
+them; every arm first runs on poisoned outputs and is checked against the float64 reference of a few tokens, then
+the four arms are timed interleaved (CUDA-graph replays, medians, caches rotated so that each call reads HBM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from dsv32ref.bench.fp8 import decode_inputs
+from dsv32ref.bench.kernels import DEV, gather_rows, measure_ceilings, shapes, timed
+from dsv32ref.checks import rel_err
+from dsv32ref.kernels import sparse_mla, sparse_mla_heads_n, sparse_mla_hopper
+from dsv32ref.kernels.launch import launch
+from dsv32ref.provenance import provenance
+
+KERNELS = {"heads as N": sparse_mla_heads_n.sparse_mla_heads_n, "64 heads on M": sparse_mla_hopper.sparse_mla_hopper}
+
+
+def call(kernel, q, cache, r, topk, scale, splits, out, lse):
+    """kernel into out and lse as sparse_mla_paged launches it: fp32 partials and their merge with splits > 1."""
+    outputs = sparse_mla._kernel_outputs(out, lse, splits)
+    kernel(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, outputs, splits)
+    if splits > 1:
+        T, H, d_lat = out.shape
+        launch(sparse_mla._combine_splits_kernel, (T, H), outputs[0], outputs[3], out, out.stride(0), out.stride(1),
+               lse, lse.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)
+
+
+def reference(q, bf16_cache, r, topk, scale, d_lat, tokens=4):
+    """float64 out and lse of the first `tokens` tokens over the bf16 cache (the FP8 one dequantised)."""
+    rows = gather_rows(bf16_cache, r["block_table"], topk[:tokens].long(), r["req"][:tokens]).double()
+    s = torch.einsum("thd,tkd->thk", q[:tokens].double(), rows) * scale
+    return torch.einsum("thk,tkd->thd", torch.softmax(s, -1), rows[..., :d_lat]), torch.logsumexp(s, -1)
+
+
+def case(z, B, H, ctx, ceil) -> list[dict]:
+    r = decode_inputs(z, B, ctx)
+    d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], z["k"]
+    q = torch.randn(B, H, D, device=DEV, dtype=torch.bfloat16)
+    scale = z["config"].softmax_scale
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = {f: sparse_mla.launch_plan(q, d_lat, k, None, sms, fp8=f == "fp8")[2] for f in ("bf16", "fp8")}
+    ref, ref_lse = reference(q, r["caches"][0][0], r, r["topk"], scale, d_lat)
+    arms, rows = {}, []
+    for name, kernel in KERNELS.items():
+        for j, f in enumerate(("bf16", "fp8")):
+            out = torch.full((B, H, d_lat), float("nan"), device=DEV, dtype=torch.bfloat16)
+            lse = torch.full((B, H), float("nan"), device=DEV)
+            fn = (lambda kernel=kernel, j=j, f=f, out=out, lse=lse:
+                  call(kernel, q, r["caches"][r["rot"]()][j], r, r["topk"], scale, splits[f], out, lse))
+            r["rot"].i = -1
+            fn()
+            err = max(rel_err(out[:4], ref), rel_err(lse[:4], ref_lse))
+            ok = err <= 1e-2 and not out.isnan().any().item()
+            arms[(name, f)] = fn
+            rows.append(dict(kernel=name, cache=f, B=B, heads=H, context=ctx, splits=splits[f], rel_err=err, ok=ok,
+                             bytes=r["distinct"] * (2 * D if f == "bf16" else 656)))
+    times = {}
+    for _ in range(2):  # interleaved: the second round is kept
+        for key, fn in arms.items():
+            r["rot"].i = -1
+            times[key] = timed(fn)["ms"]
+    for row in rows:
+        row["us"] = times[(row["kernel"], row["cache"])] * 1e3
+        row["fraction_of_copy"] = row["bytes"] / (row["us"] * 1e3) / ceil["copy_GBps"]
+        row["TFLOPs"] = 2 * B * H * k * (D + d_lat) / row["us"] / 1e6
+    del r["caches"]
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    z = shapes("glm-5.2")
+    ceil = measure_ceilings()
+    print(f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
+    results = []
+    for H in args.heads:
+        for B in args.batches:
+            for row in case(z, B, H, args.context, ceil):
+                results.append(row)
+                print(f"H={H:<3} B={B:<4} {row['kernel']:<14} {row['cache']:<5} splits {row['splits']:<2} "
+                      f"{row['us']:8.1f} us  {row['fraction_of_copy']:5.0%} of copy  {row['TFLOPs']:6.1f} TFLOP/s  "
+                      f"err {row['rel_err']:.1e} ok={row['ok']}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"provenance": provenance(), "ceilings": ceil, "results": results}, f, indent=1)
+    if not all(row["ok"] for row in results):
+        raise SystemExit("an arm's result is wrong")
+
+
+if __name__ == "__main__":
+    main()
