@@ -1,18 +1,18 @@
-"""Compile sparse_mla's two kernels for sm_90a without a GPU and count what their main loops issue per step.
+"""Compile sparse_mla's kernels for sm_90a without a GPU and count what their main loops issue per step.
 
     python scripts/sass_sparse_mla.py --out sass-3.6.0.json            (under one triton)
     python scripts/sass_sparse_mla.py --merge sass-*.json --out data/sparse_mla_sass.json
 
-The Triton kernel (dsv32ref.kernels.sparse_mla) and sm_90's warp-specialized Gluon kernel
-(dsv32ref.kernels.sparse_mla_hopper: the consumers' loop and the producer's), each over the bf16 cache and over
-FlashMLA's FP8 rows, at DeepSeek-V3.2 sizes, as
-sparse_mla_paged launches them. A kernel that does not compile under this triton is a result too (its error is
-recorded). scripts/sm90_triton_versions.sh runs this under each triton release and merges the files.
+The Triton kernel (dsv32ref.kernels.sparse_mla) and sm_90's warp-specialized Gluon kernels (sparse_mla_hopper,
+and sparse_mla_heads_n at 16 heads: the consumers' loop and the producer's), each over the bf16 cache and over
+FlashMLA's FP8 rows, at DeepSeek-V3.2 sizes, as sparse_mla_paged launches them. A kernel that does not compile
+under this triton is a result too (its error is recorded). scripts/sm90_triton_versions.sh runs this under each
+triton release and merges the files.
 
-Uses the ptxas and cuobjdump that ship with triton. The loop is the backward branch whose body holds the most
-HGMMA instructions (the producer's: the most LDGSTS, or LDG over FP8 rows); the counts are of instructions in that body (one step of
-the loop): LDG = global loads into registers, LDGSTS = cp.async copies (the gather), HGMMA = warpgroup MMAs,
-BAR = CTA barriers. ptxas also reports registers and spills.
+Uses the ptxas and cuobjdump that ship with triton. The loop is the innermost backward branch whose body holds the
+most HGMMA instructions (the producer's: the most LDGSTS, or LDG over FP8 rows); the counts are of instructions in
+that body (one step of the loop): LDG = global loads into registers, LDGSTS = cp.async copies (the gather),
+HGMMA = warpgroup MMAs, BAR = CTA barriers. ptxas also reports registers and spills.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, FP8_CONFIG, _sparse_mla_kernel
+from dsv32ref.kernels.sparse_mla_heads_n import _sparse_mla_heads_n_kernel
 from dsv32ref.kernels.sparse_mla_hopper import _sparse_mla_ws_kernel
 from dsv32ref.provenance import provenance
 
@@ -59,12 +60,16 @@ def compile_triton_kernel(fp8: bool = False):
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
-def compile_hopper_kernel(fp8: bool = False):
-    """sm_90's kernel over the bf16 cache, or (fp8) over FlashMLA's FP8 rows; one top-k split (bf16 out)."""
-    const = dict(D_LAT=512, D_ROPE=64, VALID_FIRST=False, FP8=fp8, NUM_SPLITS=1, num_warps=8)
+def compile_hopper_kernel(fp8: bool = False, heads_n: bool = False):
+    """sm_90's 64-head kernel (or, heads_n, the one with 16 heads as the MMA's N) over the bf16 cache, or (fp8)
+    over FlashMLA's FP8 rows; one top-k split (bf16 out)."""
+    warps = 4 if heads_n else 8
+    const = dict(D_LAT=512, D_ROPE=64, VALID_FIRST=False, FP8=fp8, NUM_SPLITS=1, num_warps=warps)
+    if heads_n:
+        const["HB"] = 16
     pointers = dict(POINTERS, cache_ptr="*u8") if fp8 else POINTERS
-    return triton.compile(_source(GluonASTSource, _sparse_mla_ws_kernel, const, pointers), target=SM90,
-                          options=dict(num_warps=8))
+    fn = _sparse_mla_heads_n_kernel if heads_n else _sparse_mla_ws_kernel
+    return triton.compile(_source(GluonASTSource, fn, const, pointers), target=SM90, options=dict(num_warps=warps))
 
 
 def loop_counts(kernel, loop: str = "HGMMA") -> dict:
@@ -83,13 +88,17 @@ def loop_counts(kernel, loop: str = "HGMMA") -> dict:
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
         if m:
             instrs.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    loops = []
+    spans = []  # (first, last address) of each backward branch's body that holds `loop` instructions
     for addr, op, rest in instrs:
         t = re.search(r"0x([0-9a-f]+)", rest)
         if op.startswith("BRA") and t and int(t.group(1), 16) < addr:
-            body = [o for a, o, _ in instrs if int(t.group(1), 16) <= a <= addr]
-            loops.append((sum(o.startswith(loop) for o in body), body))
-    body = max(loops, key=lambda x: x[0])[1]
+            first = int(t.group(1), 16)
+            if any(o.startswith(loop) for a, o, _ in instrs if first <= a <= addr):
+                spans.append((first, addr))
+    # innermost: a span around another one is a partition's prologue or the kernel, not one step
+    inner = [(f, l) for f, l in spans if not any(f <= f2 and l2 <= l and (f2, l2) != (f, l) for f2, l2 in spans)]
+    bodies = [[o for a, o, _ in instrs if f <= a <= l] for f, l in inner]
+    body = max(bodies, key=lambda b: sum(o.startswith(loop) for o in b))
     kinds = collections.Counter(o.split(".")[0] for o in body)
     regs, spill = re.search(r"Used (\d+) registers", report), re.search(r"(\d+) bytes spill stores", report)
     return {"kernel": kernel.name, "registers": int(regs.group(1)), "spill_store_bytes": int(spill.group(1)),
@@ -108,12 +117,13 @@ def counts() -> dict:
     rows = {"the Triton kernel": _attempt(lambda: loop_counts(compile_triton_kernel())),
             "the Triton kernel, fp8 cache": _attempt(lambda: loop_counts(compile_triton_kernel(fp8=True)))}
     # the producer's loop: over bf16 rows it gathers with cp.async; over FP8 rows it loads into registers
-    for fp8, producer_op in ((False, "LDGSTS"), (True, "LDG")):
-        hopper = _attempt(lambda: compile_hopper_kernel(fp8))
-        cache = ", fp8 cache" if fp8 else ""
-        for name, loop in ((f"sm_90 warp-specialized{cache}: the consumers' loop", "HGMMA"),
-                           (f"sm_90 warp-specialized{cache}: the producer's loop", producer_op)):
-            rows[name] = hopper if isinstance(hopper, dict) else _attempt(lambda: loop_counts(hopper, loop))
+    for heads_n, kernel in ((False, "sm_90 warp-specialized"), (True, "sm_90 heads as N (16)")):
+        for fp8, producer_op in ((False, "LDGSTS"), (True, "LDG")):
+            hopper = _attempt(lambda: compile_hopper_kernel(fp8, heads_n))
+            cache = ", fp8 cache" if fp8 else ""
+            for name, loop in ((f"{kernel}{cache}: the consumers' loop", "HGMMA"),
+                               (f"{kernel}{cache}: the producer's loop", producer_op)):
+                rows[name] = hopper if isinstance(hopper, dict) else _attempt(lambda: loop_counts(hopper, loop))
     for name, r in rows.items():
         print(f"triton {triton.__version__} {name:<44} " + (r["error"] if "error" in r else
               f"regs {r['registers']}, spills {r['spill_store_bytes']} B, shared {r['shared_bytes']} B, "

@@ -17,7 +17,7 @@ in a long prefill the rows are shared by many tokens and sit in L2, and the comp
 FP8 cache (FlashMLA's rows, dsv32ref.reference.fp8_cache): 656 bytes per gathered row instead of 1152, so a
 memory-bound decode reads 57 % of the bytes. Each step loads the fp8 values, their four scales and k_pe, and
 forms c_kv = fp8 x scale in q's dtype (exact: the scales are powers of two) before the same MMAs. (On sm_90 the
-warp-specialized kernel's producer does that work into shared memory instead, off the MMAs' path.)
+warp-specialized kernels' producers do that work into shared memory instead, off the MMAs' path.)
 
 The program. One program owns BLOCK_H = 64 heads of one token (a DeepSeek-V3.2 token takes two) and walks its
 top-k BLOCK_N = 64 keys at a time, as the fused-attention tutorial walks K/V blocks:
@@ -408,8 +408,9 @@ def sparse_mla_paged(
     valid_first   the valid indices of each row come first (as the indexer writes them): only the first
                   min(K, seq_len) slots are visited. Off by default (FlashMLA accepts any order).
     config        tiles (CONFIG_KEYS) over DEFAULT_CONFIG (FP32_CONFIG for fp32 inputs). Without one, an sm_90
-                  GPU runs the warp-specialized Gluon kernel (dsv32ref.kernels.sparse_mla_hopper) where it
-                  applies (bf16 q, D_LAT 512, D_ROPE 64; bf16 or FP8 rows); with one, always the Triton kernel.
+                  GPU runs a warp-specialized Gluon kernel (`kernel_choice`: sparse_mla_heads_n up to 32 heads,
+                  sparse_mla_hopper past them) where they apply (bf16 q, D_LAT 512, D_ROPE 64; bf16 or FP8
+                  rows); with one, always the Triton kernel.
     When T x head blocks leaves SMs idle (decode), the top-k is split across NUM_SPLITS programs (`num_splits`,
     or config["NUM_SPLITS"], a power of two) and a second launch merges the partial results; the split count
     depends only on shapes, so it is fixed within a captured graph. `num_sms`: the SMs to fill (default: the

@@ -11,18 +11,25 @@ around, so that the step's 64 keys are M and the program's HB = 16 or 32 heads a
 
 and nothing is padded but the heads past H within the last program. The softmax runs along M (the keys), per
 column (head). One consumer warpgroup does both products; its accumulator O^T is 512 x HB fp32 (64 registers a
-thread at HB = 16), which leaves the producer the registers to keep two steps of FP8 rows in flight.
+thread at HB = 16), which leaves the producers registers to hold rows in flight.
 
-    producer   one warpgroup, as in sparse_mla_hopper: q once; per step the 64 keys' rows into a free stage, and
-               their validity flags beside it. bf16 rows: cp.async gathers. FlashMLA's FP8 rows: register loads
-               of the fp8 values and scales, dequantised into the stage's bf16; the next step's loads are issued
-               before this step's are stored, so that two steps (64 KiB) are always in flight
+    producers  bf16 rows: one warpgroup, as in sparse_mla_hopper (q once; per step the 64 keys' rows gathered by
+               cp.async into a free stage, their validity flags beside it). FlashMLA's FP8 rows: two warpgroups,
+               each 32 of every step's 64 rows (the first also loads q): register loads of the fp8 values (int32
+               words) and scales, dequantised into the stage's bf16 by one inline-asm conversion a word; each
+               issues the next step's loads before it waits for this step's, so that two steps are in flight
     consumer   one warpgroup: per step wait for the stage, S^T, online softmax along the keys, P^T to shared
                memory, O^T += V^T P^T, free the stage
-    shared     q HB x 576 + 2 stages of 64 x 576 + P^T 64 x HB, bf16: 164 KiB at HB = 16, 182 KiB at 32
+    shared     q HB x 576 + 2 stages of 64 x 576 + P^T 64 x HB, bf16: 164 KiB at HB = 16, 185 KiB at 32
 
 Per step and program: 2 * 64 * HB * (576 + 512) FLOPs (2.2 MFLOP at HB = 16) for 72 KiB (bf16) or 41 KiB (FP8) of
-gathered rows: at 16 heads the step is bound by the rows' bytes, on either cache.
+gathered rows. What the FP8 producers learned on the H200 (Nsight Compute, B = 128 decode tokens at 16 heads):
+one warpgroup converting a whole step issued a third of the time and held the consumer waiting; a byte tensor
+carried across the loop took a register a byte (hence words); a quarter warp's 16-byte stores must span two rows
+to meet the stage's 128-byte swizzle without a two-way bank conflict (the load layout below). The stage's reads
+by the MMAs (K, then V: 136 KiB a step) and the dequantised stores (64 KiB) keep the shared-memory pipe busy, so
+the FP8 step costs about what the bf16 one does even though it reads 57 % of the bytes: scripts/ab_sparse_mla_heads.py
+times both caches and both kernels in one process.
 
 Top-k splits and the outputs (bf16 out and lse, or fp32 partials for sparse_mla_paged to merge) are the other
 kernel's, as are the semantics: invalid or unselected keys never count, a NaN or +inf score at a valid key makes
@@ -49,7 +56,7 @@ __all__ = ["MAX_HEADS", "heads_per_program", "sparse_mla_heads_n"]
 
 MAX_HEADS = 32  # heads per token up to which sparse_mla_paged runs this kernel (past it: 64 heads on M)
 LOAD_REGS = gl.constexpr(64)  # the producer over bf16 rows: it resolves rows and issues copies
-LOAD_REGS_FP8 = gl.constexpr(248)  # over FP8 rows: two steps of fp8 values and scales in flight (160 registers)
+LOAD_REGS_FP8 = gl.constexpr(152)  # each of two producers over FP8 rows: half of two steps in flight (80 registers)
 
 
 def heads_per_program(H: int) -> int:
@@ -59,12 +66,13 @@ def heads_per_program(H: int) -> int:
 
 @gluon.jit
 def _load_fp8_words(cache_ptr, row, stride_cs, D_LAT: gl.constexpr):
-    """Issue the loads of FlashMLA's FP8 c_kv at the step's rows (-1: invalid, read as zeros): per 128-value
-    group, its fp8 values as int32 words (BLOCK_N, 32), four a word (value 4j + b is byte b of word j), and its
-    fp32 scale (BLOCK_N, 1). Words, not fp8 tensors: carried across a loop iteration, a byte tensor takes a
-    register a byte; a word tensor takes 16 registers a thread per group."""
+    """Issue the loads of FlashMLA's FP8 c_kv at the rows `row` (-1: invalid, read as zeros): per 128-value group,
+    its fp8 values as int32 words (rows, 32), four a word (value 4j + b is byte b of word j), and its fp32 scale
+    (rows, 1). Words, not fp8 tensors: carried across a loop iteration, a byte tensor takes a register a byte."""
     gl.static_assert(D_LAT == 512, "FlashMLA's rows: 4 groups of 128")
-    ldw: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 bytes per thread per load
+    # 16 bytes a thread a load; a quarter warp (8 lanes) spans two rows, so that the 16-byte stores of the
+    # dequantised rows hit 8 distinct bank groups of the stage's 128-byte swizzle (one row: two lanes a group)
+    ldw: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
     row_w = gl.convert_layout(row, gl.SliceLayout(1, ldw))
     ok = (row_w >= 0)[:, None]
     base = cache_ptr + row_w.to(gl.int64)[:, None] * stride_cs  # (BLOCK_N, 1) byte pointers
@@ -110,7 +118,7 @@ mov.b32 {$2, $3}, q;
 
 @gluon.jit
 def _dequantize_words(w, s):
-    """A group's words (BLOCK_N, 32) and scale (BLOCK_N, 1) -> its values (BLOCK_N, 128) bf16, in order."""
+    """A group's words (rows, 32) and scale (rows, 1) -> its values (rows, 128) bf16, in order."""
     c0, c1, c2, c3 = gl.inline_asm_elementwise(_WORD_TIMES_SCALE, "=h,=h,=h,=h,r,r", [w, s.to(gl.int32, bitcast=True)],
                                                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
                                                is_pure=True, pack=1)
@@ -120,7 +128,7 @@ def _dequantize_words(w, s):
 
 @gluon.jit
 def _store_dequantized_words(k_lat_st, w0, s0, w1, s1, w2, s2, w3, s3):
-    """The four groups, dequantised, into the stage's bf16 c_kv (BLOCK_N, 512)."""
+    """The four groups, dequantised, into the stage's bf16 c_kv rows k_lat_st (rows, 512)."""
     k_lat_st.slice(0, 128, dim=1).store(_dequantize_words(w0, s0))
     k_lat_st.slice(128, 128, dim=1).store(_dequantize_words(w1, s1))
     k_lat_st.slice(256, 128, dim=1).store(_dequantize_words(w2, s2))
@@ -128,34 +136,41 @@ def _store_dequantized_words(k_lat_st, w0, s0, w1, s1, w2, s2, w3, s3):
 
 
 @gluon.jit
+def _rows_slice_indices(idx_row_ptr, i, R0: gl.constexpr, ROWS: gl.constexpr, k_stop, layout: gl.constexpr):
+    """Rows R0 .. R0 + ROWS of step i's BLOCK_N top-k entries (of the first k_stop; -1 past them), in `layout`."""
+    offs = i * BLOCK_N + R0 + gl.arange(0, ROWS, layout)
+    return gl.load(idx_row_ptr + offs, mask=offs < k_stop, other=-1)
+
+
+@gluon.jit
 def _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
-                       rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT: gl.constexpr,
-                       D_ROPE: gl.constexpr):
-    """FlashMLA's FP8 rows, two steps in flight: step i + 1's fp8 values and scales are loaded into registers
-    before step i's (loaded one iteration earlier) are waited on, dequantised and stored, and step i + 2's rows
-    are resolved meanwhile. Nothing past the program's own steps is read."""
+                       rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, R0: gl.constexpr,
+                       ROWS: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """FlashMLA's FP8 rows R0 .. R0 + ROWS of every step, two steps in flight: step i + 1's fp8 values and scales
+    are loaded into registers before step i's (loaded one iteration earlier) are waited on, dequantised and
+    stored, and step i + 2's rows are resolved meanwhile. Nothing past the program's own steps is read."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
     rows_l: gl.constexpr = gl.SliceLayout(1, ld)
     offs_pe = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))
     k_stop = gl.minimum(k_end, it1 * BLOCK_N)  # the end of this program's top-k slots
-    row = _rows_of(_step_indices(idx_row_ptr, it0, k_stop, rows_l), bt_row_ptr, seq_len, block_size,
+    row = _rows_of(_rows_slice_indices(idx_row_ptr, it0, R0, ROWS, k_stop, rows_l), bt_row_ptr, seq_len, block_size,
                    rows_per_block, num_blocks)
     v0, s0, v1, s1, v2, s2, v3, s3 = _load_fp8_words(cache_ptr, row, stride_cs, D_LAT)
-    row_next = _rows_of(_step_indices(idx_row_ptr, it0 + 1, k_stop, rows_l), bt_row_ptr, seq_len, block_size,
-                        rows_per_block, num_blocks)
-    idx_after = _step_indices(idx_row_ptr, it0 + 2, k_stop, rows_l)
+    row_next = _rows_of(_rows_slice_indices(idx_row_ptr, it0 + 1, R0, ROWS, k_stop, rows_l), bt_row_ptr, seq_len,
+                        block_size, rows_per_block, num_blocks)
+    idx_after = _rows_slice_indices(idx_row_ptr, it0 + 2, R0, ROWS, k_stop, rows_l)
     for i in range(it0, it1):
         st = (i - it0) % 2
         n0, t0, n1, t1, n2, t2, n3, t3 = _load_fp8_words(cache_ptr, row_next, stride_cs, D_LAT)  # step i + 1's
         row_after = _rows_of(idx_after, bt_row_ptr, seq_len, block_size, rows_per_block, num_blocks)  # i + 2's
-        idx_after = _step_indices(idx_row_ptr, i + 3, k_stop, rows_l)
+        idx_after = _rows_slice_indices(idx_row_ptr, i + 3, R0, ROWS, k_stop, rows_l)
         mbarrier.wait(free.index(st), (((i - it0) // 2) & 1) ^ 1)  # step i - 2's consumer is done
         ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
-        valid_smem.index(st).store(ok.to(gl.int8))
+        valid_smem.index(st).slice(R0, ROWS).store(ok.to(gl.int8))
         pe = (cache_ptr + row.to(gl.int64)[:, None] * stride_cs + D_LAT + 4 * (D_LAT // 128)).to(
             gl.pointer_type(gl.bfloat16))
-        _async_copy(k_pe.index(st), pe + offs_pe[None, :], mask=ok[:, None])
-        _store_dequantized_words(k_lat.index(st), v0, s0, v1, s1, v2, s2, v3, s3)
+        _async_copy(k_pe.index(st).slice(R0, ROWS, dim=0), pe + offs_pe[None, :], mask=ok[:, None])
+        _store_dequantized_words(k_lat.index(st).slice(R0, ROWS, dim=0), v0, s0, v1, s1, v2, s2, v3, s3)
         fence_async_shared()  # the stage's plain stores, visible to the consumer's wgmma (async proxy)
         _release_stage(ready.index(st))
         row, row_next = row_next, row_after
@@ -163,17 +178,26 @@ def _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0
 
 
 @gluon.jit
+def _fp8_half_partition(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, cache_ptr, stride_cs, idx_row_ptr,
+                        bt_row_ptr, k_end, it0, it1, seq_len, block_size, rows_per_block, num_blocks, k_lat, k_pe,
+                        valid_smem, ready, free, HALF: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """One of two FP8 producer warpgroups: half HALF of every step's rows; the first also loads q."""
+    if HALF == 0:
+        _load_q(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, D_LAT, D_ROPE)
+    _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
+                       rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, HALF * (BLOCK_N // 2),
+                       BLOCK_N // 2, D_LAT, D_ROPE)
+
+
+@gluon.jit
 def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
                     it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem,
-                    q_bar, ready, free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, FP8: gl.constexpr):
-    """The producer: q once, then each step's rows into a free stage and their validity flags beside it."""
+                    q_bar, ready, free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
+    """The producer over bf16 rows: q once, then each step's rows into a free stage (cp.async) and their validity
+    flags beside it."""
     _load_q(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, D_LAT, D_ROPE)
-    if FP8:
-        _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
-                           rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT, D_ROPE)
-    else:
-        _produce_bf16(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
-                      rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT, D_ROPE)
+    _produce_bf16(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
+                  rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT, D_ROPE)
 
 
 @gluon.jit
@@ -287,16 +311,30 @@ def _sparse_mla_heads_n_kernel(
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=LOAD_WARPS * 32)  # every producer thread, when its copies land
     for st in gl.static_range(2):
-        mbarrier.init(ready.index(st), count=LOAD_WARPS * 32 + 1)  # the copies, and the flags' release
+        # every producer thread's copies, and each producer warpgroup's release (two over FP8 rows)
+        mbarrier.init(ready.index(st), count=(LOAD_WARPS * 32 + 1) * (2 if FP8 else 1))
         mbarrier.init(free.index(st), count=1)  # one arrive: the consumer, after its barrier
-    gl.warp_specialize([
-        (_compute_partition, (q_lat, q_pe, k_lat, k_pe, pt_smem, valid_smem, q_bar, ready, free, out_ptr, stride_ot,
-                              stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, it0, it1, split, HB, D_LAT,
-                              NUM_SPLITS)),
-        (_load_partition, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
-                           k_end, it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe,
-                           valid_smem, q_bar, ready, free, D_LAT, D_ROPE, FP8)),
-    ], [LOAD_WARPS], [LOAD_REGS_FP8 if FP8 else LOAD_REGS])
+    if FP8:
+        gl.warp_specialize([
+            (_compute_partition, (q_lat, q_pe, k_lat, k_pe, pt_smem, valid_smem, q_bar, ready, free, out_ptr,
+                                  stride_ot, stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, it0, it1, split,
+                                  HB, D_LAT, NUM_SPLITS)),
+            (_fp8_half_partition, (q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, cache_ptr, stride_cs,
+                                   idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size, rows_per_block,
+                                   num_blocks, k_lat, k_pe, valid_smem, ready, free, 0, D_LAT, D_ROPE)),
+            (_fp8_half_partition, (q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, cache_ptr, stride_cs,
+                                   idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size, rows_per_block,
+                                   num_blocks, k_lat, k_pe, valid_smem, ready, free, 1, D_LAT, D_ROPE)),
+        ], [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS_FP8, LOAD_REGS_FP8])
+    else:
+        gl.warp_specialize([
+            (_compute_partition, (q_lat, q_pe, k_lat, k_pe, pt_smem, valid_smem, q_bar, ready, free, out_ptr,
+                                  stride_ot, stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, it0, it1, split,
+                                  HB, D_LAT, NUM_SPLITS)),
+            (_load_partition, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
+                               k_end, it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat,
+                               k_pe, valid_smem, q_bar, ready, free, D_LAT, D_ROPE)),
+        ], [LOAD_WARPS], [LOAD_REGS])
 
 
 def sparse_mla_heads_n(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs,
