@@ -48,9 +48,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from dsv32ref.kernels.launch import launch
-from dsv32ref.kernels.sparse_mla_hopper import (BLOCK_N, FLAGS_LAYOUT, LOAD_WARPS, _async_copy, _cta_barrier,
+from dsv32ref.kernels.sparse_mla_hopper import (BLOCK_N, LOAD_WARPS, _async_copy, _cta_barrier, _program_steps,
                                                 _load_q, _produce_bf16, _release_stage, _rows_of,
-                                                _step_indices)
+                                                _stage_barriers)
 
 __all__ = ["MAX_HEADS", "heads_per_program", "sparse_mla_heads_n"]
 
@@ -291,29 +291,11 @@ def _sparse_mla_heads_n_kernel(
 ):
     t = gl.program_id(0)
     h0 = gl.program_id(1) * HB
-    # A request index outside [0, B) attends to nothing; a sequence longer than its block-table row (or
-    # negative) is cut to what the row can address.
-    req = gl.load(req_ptr + t)
-    req_ok = (req >= 0) & (req < B)
-    seq_len = gl.load(seq_lens_ptr + gl.where(req_ok, req, 0))
-    seq_len = gl.where(req_ok, gl.maximum(gl.minimum(seq_len, max_blocks * block_size), 0), 0)
-    k_end = gl.minimum(K, seq_len) if VALID_FIRST else K  # VALID_FIRST: at most seq_len slots hold valid keys
-    split = gl.program_id(2)  # top-k splits: this program's share of the steps
-    per_split = gl.cdiv(gl.cdiv(k_end, BLOCK_N), NUM_SPLITS)
-    it0 = split * per_split
-    it1 = gl.minimum(it0 + per_split, gl.cdiv(k_end, BLOCK_N))
-    idx_row_ptr = idx_ptr + t * stride_it
-    bt_row_ptr = block_table_ptr + gl.where(req_ok, req, 0) * stride_bt
+    seq_len, k_end, split, it0, it1, idx_row_ptr, bt_row_ptr = _program_steps(
+        req_ptr, seq_lens_ptr, idx_ptr, stride_it, block_table_ptr, stride_bt, t, K, B, max_blocks, block_size,
+        VALID_FIRST, NUM_SPLITS)
     q_lat, q_pe, k_lat, k_pe, pt_smem = _shared_buffers(HB, D_LAT, D_ROPE)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    valid_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], FLAGS_LAYOUT)  # per stage: which rows are valid
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=LOAD_WARPS * 32)  # every producer thread, when its copies land
-    for st in gl.static_range(2):
-        # every producer thread's copies, and each producer warpgroup's release (two over FP8 rows)
-        mbarrier.init(ready.index(st), count=(LOAD_WARPS * 32 + 1) * (2 if FP8 else 1))
-        mbarrier.init(free.index(st), count=1)  # one arrive: the consumer, after its barrier
+    q_bar, valid_smem, ready, free = _stage_barriers(2 if FP8 else 1)  # two producer warpgroups over FP8 rows
     if FP8:
         gl.warp_specialize([
             (_compute_partition, (q_lat, q_pe, k_lat, k_pe, pt_smem, valid_smem, q_bar, ready, free, out_ptr,

@@ -326,6 +326,43 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, read
 
 
 @gluon.jit
+def _program_steps(req_ptr, seq_lens_ptr, idx_ptr, stride_it, block_table_ptr, stride_bt, t, K, B, max_blocks,
+                   block_size, VALID_FIRST: gl.constexpr, NUM_SPLITS: gl.constexpr):
+    """Token t's program: (its sequence length, the end of the top-k slots to visit, its split, first and end step,
+    its top-k row, its block-table row). A request index outside [0, B) attends to nothing; a sequence longer than
+    its block-table row (or negative) is cut to what the row can address. With VALID_FIRST the caller promises the
+    valid indices come first: at most seq_len slots need visiting. Split-K (decode): program_id(2) takes its share
+    of the steps; an empty share leaves lse -inf."""
+    req = gl.load(req_ptr + t)
+    req_ok = (req >= 0) & (req < B)
+    seq_len = gl.load(seq_lens_ptr + gl.where(req_ok, req, 0))
+    seq_len = gl.where(req_ok, gl.maximum(gl.minimum(seq_len, max_blocks * block_size), 0), 0)
+    k_end = gl.minimum(K, seq_len) if VALID_FIRST else K
+    split = gl.program_id(2)
+    per_split = gl.cdiv(gl.cdiv(k_end, BLOCK_N), NUM_SPLITS)
+    it0 = split * per_split
+    it1 = gl.minimum(it0 + per_split, gl.cdiv(k_end, BLOCK_N))
+    return (seq_len, k_end, split, it0, it1, idx_ptr + t * stride_it,
+            block_table_ptr + gl.where(req_ok, req, 0) * stride_bt)
+
+
+@gluon.jit
+def _stage_barriers(PRODUCERS: gl.constexpr):
+    """q's barrier, the stages' validity flags, and their `ready` and `free` barriers, initialised: q_bar completes
+    when the first producer warpgroup's copies land, `ready` when every producer thread's copies have landed and
+    each producer warpgroup has released the stage, `free` on one arrive (the consumers', after their barrier)."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    valid_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], FLAGS_LAYOUT)  # per stage: which rows are valid
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=LOAD_WARPS * 32)
+    for st in gl.static_range(2):
+        mbarrier.init(ready.index(st), count=(LOAD_WARPS * 32 + 1) * PRODUCERS)
+        mbarrier.init(free.index(st), count=1)
+    return q_bar, valid_smem, ready, free
+
+
+@gluon.jit
 def _sparse_mla_ws_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, H, D_LAT + D_ROPE] bf16
     cache_ptr, stride_cs,  # latent cache rows (stride_cs: one token's row)
@@ -338,30 +375,11 @@ def _sparse_mla_ws_kernel(
 ):
     t = gl.program_id(0)
     h0 = gl.program_id(1) * BLOCK_H
-    # A request index outside [0, B) attends to nothing; a sequence longer than its block-table row (or
-    # negative) is cut to what the row can address.
-    req = gl.load(req_ptr + t)
-    req_ok = (req >= 0) & (req < B)
-    seq_len = gl.load(seq_lens_ptr + gl.where(req_ok, req, 0))
-    seq_len = gl.where(req_ok, gl.maximum(gl.minimum(seq_len, max_blocks * block_size), 0), 0)
-    # With VALID_FIRST the caller promises the valid indices come first: at most seq_len slots need visiting.
-    k_end = gl.minimum(K, seq_len) if VALID_FIRST else K
-    # split-K (decode): program_id(2) takes its share of the steps; an empty share leaves lse -inf
-    split = gl.program_id(2)
-    per_split = gl.cdiv(gl.cdiv(k_end, BLOCK_N), NUM_SPLITS)
-    it0 = split * per_split
-    it1 = gl.minimum(it0 + per_split, gl.cdiv(k_end, BLOCK_N))
-    idx_row_ptr = idx_ptr + t * stride_it
-    bt_row_ptr = block_table_ptr + gl.where(req_ok, req, 0) * stride_bt
+    seq_len, k_end, split, it0, it1, idx_row_ptr, bt_row_ptr = _program_steps(
+        req_ptr, seq_lens_ptr, idx_ptr, stride_it, block_table_ptr, stride_bt, t, K, B, max_blocks, block_size,
+        VALID_FIRST, NUM_SPLITS)
     q_lat, q_pe, k_lat, k_pe, p_smem = _shared_buffers(D_LAT, D_ROPE)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    valid_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], FLAGS_LAYOUT)  # per stage: which rows are valid
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=LOAD_WARPS * 32)  # every producer thread, when its copies land
-    for st in gl.static_range(2):
-        mbarrier.init(ready.index(st), count=LOAD_WARPS * 32 + 1)  # the copies, and the flags' release
-        mbarrier.init(free.index(st), count=1)  # one arrive: the consumers, after their barrier
+    q_bar, valid_smem, ready, free = _stage_barriers(1)
     gl.warp_specialize([
         (_compute_partition, (q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, ready, free, out_ptr, stride_ot,
                               stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, it0, it1, split, D_LAT,
