@@ -24,7 +24,7 @@ from dsv32ref.engine.config import MOE_IMPLS
 from dsv32ref.engine.context import get_forward_context
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.instrument import region
-from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
+from dsv32ref.kernels import add_rms_norm, fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 from dsv32ref.kernels.fused_moe import fused_moe
 from dsv32ref.reference.moe import Router
 
@@ -305,15 +305,21 @@ class EngineLayer(nn.Module):
         else:
             self.mlp = EngineMLP(config.hidden_size, tp.split("intermediate_size", config.intermediate_size))
 
-    def forward(self, h):
-        with region("layer_norm"):
-            x = F.rms_norm(h, (h.shape[-1],), self.input_layernorm, self.eps)
-        h = h + self.self_attn(x)
-        with region("layer_norm"):
-            x = F.rms_norm(h, (h.shape[-1],), self.post_attention_layernorm, self.eps)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's output, residual: the stream before it (None at layer 0) -> the same pair for
+        the next layer (vLLM's form: each residual add is fused into the norm after it)."""
+        x, residual = self._add_norm(h, residual, self.input_layernorm)
+        x, residual = self._add_norm(self.self_attn(x), residual, self.post_attention_layernorm)
         with region("moe" if isinstance(self.mlp, EngineMoE) else "mlp"):
             y = self.mlp(x)
-        return h + self.tp.all_reduce(y)  # experts / MLP columns are sharded across ranks
+        return self.tp.all_reduce(y), residual  # experts / MLP columns are sharded across ranks
+
+    def _add_norm(self, h, residual, weight):
+        """(RMSNorm(h + residual), h + residual), one launch."""
+        with region("layer_norm"):
+            x, residual_out = torch.empty_like(h), torch.empty_like(h)
+            add_rms_norm(h, residual, weight, self.eps, x, residual_out)
+        return x, residual_out
 
 
 class EngineModel(nn.Module):
@@ -335,9 +341,11 @@ class EngineModel(nn.Module):
         """input_ids [N] -> hidden states [N, hidden] before the final norm (what a graph captures)."""
         with region("embed"):
             h = F.embedding(input_ids, self.embed_tokens)
+        residual = None
         for layer in self.layers:
-            h = layer(h)
-        return h
+            h, residual = layer(h, residual)
+        with region("residual"):
+            return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] (the rows to sample from) -> logits [n, vocab] fp32; eager, after the graph."""

@@ -25,7 +25,7 @@ from dsv32ref.checks import (check_bool, check_range, check_rope_table, check_sa
 from dsv32ref.kernels.fp8 import cast, e4m3_bytes, finite_amax, hadamard, pow2_scale, quantize_e4m3
 from dsv32ref.kernels.launch import launch
 
-__all__ = ["fused_norm_rope"]
+__all__ = ["fused_norm_rope", "times_weight"]
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _rope_pairs(x_ptr, out_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, INTERLEAVE
 
 
 @triton.jit
-def _times_weight(w, x):
+def times_weight(w, x):
     """w * x as the reference's norms compute it: x cast to w's dtype, the product rounded to w's dtype (fp32)."""
     return cast(w.to(tl.float32) * cast(x, w.dtype), w.dtype).to(tl.float32)
 
@@ -169,7 +169,7 @@ def _fused_norm_rope_kernel(
     x = tl.load(q_c_ptr + t * stride_q + oq, mask=mq, other=0.0).to(tl.float32)
     x = x * tl.rsqrt(tl.sum(x * x, axis=0) / Q_LORA + rms_eps)
     wq = tl.load(q_norm_w_ptr + oq, mask=mq, other=0.0)
-    tl.store(q_c_out_ptr + t * stride_qo + oq, cast(_times_weight(wq, x), q_c_out_ptr.dtype.element_ty), mask=mq)
+    tl.store(q_c_out_ptr + t * stride_qo + oq, cast(times_weight(wq, x), q_c_out_ptr.dtype.element_ty), mask=mq)
 
     # A slot outside the cache, or a position outside cos/sin, writes nothing (as a padding token's -1 slot);
     # the launcher's debug mode (dsv32ref.checks.checking_device_values) raises on them instead.
@@ -181,11 +181,11 @@ def _fused_norm_rope_kernel(
         wkv = tl.load(kv_norm_w_ptr + ol)
         row = latent_ptr + slot * stride_lslot
         if LATENT_FP8:  # c_kv as the model's dtype holds it, quantised; k_pe bf16 after the scales
-            c_kv = cast(_times_weight(wkv, c), kv_ptr.dtype.element_ty)  # as a cache in kv's dtype would hold it
+            c_kv = cast(times_weight(wkv, c), kv_ptr.dtype.element_ty)  # as a cache in kv's dtype would hold it
             _store_latent_fp8(row, c_kv.to(tl.float32), KV_LORA)
             k_pe = (row + KV_LORA + 4 * (KV_LORA // 128)).to(tl.pointer_type(tl.bfloat16))
         else:
-            tl.store(row + ol, cast(_times_weight(wkv, c), latent_ptr.dtype.element_ty))
+            tl.store(row + ol, cast(times_weight(wkv, c), latent_ptr.dtype.element_ty))
             k_pe = row + KV_LORA
         _rope_pairs(kv_ptr + t * stride_kv + KV_LORA, k_pe, cos, sin, ROPE // 2, True)
         if HAS_INDEXER:
