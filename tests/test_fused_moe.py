@@ -50,7 +50,7 @@ def _small(config: ModelConfig, device) -> ModelConfig:
 def test_router_kernel_picks_the_references_experts(device, preset, T, hidden, seed):
     """Group-limited top-k (DeepSeek-V3.2's 8 groups, top 4 of them; GLM's one group): the same experts in the same
     order as dsv32ref.reference.moe.route, the weights to fp32 rounding; outputs poisoned. hidden 1600: the
-    logits' sum split over four programs, the last one short."""
+    logits' sum split over seven programs (not a power of two), the last one short."""
     c = _small(ModelConfig.preset(preset), device)
     c = c if hidden is None or device == "cuda" else c.replace(hidden_size=hidden)
     m = _moe(c, device, torch.bfloat16, seed)

@@ -88,16 +88,17 @@ def _router_logits_kernel(x_ptr, stride_xt, w_ptr, partial_ptr, T, E, hidden, k_
 @triton.jit
 def _router_kernel(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, routed_scaling_factor,
                    N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                   NORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The logits (the partial sums, added in split order), then s = sigmoid, the group-limited top-k of s + bias
-    and the weights, per token."""
+                   NORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                   SPLITS_PAD: tl.constexpr):
+    """The logits (the splits' partial sums, loaded at once and summed), then s = sigmoid, the group-limited top-k
+    of s + bias and the weights, per token."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
     t_ok, e_ok = offs_t < T, cols < E
-    logits = tl.zeros([BLOCK_T, E_PAD], tl.float32)
-    for split in range(0, splits):
-        logits += tl.load(partial_ptr + (split * T + offs_t[:, None]).to(tl.int64) * E_PAD + cols[None, :],
-                          mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+    sp = tl.arange(0, SPLITS_PAD)[None, :, None]
+    rows = (sp * T + offs_t[:, None, None]).to(tl.int64) * E_PAD  # (BLOCK_T, SPLITS_PAD, 1)
+    ok = t_ok[:, None, None] & (sp < splits) & e_ok[None, None, :]
+    logits = tl.sum(tl.load(partial_ptr + rows + cols[None, None, :], mask=ok, other=0.0), axis=1)  # (BLOCK_T, E_PAD)
     s = tl.math.div_rn(tl.full(logits.shape, 1.0, tl.float32), 1.0 + tl.exp(-logits))  # IEEE division, as torch's
     choice = tl.where(e_ok[None, :], s + tl.load(bias_ptr + cols, mask=e_ok, other=0.0)[None, :], float("-inf"))
     if N_GROUP > 1:  # keep the TOPK_GROUP groups whose two best choices sum highest
@@ -289,15 +290,16 @@ def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_s
         raise ValueError(f"route_kernel: n_routed_experts {E} must split into n_group {c.n_group} groups of a power "
                          f"of two >= 2 experts")
     e_pad = max(16, triton.next_power_of_2(E))
-    k_per_split = max(512, triton.cdiv(hidden, 16))  # up to 16 splits of hidden, each a multiple of BLOCK_K
-    k_per_split = triton.cdiv(k_per_split, 64) * 64
+    # up to 32 splits of hidden, each two BLOCK_K: a program's loads are two in a row, not a chain of eight
+    k_per_split = triton.cdiv(max(256, triton.cdiv(hidden, 32)), 128) * 128
     splits, block_e = triton.cdiv(hidden, k_per_split), min(64, e_pad)
     partial = torch.empty(splits, T, e_pad, dtype=torch.float32, device=x.device)
     launch(_router_logits_kernel, (triton.cdiv(T, 16), e_pad // block_e, splits), x, x.stride(0), weight, partial, T,
-           E, hidden, k_per_split, E_PAD=e_pad, BLOCK_T=16, BLOCK_E=block_e, BLOCK_K=64)
+           E, hidden, k_per_split, E_PAD=e_pad, BLOCK_T=16, BLOCK_E=block_e, BLOCK_K=128)
     launch(_router_kernel, (triton.cdiv(T, 16),), partial, e_score_correction_bias, ids, weights, T, E, splits,
            float(c.routed_scaling_factor), N_GROUP=c.n_group, PER_GROUP=per, TOPK_GROUP=c.topk_group, TOP_K=k,
-           NORM=bool(c.norm_topk_prob), E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), BLOCK_T=16)
+           NORM=bool(c.norm_topk_prob), E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), BLOCK_T=16,
+           SPLITS_PAD=triton.next_power_of_2(splits))
 
 
 def _check_experts(x, w13, w2, shared, n_local: int, inter: int):
