@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["check_tensor", "check_same_device", "check_int", "check_keys", "check_range", "check_rope_table", "check_scale", "checking_device_values",
-           "device_value_checks_on", "is_int", "rel_err"]
+__all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_int", "check_keys", "check_range",
+           "check_rope_table", "check_scale", "checking_device_values", "device_value_checks_on", "is_int",
+           "rel_err"]
 
 
 def check_tensor(
@@ -158,6 +159,23 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     if len({d for d in devices.values()}) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"tensors on different devices: {listing}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [first, end) from t's first element to its last."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + t.element_size() * (last + 1)
+
+
+def check_disjoint(launcher: str, outputs: dict, inputs: dict) -> None:
+    """Each output's bytes overlap no input's (None: absent) and no other output's: a ValueError naming both."""
+    names = list(outputs)
+    for i, name in enumerate(names):
+        others = {**{k: v for k, v in inputs.items() if v is not None}, **{n: outputs[n] for n in names[i + 1:]}}
+        for other, u in others.items():
+            (a0, a1), (b0, b1) = _span(outputs[name]), _span(u)
+            if outputs[name].numel() and u.numel() and a0 < b1 and b0 < a1:
+                raise ValueError(f"{launcher}: {name} overlaps {other} in memory; pass separate tensors")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

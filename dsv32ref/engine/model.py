@@ -24,7 +24,8 @@ from dsv32ref.engine.config import MOE_IMPLS
 from dsv32ref.engine.context import get_forward_context
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.instrument import region
-from dsv32ref.kernels import add_rms_norm, fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
+from dsv32ref.kernels import (add_rms_norm, fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged,
+                              topk_from_scores)
 from dsv32ref.kernels.fused_moe import fused_moe
 from dsv32ref.reference.moe import Router
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_same_device, check_scale, check_tensor
+from dsv32ref.checks import check_disjoint, check_same_device, check_scale, check_tensor
 from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.fused_norm_rope import times_weight
 from dsv32ref.kernels.grid import num_sms
@@ -54,24 +54,6 @@ def _rows_per_program(T: int, block_h: int, device: torch.device) -> int:
     return min(1 << (per.bit_length() - 1), max(1, MAX_TILE // block_h), 16)
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes [first, end) from t's first element to its last."""
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + t.element_size() * (last + 1)
-
-
-def _check_apart(outputs: dict, inputs: dict) -> None:
-    """Each output overlaps no input and no other output in memory (a ValueError naming both)."""
-    names = list(outputs)
-    for i, name in enumerate(names):
-        (a0, a1) = _span(outputs[name])
-        others = {**{k: v for k, v in inputs.items() if v is not None}, **{n: outputs[n] for n in names[i + 1:]}}
-        for other, u in others.items():
-            b0, b1 = _span(u)
-            if outputs[name].numel() and u.numel() and a0 < b1 and b0 < a1:
-                raise ValueError(f"add_rms_norm: {name} overlaps {other} in memory; pass separate tensors")
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  out: torch.Tensor, residual_out: torch.Tensor) -> None:
     """residual_out = x + residual (x itself when residual is None); out = RMSNorm(residual_out) with `weight`.
@@ -91,7 +73,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     check_tensor("residual_out", residual_out, shape=(T, hidden), dtype=x.dtype, dense_dims=1)
     check_scale("add_rms_norm: eps", eps)
     check_same_device(x=x, residual=residual, weight=weight, out=out, residual_out=residual_out)
-    _check_apart({"out": out, "residual_out": residual_out}, {"x": x, "residual": residual, "weight": weight})
+    check_disjoint("add_rms_norm", {"out": out, "residual_out": residual_out},
+                   {"x": x, "residual": residual, "weight": weight})
     if T == 0:
         return
     block_h = triton.next_power_of_2(hidden)
