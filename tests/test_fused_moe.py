@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv32ref.config import ModelConfig
-from dsv32ref.kernels.fused_moe import MAX_PAIRS, fused_moe, route_kernel
+from dsv32ref.kernels.fused_moe import MAX_PAIRS, Tiles, fused_moe, route_kernel
 from dsv32ref.reference.moe import MoE, route
 from dsv32ref.testing import assert_close
 
@@ -83,6 +83,21 @@ def test_fused_moe_equals_the_reference(device, preset, T, seed):
             assert_close("out vs float64", out, exact(x.double()), dtype=dtype, row_dims=1, rtol=8, atol=8)
 
 
+@pytest.mark.parametrize("device,preset", [PRESETS[1], PRESETS[3]])
+@pytest.mark.parametrize("tiles", [(Tiles(16, 128, 4, 3), Tiles(128, 16, 8, 4)),
+                                   (Tiles(32, 256, 2, 1), Tiles(16, 256, 4, 6))], ids=["narrow-gate-up", "long-k-steps"])
+def test_fused_moe_tiles_compute_the_same_layer(device, preset, tiles, seed):
+    """The grouped GEMMs under other tiles (columns narrower and wider than the default, K steps past the tiny
+    model's hidden and inter, one pipeline stage and six): the layer still equals the reference module per element
+    (outputs poisoned), as under the default tiles."""
+    c = _small(ModelConfig.preset(preset), device)
+    m = _moe(c, device, torch.bfloat16, seed)
+    x = torch.randn(21, c.hidden_size, device=device).to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, *_weights(m), out, tiles=tiles)
+    assert_close("out", out, m(x), dtype=torch.bfloat16, row_dims=1, rtol=2, atol=2)
+
+
 @CPU
 def test_fused_moe_expert_parallel_computes_this_ranks_experts_only(seed):
     """Experts 4..7 on this rank (expert0 4), no shared expert: the sum over the pairs routed to those experts,
@@ -136,7 +151,7 @@ def test_engine_fused_moe_equals_the_reference_model(seed):
 @CPU
 def test_fused_moe_refuses_what_it_cannot_compute():
     """Wrong shapes, dtypes, an expert range past the router's, a malformed shared expert, too many pairs, an
-    unknown MoE form: ValueErrors naming the argument."""
+    unknown MoE form, tiles that are not a pair or not a tile the kernels take: ValueErrors naming the argument."""
     from dsv32ref.engine import EngineConfig
     c = ModelConfig.preset("tiny-glm-5.2")
     m = _moe(c, "cpu", torch.float32, 0)
@@ -161,6 +176,12 @@ def test_fused_moe_refuses_what_it_cannot_compute():
         fused_moe(c, big, *args, w13, w2, shared, torch.empty_like(big))
     with pytest.raises(ValueError, match="EngineConfig.moe"):
         EngineConfig(moe="sparse")
+    with pytest.raises(ValueError, match="tiles"):
+        fused_moe(c, x, *args, w13, w2, shared, out, tiles=Tiles())
+    for field, bad in (("block_n", 48), ("block_n", 8), ("block_k", 512), ("block_k", True), ("num_warps", 3),
+                       ("num_stages", 0), ("num_stages", 2.0)):
+        with pytest.raises(ValueError, match=f"Tiles.{field}"):
+            Tiles(**{field: bad})
 
 
 @CPU
@@ -324,3 +345,19 @@ def test_the_ttft_run_keeps_the_fused_arms_tokens_beside_the_margins(tmp_path):
     assert set(fused) == {"narrow+fused", "none+fused"} and all(len(t) == 2 for t in fused.values())
     assert res["tokens_equal_to_first_arm"]["none+fused"] == sum(
         a == b for a, b in zip(fused["none+fused"], res["first_tokens"])) / 2
+
+
+@CPU
+def test_moe_benchmark_checks_the_layer_it_times(seed):
+    """dsv32ref.bench.moe on the CPU (a stand-in timer): its PyTorch formulation agrees with the fused layer (ok),
+    counts the selected experts' bytes, and a layer whose output is wrong is reported as not ok."""
+    from dsv32ref.bench.moe import MoELayer, bench_moe
+    layer = MoELayer("tiny-glm-5.2", "reduced", seed=seed, device="cpu")
+    timer = lambda fn: (fn(), {"ms": 1.0})[1]  # noqa: E731
+    r = bench_moe(layer, 6, timer, (Tiles(16, 32), Tiles(32, 16)))
+    per_expert = 3 * layer.config.hidden_size * layer.config.moe_intermediate_size * 2
+    assert r["ok"] and r["rel_err"] < 1e-2, r
+    assert r["bytes"] == (r["distinct_experts"] + 1) * per_expert + layer.gate.numel() * 4
+    broken = MoELayer("tiny-glm-5.2", "reduced", seed=seed, device="cpu")
+    broken.__class__ = type("Broken", (MoELayer,), {"__call__": lambda self, x, out, tiles=None: out.zero_()})
+    assert not bench_moe(broken, 6, timer)["ok"]

@@ -11,6 +11,7 @@ the same run (device-to-device copy bandwidth, bf16 GEMM rate). Writes JSON with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,11 +22,13 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from dsv32ref.bench.moe import MOE_CASES, TILE_SWEEP, MoELayer, bench_moe, moe_line
 from dsv32ref.checks import rel_err
 from dsv32ref.config import ModelConfig
 from dsv32ref.kernels.fused_norm_rope import _fused_norm_rope_kernel, fused_norm_rope
 from dsv32ref.kernels import grid
 from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
+from dsv32ref.kernels.fused_moe import Tiles, _down_kernel, _gate_up_kernel, _router_logits_kernel
 from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact_kernel, _topk_hist_kernel, _topk_kernel,
                                            indexer_scores_paged, topk_from_scores)
 from dsv32ref.kernels.sparse_mla import (DEFAULT_CONFIG, _combine_splits_kernel, _sparse_mla_kernel, kernel_choice,
@@ -454,7 +457,8 @@ def bench_fused_q(z, T, ceil, fp8=False):
 def resource_report() -> list[dict]:
     rows = []
     for fn in (_sparse_mla_kernel, _combine_splits_kernel, _indexer_scores_kernel, _topk_kernel,
-               _topk_hist_kernel, _topk_compact_kernel, _fused_norm_rope_kernel, _fused_q_kernel):
+               _topk_hist_kernel, _topk_compact_kernel, _fused_norm_rope_kernel, _fused_q_kernel, _gate_up_kernel,
+               _down_kernel, _router_logits_kernel):
         caches = getattr(fn, "device_caches", {})
         for entry in caches.values():
             kernels = entry[0] if isinstance(entry, tuple) else entry
@@ -618,6 +622,43 @@ def fused_cases(run: Run, z, quick: bool) -> None:
         run.add(bench_fused_q(z, T, run.ceil, fp8=True))
 
 
+def _moe_layers(cases):
+    """(MoELayer, [T, ...]) for each (model, experts) of cases, one layer's weights on the GPU at a time."""
+    for model, experts in dict.fromkeys((m, e) for m, e, _ in cases):
+        layer = MoELayer(model, experts)
+        yield layer, [T for m, e, T in cases if (m, e) == (model, experts)]
+        del layer
+        torch.cuda.empty_cache()
+
+
+def moe_cases(run: Run, quick: bool) -> None:
+    cases = [c for c in MOE_CASES if c[2] == 8] if quick else MOE_CASES
+    for layer, Ts in _moe_layers(cases):
+        for T in Ts:
+            r = bench_moe(layer, T, timed)
+            run.add(r, moe_line(r))
+
+
+def probe_moe_tiles(run: Run) -> None:
+    """fused_moe with each TILE_SWEEP entry for one of its grouped GEMMs (the other at its default), at the TTFT
+    protocol's reduced MoE and a served model's 256 experts, decode-sized steps."""
+    cases = [("glm-5.2", "reduced", 8), ("glm-5.2", "full", 8), ("glm-5.2", "full", 64),
+             ("deepseek-v3.2", "reduced", 8)]
+    graph_only = lambda fn: {"ms": bench_graph(fn), "timing": "cuda-graph replay, median"}  # noqa: E731
+    for layer, Ts in _moe_layers(cases):
+        for T in Ts:
+            r = bench_moe(layer, T, graph_only)
+            run.add(dict(r, probe="moe tiles: default"), moe_line(r))
+            for which, t in TILE_SWEEP:
+                tiles = (t, Tiles()) if which == "gate_up" else (Tiles(), t)
+                try:
+                    r = dict(bench_moe(layer, T, graph_only, tiles), probe=f"moe tiles: {which}")
+                except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
+                    r = {"kernel": "fused_moe", "model": layer.model, "experts": layer.experts, "T": T,
+                         "probe": f"moe tiles: {which}", "tiles": dataclasses.asdict(t), "error": repr(e)[:300]}
+                run.add(r, moe_line(r) if "ms" in r else f"fused_moe {which} {t}: {r['error'][:120]}")
+
+
 def print_table(results: list[dict]) -> None:
     print(f"\n{'kernel':<16}{'model':<15}{'T':>6}{'ctx':>8}{'ms':>9}{'eager':>9}{'torch':>9}{'bound':>8}{'frac':>7}"
           f"{'cmp':>7}  ok  impl")
@@ -640,6 +681,8 @@ def _args(argv):
                     help="only the indexer at one decode token (32k, 128k context): the scores pass's tiles per "
                          "program, stages and warps; the top-k's chunk length and warps")
     ap.add_argument("--indexer-only", action="store_true", help="only the indexer (scores + top-k) cases")
+    ap.add_argument("--moe-probe", action="store_true",
+                    help="only fused_moe: each grouped GEMM's tiles (the other's at the default) at decode-sized steps")
     ap.add_argument("--compare", metavar="JSON",
                     help="only sparse_mla: each config of this JSON list (over the defaults) at 64, 128 and 512 tokens "
                          "of one request and a 64-request decode batch, both models")
@@ -652,7 +695,9 @@ def main(argv=None) -> int:
         return 2
     run = Run(args.out or os.path.join(run_dir(), "kernels.json"), start[1], start[0])
     models = [shapes("deepseek-v3.2"), shapes("glm-5.2")]
-    if args.compare or args.indexer_probe or args.splits_probe:
+    if args.compare or args.indexer_probe or args.splits_probe or args.moe_probe:
+        if args.moe_probe:
+            probe_moe_tiles(run)
         if args.compare:
             probe_compare(run, models, json.loads(args.compare))
         if args.indexer_probe:
@@ -671,6 +716,8 @@ def main(argv=None) -> int:
         indexer_cases(run, z, args.quick)
         if not args.indexer_only:
             fused_cases(run, z, args.quick)
+    if not (args.indexer_only or args.sweep_only):
+        moe_cases(run, args.quick)
     status = run.finish()
     print_table(run.results)
     return status

@@ -32,17 +32,19 @@ expert0) are dropped by the alignment and contribute nothing here (their rank ad
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_int, check_same_device, check_tensor
+from dsv32ref.checks import check_int, check_same_device, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.launch import launch
 
-__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "align_pairs", "block_m", "fused_moe", "route_kernel"]
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "Tiles", "align_pairs", "block_m", "default_tiles", "fused_moe", "route_kernel"]
 
 MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment sorts them in one program
 MAX_EXPERTS = 1 << 12  # local experts (and the shared one) the alignment's int32 sort keys hold beside the pairs
@@ -53,6 +55,37 @@ def block_m(n_pairs: int, n_experts: int) -> int:
     up to 64 for prefill steps (each block reads its expert's weights once: fewer blocks, fewer reads)."""
     per_expert = n_pairs / max(n_experts, 1)
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One grouped GEMM's launch: BLOCK_N output columns a program, BLOCK_K of the reduction a step (powers of two
+    >= 16), its warps and software-pipeline stages."""
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if not is_int(v) or not 16 <= v <= 256 or v & (v - 1):
+                raise ValueError(f"Tiles.{name}: expected a power of two in [16, 256], got {v!r}")
+        if not is_int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Tiles.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not is_int(self.num_stages) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"Tiles.num_stages: expected an int in [1, 8], got {self.num_stages!r}")
+
+    def meta(self) -> dict:
+        return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def default_tiles(bm: int) -> tuple[Tiles, Tiles]:
+    """(gate/up, down) tiles for blocks of bm pairs. On the H200 (`python -m dsv32ref.bench.kernels --moe-probe`, at
+    decode-sized steps, where bm is 16) BLOCK_K = 128 brought the gate/up GEMM's layer 6-14 % closer to the copy rate
+    than 64, with 4 experts and with 256; no down tiling moved it by more than the run's noise. Larger blocks keep
+    the tiles they were measured with."""
+    return (Tiles(block_k=128) if bm == 16 else Tiles()), Tiles()
 
 
 @triton.jit
@@ -323,11 +356,12 @@ def _check_experts(x, w13, w2, shared, n_local: int, inter: int):
 
 def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
               w13: torch.Tensor, w2: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,
-              expert0: int = 0) -> None:
+              expert0: int = 0, tiles: tuple[Tiles, Tiles] | None = None) -> None:
     """The MoE layer (module docstring) into out [T, hidden]: x [T, hidden] in bf16, fp16 or fp32; the router's
     gate_weight fp32 [E, hidden] and bias fp32 [E]; this rank's routed experts w13 [n_local, 2 I, hidden] (gate rows
     then up rows) and w2 [n_local, hidden, I], the first of them expert expert0; shared = (gate_up_proj [2 I_s,
-    hidden], down_proj [hidden, I_s]) or None; all weights in x's dtype."""
+    hidden], down_proj [hidden, I_s]) or None; all weights in x's dtype. tiles: the (gate/up, down) GEMMs' launch
+    shapes (default: `default_tiles`), for tuning; every choice computes the same result up to fp32 summation order."""
     c = config
     T, hidden = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
                              dense_dims=1).shape
@@ -338,6 +372,9 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
                          f"n_routed_experts {c.n_routed_experts}, got shape {list(w13.shape)}")
     i_s = _check_experts(x, w13, w2, shared, n_local, inter)
     check_tensor("out", out, shape=(T, hidden), dtype=x.dtype, dense_dims=1)
+    if tiles is not None and not (isinstance(tiles, tuple) and len(tiles) == 2
+                                  and all(isinstance(t, Tiles) for t in tiles)):
+        raise ValueError(f"fused_moe: tiles expected None or (Tiles, Tiles) for (gate/up, down), got {tiles!r}")
     tensors = dict(x=x, gate_weight=gate_weight, w13=w13, w2=w2, out=out)
     check_same_device(**tensors, **({} if shared is None else {"shared gate_up_proj": shared[0],
                                                                "shared down_proj": shared[1]}))
@@ -351,7 +388,8 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     route_kernel(c, x, gate_weight, e_score_correction_bias, ids, weights)
     bm = block_m(T * ks, n_local + (shared is not None))
     sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared is not None, bm)
-    _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks, bm)
+    tiles = tiles or default_tiles(bm)
+    _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks, bm, tiles)
 
 
 def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool = False, bm: int = 16
@@ -384,7 +422,8 @@ def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool 
     return sorted_pair, block_expert
 
 
-def _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks, bm):
+def _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks, bm,
+                  tiles):
     """gate/up, down and combine over the aligned pairs (fused_moe's last three launches)."""
     T, hidden = x.shape
     n_local, k, max_blocks = w13.shape[0], ids.shape[1], block_expert.shape[0]
@@ -392,12 +431,12 @@ def _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, o
     s13, s2 = (shared if shared is not None else (w13, w2))
     h = torch.empty(sorted_pair.shape[0], max(inter, i_s), dtype=x.dtype, device=x.device)
     y = torch.empty(T * ks, hidden, dtype=torch.float32, device=x.device)
-    bn, bk = 64, 64
-    launch(_gate_up_kernel, (max_blocks, triton.cdiv(max(inter, i_s), bn)), x, x.stride(0), w13, w13.stride(0), s13,
-           sorted_pair, block_expert, h, h.stride(0), hidden, inter, i_s, n_local, KS=ks, DTYPE=dt, PRECISION=prec,
-           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    launch(_down_kernel, (max_blocks, triton.cdiv(hidden, bn)), h, h.stride(0), w2, w2.stride(0), s2, sorted_pair,
-           block_expert, weights, y, hidden, inter, i_s, n_local, TOP_K=k, KS=ks, DTYPE=dt, PRECISION=prec,
-           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    up, down = tiles
+    launch(_gate_up_kernel, (max_blocks, triton.cdiv(max(inter, i_s), up.block_n)), x, x.stride(0), w13, w13.stride(0),
+           s13, sorted_pair, block_expert, h, h.stride(0), hidden, inter, i_s, n_local, KS=ks, DTYPE=dt, PRECISION=prec,
+           BLOCK_M=bm, **up.meta())
+    launch(_down_kernel, (max_blocks, triton.cdiv(hidden, down.block_n)), h, h.stride(0), w2, w2.stride(0), s2,
+           sorted_pair, block_expert, weights, y, hidden, inter, i_s, n_local, TOP_K=k, KS=ks, DTYPE=dt, PRECISION=prec,
+           BLOCK_M=bm, **down.meta())
     launch(_combine_kernel, (T, triton.cdiv(hidden, 128)), y, ids, out, out.stride(0), hidden, expert0, n_local,
            TOP_K=k, SHARED=shared is not None, DTYPE=dt, BLOCK_N=128)
