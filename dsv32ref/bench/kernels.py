@@ -28,7 +28,7 @@ from dsv32ref.config import ModelConfig
 from dsv32ref.kernels.fused_norm_rope import _fused_norm_rope_kernel, fused_norm_rope
 from dsv32ref.kernels import grid
 from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
-from dsv32ref.kernels.fused_moe import Tiles, _down_kernel, _gate_up_kernel, _router_logits_kernel
+from dsv32ref.kernels.fused_moe import _down_kernel, _gate_up_kernel, _router_logits_kernel, default_tiles
 from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact_kernel, _topk_hist_kernel, _topk_kernel,
                                            indexer_scores_paged, topk_from_scores)
 from dsv32ref.kernels.sparse_mla import (DEFAULT_CONFIG, _combine_splits_kernel, _sparse_mla_kernel, kernel_choice,
@@ -623,12 +623,11 @@ def fused_cases(run: Run, z, quick: bool) -> None:
 
 
 def _moe_layers(cases):
-    """(MoELayer, [T, ...]) for each (model, experts) of cases, one layer's weights on the GPU at a time."""
+    """(MoELayer, [T, ...]) for each (model, experts) of cases, one layer's weights on the GPU at a time (the
+    caller keeps no reference past its loop body)."""
     for model, experts in dict.fromkeys((m, e) for m, e, _ in cases):
-        layer = MoELayer(model, experts)
-        yield layer, [T for m, e, T in cases if (m, e) == (model, experts)]
-        del layer
         torch.cuda.empty_cache()
+        yield MoELayer(model, experts), [T for m, e, T in cases if (m, e) == (model, experts)]
 
 
 def moe_cases(run: Run, quick: bool) -> None:
@@ -637,6 +636,7 @@ def moe_cases(run: Run, quick: bool) -> None:
         for T in Ts:
             r = bench_moe(layer, T, timed)
             run.add(r, moe_line(r))
+        del layer
 
 
 def probe_moe_tiles(run: Run) -> None:
@@ -645,18 +645,20 @@ def probe_moe_tiles(run: Run) -> None:
     cases = [("glm-5.2", "reduced", 8), ("glm-5.2", "full", 8), ("glm-5.2", "full", 64),
              ("deepseek-v3.2", "reduced", 8)]
     graph_only = lambda fn: {"ms": bench_graph(fn), "timing": "cuda-graph replay, median"}  # noqa: E731
+    up0, down0 = default_tiles(16)  # every case is decode-sized: blocks of 16 pairs
     for layer, Ts in _moe_layers(cases):
         for T in Ts:
             r = bench_moe(layer, T, graph_only)
             run.add(dict(r, probe="moe tiles: default"), moe_line(r))
             for which, t in TILE_SWEEP:
-                tiles = (t, Tiles()) if which == "gate_up" else (Tiles(), t)
+                tiles = (t, down0) if which == "gate_up" else (up0, t)
                 try:
                     r = dict(bench_moe(layer, T, graph_only, tiles), probe=f"moe tiles: {which}")
                 except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
                     r = {"kernel": "fused_moe", "model": layer.model, "experts": layer.experts, "T": T,
                          "probe": f"moe tiles: {which}", "tiles": dataclasses.asdict(t), "error": repr(e)[:300]}
                 run.add(r, moe_line(r) if "ms" in r else f"fused_moe {which} {t}: {r['error'][:120]}")
+        del layer
 
 
 def print_table(results: list[dict]) -> None:
