@@ -22,13 +22,16 @@ PRESETS = [pytest.param("cpu", "tiny-deepseek-v3.2", marks=CPU, id="cpu-deepseek
 
 
 def _moe(config: ModelConfig, device, dtype, seed: int) -> MoE:
-    g = torch.Generator().manual_seed(seed)
-    m = MoE(config)
+    """The reference module with random weights, made and drawn on `device` (GLM-5.2's 256 experts are a billion
+    values: drawn on a CPU they took most of the GPU tests' time)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        m = MoE(config)
     with torch.no_grad():
         for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-        m.gate.e_score_correction_bias.copy_(torch.rand(config.n_routed_experts, generator=g) * 0.1)
-    return m.to(device=device, dtype=dtype)
+            p.copy_(torch.randn(p.shape, generator=g, device=device) * 0.05)
+        m.gate.e_score_correction_bias.copy_(torch.rand(config.n_routed_experts, generator=g, device=device) * 0.1)
+    return m.to(dtype=dtype)
 
 
 def _weights(m: MoE, experts=slice(None)):
