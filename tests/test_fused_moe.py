@@ -23,7 +23,7 @@ PRESETS = [pytest.param("cpu", "tiny-deepseek-v3.2", marks=CPU, id="cpu-deepseek
 
 def _moe(config: ModelConfig, device, dtype, seed: int) -> MoE:
     """The reference module with random weights, made and drawn on `device` (GLM-5.2's 256 experts are a billion
-    values: drawn on a CPU they took most of the GPU tests' time)."""
+    values: 23 s a module when drawn on a 2-core CPU)."""
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
         m = MoE(config)
