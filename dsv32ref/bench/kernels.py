@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from dsv32ref.bench.linear import LINEAR_TILES, bench_projection, projection_line, projections
 from dsv32ref.bench.moe import MOE_CASES, TILE_SWEEP, MoELayer, bench_moe, moe_line
 from dsv32ref.checks import rel_err
 from dsv32ref.config import ModelConfig
@@ -31,6 +32,7 @@ from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
 from dsv32ref.kernels.fused_moe import _down_kernel, _gate_up_kernel, _router_logits_kernel, default_tiles
 from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact_kernel, _topk_hist_kernel, _topk_kernel,
                                            indexer_scores_paged, topk_from_scores)
+from dsv32ref.kernels.skinny_gemm import _skinny_gemm_kernel
 from dsv32ref.kernels.sparse_mla import (DEFAULT_CONFIG, _combine_splits_kernel, _sparse_mla_kernel, kernel_choice,
                                          launch_plan, sparse_mla_paged)
 from dsv32ref.provenance import provenance
@@ -458,7 +460,7 @@ def resource_report() -> list[dict]:
     rows = []
     for fn in (_sparse_mla_kernel, _combine_splits_kernel, _indexer_scores_kernel, _topk_kernel,
                _topk_hist_kernel, _topk_compact_kernel, _fused_norm_rope_kernel, _fused_q_kernel, _gate_up_kernel,
-               _down_kernel, _router_logits_kernel):
+               _down_kernel, _router_logits_kernel, _skinny_gemm_kernel):
         caches = getattr(fn, "device_caches", {})
         for entry in caches.values():
             kernels = entry[0] if isinstance(entry, tuple) else entry
@@ -661,6 +663,30 @@ def probe_moe_tiles(run: Run) -> None:
         del layer
 
 
+def linear_cases(run: Run, quick: bool) -> None:
+    """The attention's projections at 1 and 8 tokens: skinny_gemm at its default tiles beside torch's GEMMs."""
+    for model in (["glm-5.2"] if quick else ["deepseek-v3.2", "glm-5.2"]):
+        for p in projections(model):
+            for T in (1, 8):
+                r = bench_projection(model, p, T, timed)
+                run.add(r, projection_line(r))
+
+
+def probe_linear_tiles(run: Run) -> None:
+    """skinny_gemm under each LINEAR_TILES entry at GLM-5.2's attention projections, 8 tokens."""
+    graph_only = lambda fn: {"ms": bench_graph(fn), "timing": "cuda-graph replay, median"}  # noqa: E731
+    for p in projections("glm-5.2"):
+        if p.name == "lm_head":
+            continue
+        for tiles in LINEAR_TILES:
+            try:
+                r = dict(bench_projection("glm-5.2", p, 8, graph_only, tiles), probe="linear tiles")
+            except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
+                r = {"kernel": "skinny_gemm", "projection": p.name, "tiles": tiles, "probe": "linear tiles",
+                     "error": repr(e)[:300]}
+            run.add(r, projection_line(r) if "ms" in r else f"skinny_gemm {p.name} {tiles}: {r['error'][:120]}")
+
+
 def print_table(results: list[dict]) -> None:
     print(f"\n{'kernel':<16}{'model':<15}{'T':>6}{'ctx':>8}{'ms':>9}{'eager':>9}{'torch':>9}{'bound':>8}{'frac':>7}"
           f"{'cmp':>7}  ok  impl")
@@ -683,6 +709,8 @@ def _args(argv):
                     help="only the indexer at one decode token (32k, 128k context): the scores pass's tiles per "
                          "program, stages and warps; the top-k's chunk length and warps")
     ap.add_argument("--indexer-only", action="store_true", help="only the indexer (scores + top-k) cases")
+    ap.add_argument("--linear-probe", action="store_true",
+                    help="only skinny_gemm: each tiling at GLM-5.2's attention projections, 8 tokens")
     ap.add_argument("--moe-probe", action="store_true",
                     help="only fused_moe: each grouped GEMM's tiles (the other's at the default) at decode-sized steps")
     ap.add_argument("--compare", metavar="JSON",
@@ -697,9 +725,11 @@ def main(argv=None) -> int:
         return 2
     run = Run(args.out or os.path.join(run_dir(), "kernels.json"), start[1], start[0])
     models = [shapes("deepseek-v3.2"), shapes("glm-5.2")]
-    if args.compare or args.indexer_probe or args.splits_probe or args.moe_probe:
+    if args.compare or args.indexer_probe or args.splits_probe or args.moe_probe or args.linear_probe:
         if args.moe_probe:
             probe_moe_tiles(run)
+        if args.linear_probe:
+            probe_linear_tiles(run)
         if args.compare:
             probe_compare(run, models, json.loads(args.compare))
         if args.indexer_probe:
@@ -720,6 +750,7 @@ def main(argv=None) -> int:
             fused_cases(run, z, args.quick)
     if not (args.indexer_only or args.sweep_only):
         moe_cases(run, args.quick)
+        linear_cases(run, args.quick)
     status = run.finish()
     print_table(run.results)
     return status

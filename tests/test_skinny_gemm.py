@@ -1,0 +1,132 @@
+"""skinny_gemm (y = x Wᵀ for a few rows of x) against float64 and against F.linear / torch.bmm in the same dtype:
+interpreted on CPU, compiled on a GPU at GLM-5.2's projection shapes. Outputs are views into poisoned buffers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv32ref.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
+from dsv32ref.testing import assert_close
+
+CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on CPU-only machines")
+# (device, dtype, [(T, N, K)]): odd sizes interpreted; on the GPU the engine's projections at 8-token steps
+CASES = [
+    pytest.param("cpu", torch.bfloat16, [(1, 70, 200), (5, 33, 129), (16, 16, 64), (33, 40, 300)], id="cpu-bf16",
+                 marks=CPU),
+    pytest.param("cpu", torch.float32, [(3, 70, 200)], id="cpu-fp32", marks=CPU),
+    pytest.param("cpu", torch.float16, [(7, 50, 130)], id="cpu-fp16", marks=CPU),
+    pytest.param("cuda", torch.bfloat16, [(8, 6144, 16384), (8, 16384, 2048), (1, 2624, 6144), (16, 160, 6144),
+                                          (64, 4096, 2048)], id="cuda-bf16", marks=pytest.mark.gpu),
+]
+
+
+def _poisoned_view(shape, dtype, device, pad=3):
+    """A view of `shape` inside a NaN buffer `pad` larger along every dim (strided), and the buffer."""
+    big = torch.full([s + pad for s in shape], float("nan"), dtype=dtype, device=device)
+    return big[tuple(slice(1, 1 + s) for s in shape)], big
+
+
+def _untouched_outside(view, big) -> bool:
+    inside = torch.zeros_like(big, dtype=torch.bool)
+    inside[tuple(slice(1, 1 + s) for s in view.shape)] = True
+    return bool(big[~inside].isnan().all())
+
+
+@pytest.mark.parametrize("device,dtype,shapes", CASES)
+def test_skinny_gemm_equals_linear(device, dtype, shapes, seed):
+    """Per element: within a unit of the dtype of float64 (one rounding of an fp32 sum), within two of F.linear
+    in the same dtype; x's rows strided; nothing outside out's view written."""
+    gen = torch.Generator().manual_seed(seed)
+    for T, N, K in shapes:
+        x = torch.randn(T, K + 8, generator=gen).to(dtype).to(device)[:, :K]
+        w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(dtype).to(device)
+        out, big = _poisoned_view((T, N), dtype, device)
+        skinny_gemm(x, w, out)
+        tol = 64 if dtype == torch.float32 else 1  # fp32 output: the fp32 sum's own rounding, in fp32 units
+        assert_close(f"out {T}x{N}x{K} vs float64", out, x.double() @ w.double().T, dtype=dtype, rtol=tol, atol=tol)
+        assert_close(f"out {T}x{N}x{K} vs F.linear", out, F.linear(x, w), dtype=dtype, rtol=2 * tol, atol=2 * tol)
+        assert _untouched_outside(out, big)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_skinny_gemm_takes_the_per_head_absorptions(device, seed):
+    """The batched form as the attention uses it: q_nope (T, H, nope) seen as (H, T, nope) times W_UK stored
+    [H, nope, lora] (passed as its [H, lora, nope] view: K strided), into a (H, T, lora) view of a (T, H, lora)
+    buffer; equal to torch.bmm per element and to float64 within a unit."""
+    gen = torch.Generator().manual_seed(seed)
+    T, H, nope, lora = (5, 3, 24, 40) if device == "cpu" else (8, 64, 192, 512)
+    q = torch.randn(T, H, nope + 8, generator=gen).bfloat16().to(device)[..., :nope]
+    W_UK = (torch.randn(H, nope, lora, generator=gen) * nope ** -0.5).bfloat16().to(device)
+    buf = torch.full((T, H, lora + 2), float("nan"), dtype=torch.bfloat16, device=device)
+    out = buf[..., :lora].transpose(0, 1)  # (H, T, lora), strided
+    skinny_gemm(q.transpose(0, 1), W_UK.transpose(1, 2), out)
+    exact = torch.bmm(q.transpose(0, 1).double(), W_UK.double())
+    assert_close("q_lat vs float64", out, exact, dtype=torch.bfloat16, row_dims=2, rtol=1, atol=1)
+    assert_close("q_lat vs bmm", out, torch.bmm(q.transpose(0, 1), W_UK), dtype=torch.bfloat16, row_dims=2, rtol=2,
+                 atol=2)
+    assert buf[..., lora:].isnan().all()
+
+
+@CPU
+@pytest.mark.parametrize("tiles", [dict(block_n=16, block_k=16), dict(block_n=128, block_k=256, num_stages=1),
+                                   dict(block_n=32, block_k=64, num_warps=8, num_stages=4)])
+def test_skinny_gemm_tiles_compute_the_same_product(tiles, seed):
+    """Other tiles (K steps shorter and longer than K, columns wider than N): the same product within a unit."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 100, generator=gen).bfloat16()
+    w = (torch.randn(90, 100, generator=gen) * 0.1).bfloat16()
+    out = torch.full((6, 90), float("nan"), dtype=torch.bfloat16)
+    skinny_gemm(x, w, out, **tiles)
+    assert_close("out", out, x.double() @ w.double().T, dtype=torch.bfloat16, rtol=1, atol=1)
+
+
+@CPU
+def test_skinny_gemm_empty_sizes():
+    """No rows, no columns: nothing to do; K = 0: zeros (the empty sum), as F.linear gives."""
+    x, w = torch.randn(0, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    skinny_gemm(x, w, torch.empty(0, 4, dtype=torch.bfloat16))
+    skinny_gemm(torch.randn(3, 8).bfloat16(), torch.randn(0, 8).bfloat16(), torch.empty(3, 0, dtype=torch.bfloat16))
+    out = torch.full((3, 4), float("nan"), dtype=torch.bfloat16)
+    assert (skinny_gemm(torch.randn(3, 0).bfloat16(), torch.randn(4, 0).bfloat16(), out) == 0).all()
+
+
+@CPU
+def test_skinny_gemm_refuses_what_it_cannot_compute():
+    """Shapes that do not chain, mixed dtypes or ranks, too many rows, overlapping out, bad tiles: ValueErrors
+    naming the argument."""
+    x, w = torch.randn(4, 32).bfloat16(), torch.randn(16, 32).bfloat16()
+    out = torch.empty(4, 16, dtype=torch.bfloat16)
+    tall = torch.randn(MAX_ROWS + 1, 32).bfloat16()
+    for args, kw, match in (((x, w[:, :31], out), {}, "w: expected shape"),
+                            ((x, w.float(), out), {}, "w: expected dtype"),
+                            ((x, w, out[:, :15]), {}, "out: expected shape"),
+                            ((x, w, out.float()), {}, "out: expected dtype"),
+                            ((x.int(), w.int(), out.int()), {}, "x: expected dtype"),
+                            ((x[0], w, out), {}, "x: expected a 2-D"),
+                            ((x, w.unsqueeze(0), out), {}, "all be 2-D or all 3-D"),
+                            ((x.unsqueeze(0), w.expand(2, 16, 32), out.unsqueeze(0)), {}, "w: expected shape"),
+                            ((tall, w, torch.empty(MAX_ROWS + 1, 16, dtype=torch.bfloat16)), {}, "at most"),
+                            ((x, w, out), {"block_n": 24}, "block_n"),
+                            ((x, w, out), {"block_k": 512}, "block_k"),
+                            ((x, w, out), {"num_warps": 3}, "num_warps"),
+                            ((x, w, out), {"num_stages": 0}, "num_stages"),
+                            (("x", w, out), {}, "x: expected")):
+        with pytest.raises(ValueError, match=match):
+            skinny_gemm(*args, **kw)
+    square = torch.randn(16, 16).bfloat16()
+    with pytest.raises(ValueError, match="overlaps"):
+        skinny_gemm(square, torch.randn(16, 16).bfloat16(), square)
+
+
+@CPU
+def test_projection_benchmark_checks_what_it_times(seed):
+    """dsv32ref.bench.linear on the CPU (a stand-in timer, a tiny model's projections): skinny_gemm and torch's
+    GEMM agree (ok), the bytes are the weight's, and a wrong product is reported as not ok."""
+    from dsv32ref.bench.linear import Projection, bench_projection, projections
+    timer = lambda fn: (fn(), {"ms": 1.0, "ms_eager": 1.0})[1]  # noqa: E731
+    for p in projections("tiny-glm-5.2", device="cpu"):
+        r = bench_projection("tiny-glm-5.2", p, 3, timer)
+        assert r["ok"] and r["bytes"] == (p.batch or 1) * p.N * p.K * 2, r
+    broken = Projection("broken", 24, 40, device="cpu")
+    broken.skinny = lambda x, w, out, **tiles: out.zero_()
+    assert not bench_projection("tiny-glm-5.2", broken, 3, timer)["ok"]
