@@ -1024,7 +1024,8 @@ def test_comparator_arguments():
     (dict(variants=("narow",)), r"TTFTProtocol.variants: unknown boundaries \['narow'\]"),
     (dict(variants=()), r"TTFTProtocol.variants: unknown boundaries \[\]"),
     (dict(instrument_ab=("wide", "x")), r"TTFTProtocol.instrument_ab: unknown boundaries \['x'\]"),
-    (dict(fused_moe=("fused",)), r"TTFTProtocol.fused_moe: unknown boundaries \['fused'\]")])
+    (dict(fused_moe=("fused",)), r"TTFTProtocol.fused_moe: unknown boundaries \['fused'\]"),
+    (dict(skinny_gemm=("skinny",)), r"TTFTProtocol.skinny_gemm: unknown boundaries \['skinny'\]")])
 def test_ttft_experiment_arguments(kw, match):
     from dsv32ref.experiments.ttft import TTFTProtocol
 

@@ -130,3 +130,38 @@ def test_projection_benchmark_checks_what_it_times(seed):
     broken = Projection("broken", 24, 40, device="cpu")
     broken.skinny = lambda x, w, out, **tiles: out.zero_()
     assert not bench_projection("tiny-glm-5.2", broken, 3, timer)["ok"]
+
+
+@CPU
+def test_engine_projections_through_skinny_gemm_equal_the_reference_model(seed):
+    """EngineConfig(gemm="skinny"): an 8-token prefill's projections (the attention's, W_UK and W_UV per head, the
+    dense MLP's and the shared expert's) run through skinny_gemm, eagerly and replayed from (emulated) FULL and
+    PIECEWISE graphs; the logits equal the reference model's in float64 as the torch GEMMs' do."""
+    import copy
+
+    from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
+    from dsv32ref.graphs.runner import CUDAGraphMode
+    from dsv32ref.kernels.launch import observing_launches
+    from helpers import tiny_model
+    ref = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32, seed=seed, num_hidden_layers=2)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    logits, launched = {}, {}
+    for gemm, boundary, mode in (("torch", "none", CUDAGraphMode.NONE), ("skinny", "none", CUDAGraphMode.NONE),
+                                 ("skinny", "none", CUDAGraphMode.FULL), ("skinny", "narrow", CUDAGraphMode.PIECEWISE)):
+        ec = EngineConfig(boundary=boundary, mode=mode, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
+                          block_size=4, capture_sizes=[8, 16], gemm=gemm)
+        eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, boundary))
+        eng.capture()
+        names = []
+        with observing_launches(lambda name, run: (names.append(name), run())[1]):
+            eng.step(StepInput([(r, p, 0) for r, p in enumerate(prompts)]))
+        key = f"{gemm} {boundary} {mode.name}"
+        logits[key], launched[key] = eng.last_logits, names.count("_skinny_gemm_kernel")
+    exact = copy.deepcopy(ref).double()
+    with torch.no_grad():
+        expected = torch.stack([exact(torch.tensor(p, dtype=torch.long))[-1] for p in prompts])
+    for key, lg in logits.items():
+        assert_close(f"{key} logits", lg, expected, dtype=torch.float32, row_dims=1, rtol=2**10, atol=2**10)
+    assert launched["torch none NONE"] == 0 and launched["skinny none NONE"] > 0, launched
+    with pytest.raises(ValueError, match="EngineConfig.gemm"):
+        EngineConfig(gemm="cutlass")

@@ -10,9 +10,10 @@ from dsv32ref.checks import check_int, is_int
 from dsv32ref.engine.boundary import Boundary, get_boundary
 from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
 
-__all__ = ["EngineConfig", "MOE_IMPLS"]
+__all__ = ["EngineConfig", "GEMM_IMPLS", "MOE_IMPLS"]
 
 MOE_IMPLS = ("dense", "fused")  # EngineConfig.moe
+GEMM_IMPLS = ("torch", "skinny")  # EngineConfig.gemm
 
 
 @dataclass
@@ -34,6 +35,8 @@ class EngineConfig:
     # indexer keys (dsv32ref.cache), quantised on write, read by the kernels
     moe: str = "dense"  # how MoE layers run: "dense" (every local expert on every token, PyTorch ops) or "fused"
     # (dsv32ref.kernels.fused_moe: grouped GEMMs over the tokens each expert received, six launches a layer)
+    gemm: str = "torch"  # the projections of steps of at most 16 tokens (dsv32ref.engine.model.SKINNY_ROWS):
+    # "torch" (F.linear, torch.bmm: cuBLAS) or "skinny" (dsv32ref.kernels.skinny_gemm: one launch a projection)
     skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's
     # scoring and selection (their result is known: every key); eager regions and graph-less steps only
 
@@ -53,6 +56,8 @@ class EngineConfig:
                              f"{self.kv_cache_dtype!r}")
         if self.moe not in MOE_IMPLS:
             raise ValueError(f"EngineConfig.moe: expected one of {MOE_IMPLS}, got {self.moe!r}")
+        if self.gemm not in GEMM_IMPLS:
+            raise ValueError(f"EngineConfig.gemm: expected one of {GEMM_IMPLS}, got {self.gemm!r}")
         for name in ("skip_short_topk", "estimate_graph_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}: expected a bool, got {getattr(self, name)!r}")

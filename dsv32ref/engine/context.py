@@ -47,6 +47,7 @@ class ForwardContext:
     uniform_decode: bool
     num_sms: int | None = None  # SMs the attention's split-K fills (None: the device's)
     skip_topk: bool = False  # every request has <= index_topk keys: the indexer may skip scoring and selection
+    gemm: str = "torch"  # EngineConfig.gemm: which kernel the projections of a step of few tokens take
 
     @property
     def num_tokens(self) -> int:

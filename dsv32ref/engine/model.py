@@ -27,6 +27,7 @@ from dsv32ref.instrument import region
 from dsv32ref.kernels import (add_rms_norm, fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged,
                               topk_from_scores)
 from dsv32ref.kernels.fused_moe import fused_moe
+from dsv32ref.kernels.skinny_gemm import skinny_gemm
 from dsv32ref.reference.moe import Router
 
 __all__ = ["EngineDSAAttention", "EngineModel", "TensorParallel", "causal_topk"]
@@ -66,6 +67,24 @@ def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+SKINNY_ROWS = 16  # EngineConfig.gemm "skinny": steps of at most this many tokens take skinny_gemm
+
+
+def _skinny(x: torch.Tensor) -> bool:
+    return get_forward_context().gemm == "skinny" and x.shape[-2] <= SKINNY_ROWS
+
+
+def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) (x [T, K], w [N, K]), or skinny_gemm where the step asks for it (EngineConfig.gemm)."""
+    return skinny_gemm(x, w, x.new_empty(x.shape[0], w.shape[0])) if _skinny(x) else F.linear(x, w)
+
+
+def per_head(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = torch.bmm(x, w) (x [H, T, K], w stored [H, K, N], out [H, T, N], any strides), or skinny_gemm over w's
+    [H, N, K] view where the step asks for it."""
+    return skinny_gemm(x, w.transpose(1, 2), out) if _skinny(x) else torch.bmm(x, w, out=out)
+
+
 class EngineDSAAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, boundary: Boundary, outputs: StaticOutputs,
                  tp: TensorParallel = SINGLE):
@@ -95,12 +114,12 @@ class EngineDSAAttention(nn.Module):
         """x [T, hidden] -> q_c_raw [T, q_lora], kv [T, kv_lora + rope], and for layers that run their indexer
         the raw indexer key k_raw [T, D_I] and weights w_raw [T, H_I] (fp32); None otherwise."""
         with region("a_proj"):
-            qkv = F.linear(x, self.fused_qkv_a_proj)
+            qkv = project(x, self.fused_qkv_a_proj)
         q_c_raw, kv = qkv.split([self.q_lora, self.kv_lora + self.rope], dim=-1)
         if not self.has_indexer:
             return q_c_raw, kv, None, None
         with region("a_proj"):
-            kw = F.linear(x, self.wk_weights_proj)
+            kw = project(x, self.wk_weights_proj)
         with region("cast"):
             return q_c_raw, kv, kw[:, : self.D_I], kw[:, self.D_I:].float()
 
@@ -117,16 +136,17 @@ class EngineDSAAttention(nn.Module):
                             k_raw, getattr(self, "k_norm_weight", None), getattr(self, "k_norm_bias", None),
                             cache.indexer_k[self.layer_idx], self.config.indexer_rope_interleave)
         with region("q_gemm"):
-            q = F.linear(q_c, self.q_b_proj).view(T, self.H, self.nope + self.rope)  # (T, H, nope + rope)
+            q = project(q_c, self.q_b_proj).view(T, self.H, self.nope + self.rope)  # (T, H, nope + rope)
         with region("wuk_bmm"):
-            q_lat = torch.bmm(q[..., : self.nope].transpose(0, 1), self.W_UK).transpose(0, 1)  # (T, H, kv_lora) view
+            q_lat = per_head(q[..., : self.nope].transpose(0, 1), self.W_UK,
+                             q.new_empty(self.H, T, self.kv_lora)).transpose(0, 1)  # (T, H, kv_lora) view
         q_mqa = q.new_empty(T, self.H, self.kv_lora + self.rope)
         if not self.has_indexer:
             with region("fused_q"):
                 fused_q(q_lat, q, q_mqa, ctx.positions, ctx.cos, ctx.sin)
             return q_mqa, None, None
         with region("q_gemm"):
-            q_i_raw = F.linear(q_c, self.wq_b).view(T, self.H_I, self.D_I)  # (T, H_I, D_I)
+            q_i_raw = project(q_c, self.wq_b).view(T, self.H_I, self.D_I)  # (T, H_I, D_I)
         # over FP8 keys the indexer's queries are fp8 too, rotated as the keys are (fused_q, fused_norm_rope)
         fp8_keys = cache.indexer_k[self.layer_idx].dtype == torch.uint8
         q_idx = torch.empty_like(q_i_raw, dtype=torch.float8_e4m3fn if fp8_keys else None)
@@ -140,7 +160,7 @@ class EngineDSAAttention(nn.Module):
         """out [T, H * v] <- per head W_UV o_lat: (H, T, lora) x (H, lora, v) -> (H, T, v)."""
         T = o_lat.shape[0]
         with region("uv_bmm"):
-            torch.bmm(o_lat.transpose(0, 1), self.W_UV, out=out.view(T, self.H, self.v).transpose(0, 1))
+            per_head(o_lat.transpose(0, 1), self.W_UV, out.view(T, self.H, self.v).transpose(0, 1))
 
     # ---- the sparse path (host metadata: eager under PIECEWISE, unless the boundary has no eager region) ---
     def _indexer_and_attention(self, q_mqa, q_idx, w_idx, o_lat):
@@ -238,7 +258,7 @@ class EngineDSAAttention(nn.Module):
             if not self.boundary.uv_in_region:
                 self._uv(o_lat, out)
         with region("o_proj"):
-            o = F.linear(out, self.o_proj)
+            o = project(out, self.o_proj)
         return self.tp.all_reduce(o)  # o_proj is row-parallel: each rank holds its heads' share
 
 
@@ -249,8 +269,8 @@ class EngineMLP(nn.Module):
         self.down_proj = _param(hidden, inter)
 
     def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)  # a partial sum when the columns are sharded
+        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)
+        return project(F.silu(gate) * up, self.down_proj)  # a partial sum when the columns are sharded
 
 
 class EngineMoE(nn.Module):

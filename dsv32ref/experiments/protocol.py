@@ -2,7 +2,8 @@
 model (dsv32ref.config.reduced_moe), each boundary on its own engine over one copy of the weights.
 
 An arm is a boundary, or a boundary with an EngineConfig switch: "narrow+skip" is narrow with the short-prefill
-top-k skip on, "narrow+fp8" narrow with the FP8 KV cache (FlashMLA's latent rows, DeepGEMM's indexer keys).
+top-k skip on, "narrow+fp8" narrow with the FP8 KV cache (FlashMLA's latent rows, DeepGEMM's indexer keys),
+"none+fused" none with the fused MoE, "none+skinny" none with its projections in skinny_gemm.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dsv32ref.graphs import CUDAGraphMode
 __all__ = ["ARMS", "arm", "engine_config", "prompts", "stats"]
 
 # `<boundary>+<arm>`: EngineConfig switches
-ARMS = {"skip": {"skip_short_topk": True}, "fp8": {"kv_cache_dtype": "fp8"}, "fused": {"moe": "fused"}}
+ARMS = {"skip": {"skip_short_topk": True}, "fp8": {"kv_cache_dtype": "fp8"}, "fused": {"moe": "fused"},
+        "skinny": {"gemm": "skinny"}}
 
 
 def engine_config(boundary: str, capture_sizes=(1, 2, 4, 8, 16), mode: str = "full_and_piecewise", seed: int = 0,
