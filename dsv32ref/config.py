@@ -237,8 +237,13 @@ def _check_yarn(rs) -> None:
             raise ValueError(f"ModelConfig.rope_scaling.{key}: expected a finite number >= 0, got {v!r}")
     if rs["factor"] < 1:
         raise ValueError(f"ModelConfig.rope_scaling.factor: expected >= 1, got {rs}")
-    mscale = 1.0 if rs.get("mscale") is None else rs["mscale"]
-    if float(mscale) != float(mscale if rs.get("mscale_all_dim") is None else rs["mscale_all_dim"]):
+    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+    if rs["factor"] > 1 and not (mscale and mscale_all_dim):
+        # transformers then scales cos and sin by 0.1 ln(factor) + 1 (its attention_factor); no DSA model needs it
+        raise ValueError(f"ModelConfig.rope_scaling: YaRN with factor > 1 needs mscale and mscale_all_dim, both "
+                         f"non-zero (without them transformers scales cos and sin by 0.1 ln(factor) + 1, which is "
+                         f"not implemented), got {rs}")
+    if mscale and mscale_all_dim and float(mscale) != float(mscale_all_dim):
         # HF would scale cos/sin by the ratio of the two mscales; no released DSA model needs it
         raise ValueError(f"ModelConfig.rope_scaling: mscale != mscale_all_dim is not implemented, got {rs}")
     if rs["beta_fast"] < rs["beta_slow"]:

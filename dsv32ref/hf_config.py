@@ -132,9 +132,11 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         if "rope_theta" not in params:
             raise ValueError("config.json: rope_parameters has no rope_theta")
         forms.append(("rope_parameters", _theta("rope_parameters", params["rope_theta"]), params))
-    if "rope_theta" in raw:
-        forms.append(("rope_theta/rope_scaling", _theta("rope_theta", raw["rope_theta"]),
-                      dict(raw.get("rope_scaling") or {})))
+    if "rope_theta" in raw or raw.get("rope_scaling") is not None:  # rope_scaling alone: rope_parameters' theta
+        if "rope_theta" not in raw and not forms:
+            raise ValueError("config.json: rope_scaling is given without rope_theta (or rope_parameters)")
+        theta = _theta("rope_theta", raw["rope_theta"]) if "rope_theta" in raw else forms[0][1]
+        forms.append(("rope_theta/rope_scaling", theta, dict(raw.get("rope_scaling") or {})))
     if not forms:
         raise ValueError("config.json: neither rope_parameters nor rope_theta is given")
     parsed = []

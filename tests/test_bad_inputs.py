@@ -78,13 +78,17 @@ ROPE_CASES = [
     ({**_YARN, "factor": "40"}, r"ModelConfig.rope_scaling.factor: expected a finite number > 0, got '40'"),
     ({**_YARN, "factor": math.nan}, r"ModelConfig.rope_scaling.factor: expected a finite number > 0, got nan"),
     ({**_YARN, "mscale": -1.0}, r"ModelConfig.rope_scaling.mscale: expected a finite number >= 0, got -1.0"),
+    ({k: v for k, v in _YARN.items() if k not in ("mscale", "mscale_all_dim")}, r"needs mscale and mscale_all_dim"),
+    ({**_YARN, "mscale": 0.0, "mscale_all_dim": 0.0}, r"needs mscale and mscale_all_dim"),
+    ({k: v for k, v in _YARN.items() if k != "mscale_all_dim"}, r"needs mscale and mscale_all_dim"),
     ({k: v for k, v in _YARN.items() if k != "original_max_position_embeddings"},
      r"YaRN needs \['original_max_position_embeddings'\]"),
     ("yarn", r"ModelConfig.rope_scaling: expected None or a dict, got 'yarn'"),
     ({**_YARN, "factr": 2}, r"ModelConfig.rope_scaling: keys \['factr'\] are not implemented"),
     ({**_YARN, "attention_factor": 0.5}, r"ModelConfig.rope_scaling: keys \['attention_factor'\] are not implemented"),
     ({**_YARN, "rope_type": "linear"}, r"ModelConfig.rope_scaling.rope_type: expected 'yarn' .*, got 'linear'"),
-    ({**_YARN, "mscale": 1.0, "mscale_all_dim": 0.0}, r"ModelConfig.rope_scaling: mscale != mscale_all_dim is not implemented"),
+    ({**_YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, r"ModelConfig.rope_scaling: mscale != mscale_all_dim is not implemented"),
+    ({**_YARN, "mscale": 1.0, "mscale_all_dim": 0.0}, r"needs mscale and mscale_all_dim"),
 ]
 
 
@@ -136,6 +140,8 @@ def _hf_dir(tmp_path, **edits):
      r"YaRN keys \['attention_factor'\] are not implemented at these values"),
     (dict(rope_parameters={"rope_type": "yarn", "type": "linear", "rope_theta": 1e4}), r"rope_type and type disagree"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": None}), r"rope_theta must be a number, got None"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling=_YARN),
+     r"rope_parameters and rope_theta/rope_scaling disagree"),
     (dict(indexer_types=3), r"config.json: indexer_types must be a list, got 3"),
     (dict(indexer_types=None, index_topk_pattern=5), r"config.json: index_topk_pattern must be a list, got 5"),
     (dict(mlp_layer_types=5), r"config.json: mlp_layer_types must be a list, got 5"),
@@ -148,7 +154,8 @@ def _hf_dir(tmp_path, **edits):
     (dict(indexer_types=[["full"]] * 8), r"ModelConfig.indexer_types: unknown entries \[\['full'\]"),
 ], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
         "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
-        "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "indexer-types-int", "pattern-int",
+        "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "yarn-beside-parameters",
+        "indexer-types-int", "pattern-int",
         "mlp-types-int",
         "quant-config-str", "pattern-disagrees", "rope-type-list", "layer-types-lists", "mlp-types-lists",
         "indexer-types-lists"])
