@@ -902,15 +902,32 @@ def cpu_engine():
 
 
 def test_engine_rejects_a_placement_it_cannot_run():
-    """A device name torch does not know, a dtype given as a string, a context past the model's positions, a seed
-    that is not an int: ValueErrors naming the argument (they were a RuntimeError, an engine that failed later, and
-    accepted)."""
+    """A device name torch does not know (or one the engine cannot run on, or CUDA where there is none), a dtype
+    given as a string, a config or engine config of another type, a model or weights built for another config or
+    of another class, a context past the model's positions, a seed that is not an int: ValueErrors naming the
+    argument (they were a RuntimeError, an AssertionError, an engine that ran with the model's numbers and the
+    config's sizes, and accepted)."""
     from dsv32ref import init_dummy_weights
     cfg = tiny_model("tiny-glm-5.2").config
     ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=16, max_num_seqs=2,
                       max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
-    with pytest.raises(ValueError, match="LLMEngine: device: expected a torch.device or a name .* got 'gpu'"):
+    with pytest.raises(ValueError, match="LLMEngine: device: expected a device such as 'cpu' .* got 'gpu'"):
         LLMEngine(cfg, ec, device="gpu")
+    with pytest.raises(ValueError, match="LLMEngine: device: expected a cpu or cuda device, got meta"):
+        LLMEngine(cfg, ec, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="LLMEngine: device: cuda is not available here"):
+            LLMEngine(cfg, ec)
+    for bad, match in ((None, "config: expected a ModelConfig"), ("tiny-glm-5.2", "config: expected a ModelConfig")):
+        with pytest.raises(ValueError, match=match):
+            LLMEngine(bad, ec, device="cpu")
+    with pytest.raises(ValueError, match="engine_config: expected None or an EngineConfig, got dict"):
+        LLMEngine(cfg, {"boundary": "narrow"}, device="cpu")
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"model was built for another ModelConfig .*\['rope_theta'\]"):
+        LLMEngine(cfg.replace(rope_theta=1e6), ec, device="cpu", dtype=torch.float32, model=from_reference(ref))
+    with pytest.raises(ValueError, match="weights: expected an EngineModel .* got "):
+        LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, weights=ref)
     with pytest.raises(ValueError, match="LLMEngine: dtype: expected one of torch.bfloat16, .* got 'bf16'"):
         LLMEngine(cfg, ec, device="cpu", dtype="bf16")
     long = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=8192, max_num_seqs=2,

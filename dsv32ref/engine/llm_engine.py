@@ -7,12 +7,13 @@ decode, PIECEWISE otherwise) or runs eagerly, and sampling reads each request's 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from dsv32ref.cache import BlockAllocator, PagedKVCache
-from dsv32ref.checks import is_int
+from dsv32ref.checks import check_device, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import EngineConfig
 from dsv32ref.engine.input_batch import PreparedStep, StepInput
@@ -28,17 +29,24 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activations and w
 def _check_placement(config: ModelConfig, ec: EngineConfig, device, dtype) -> torch.device:
     """LLMEngine's device (a torch.device or its name) and dtype (a torch float dtype), and max_model_len within the
     positions the model was built for -> the device."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"LLMEngine: device: expected a torch.device or a name such as 'cuda' or 'cpu', got "
-                         f"{device!r} ({e})") from None
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"LLMEngine: config: expected a ModelConfig (e.g. ModelConfig.preset(...)), got "
+                         f"{type(config).__name__} {config!r:.80}")
+    if not isinstance(ec, EngineConfig):
+        raise ValueError(f"LLMEngine: engine_config: expected None or an EngineConfig, got {type(ec).__name__}")
+    dev = check_device("LLMEngine: device", device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"LLMEngine: device: expected a cpu or cuda device, got {dev}")
     if dtype not in DTYPES:
         raise ValueError(f"LLMEngine: dtype: expected one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
     if ec.max_model_len > config.max_position_embeddings:
         raise ValueError(f"EngineConfig.max_model_len: {ec.max_model_len} exceeds the model's max_position_embeddings "
                          f"({config.max_position_embeddings})")
     return dev
+
+
+def _differing(a: ModelConfig, b: ModelConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
 
 
 class LLMEngine:
@@ -49,8 +57,15 @@ class LLMEngine:
         `weights` (a model of any boundary: engines that compare boundaries share one copy of the weights), or
         dummy weights drawn from engine_config.seed. `kv_cache`: share a cache between engines that run one
         after another (each keeps its own block allocator, so no two of them may hold live sequences at once)."""
-        self.config, self.ec = config, engine_config or EngineConfig()
+        self.config, self.ec = config, EngineConfig() if engine_config is None else engine_config
         self.device = _check_placement(config, self.ec, device, dtype)
+        for name, m in (("model", model), ("weights", weights)):
+            if m is not None and not isinstance(m, EngineModel):
+                raise ValueError(f"LLMEngine: {name}: expected an EngineModel (dsv32ref.engine.from_reference, "
+                                 f"build_model, load_pretrained), got {type(m).__name__}")
+            if m is not None and m.config != config:
+                raise ValueError(f"LLMEngine: {name} was built for another ModelConfig than `config` (fields that "
+                                 f"differ: {_differing(m.config, config)})")
         if model is None:
             model = share_weights(weights, self.ec.boundary, self.ec.moe) if weights is not None else \
                 build_model(config, self.ec.boundary, self.device, dtype, self.ec.seed, self.ec.moe)
