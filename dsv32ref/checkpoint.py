@@ -58,7 +58,18 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) ->
 
 
 def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """float8 [out, in] * scale_inv [ceil(out/bo), ceil(in/bi)] broadcast over each block -> fp32 [out, in]."""
+    """float8 [out, in] * scale_inv [ceil(out/bo), ceil(in/bi)] broadcast over each block -> fp32 [out, in]. The
+    scales must be floats, finite and > 0 (a NaN poisons its block, a zero zeroes it, a negative one flips it)."""
+    check_tensor("weight_scale_inv", scale_inv, dtype=_FLOATS)
+    bad = ~(torch.isfinite(scale_inv) & (scale_inv > 0))
+    if bad.any():
+        raise ValueError(f"weight_scale_inv: expected finite scales > 0, got {int(bad.sum())} others, e.g. "
+                         f"{scale_inv[bad][:4].tolist()}")
+    return _dequantize(q, scale_inv, block)
+
+
+def _dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
+    """dequantize_fp8_blocks without the scales' value checks (the loader reports those its own way)."""
     bo, bi = _block(block)
     out_f, in_f = check_tensor("q", q, shape=(None, None), dtype=torch.float8_e4m3fn).shape
     expected = (-(-out_f // bo), -(-in_f // bi))
@@ -167,7 +178,7 @@ def _load_one(name: str, read, where: dict, block, want: torch.Size, dtype: torc
         if bad:
             warnings.warn(f"load_pretrained: {bad}", stacklevel=3)
         try:
-            t = dequantize_fp8_blocks(t, scale, block)
+            t = _dequantize(t, scale, block)
         except ValueError as e:
             return f"mis-shaped: {scale_name}: {e}"
     if tuple(t.shape) != tuple(want):

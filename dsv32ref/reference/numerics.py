@@ -77,6 +77,8 @@ def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
     elif not isinstance(scale, torch.Tensor) or scale.shape != xb.shape[:-1]:
         raise ValueError(f"fp8_quantize: scale: expected shape {list(xb.shape[:-1])}, got "
                          f"{list(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    elif scale.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"fp8_quantize: scale: expected dtype torch.float32 or torch.float64, got {scale.dtype}")
     elif not (torch.isfinite(scale) & (scale > 0)).all():
         bad = scale[~(torch.isfinite(scale) & (scale > 0))]
         raise ValueError(f"fp8_quantize: scale: expected finite values > 0, got {bad[:4].tolist()}")

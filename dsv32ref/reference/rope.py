@@ -87,7 +87,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     if cos.shape[-1] * 2 != d:
         raise ValueError(f"apply_rope: x has {d} rope dims but cos has {cos.shape[-1]} (expected {d // 2})")
     for name, t in (("cos", cos), ("sin", sin)):
-        check_tensor(name, t, shape=(x.shape[0], d // 2))
+        check_tensor(name, t, shape=(x.shape[0], d // 2), dtype=cos.dtype)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
     c, s = cos.reshape(shape), sin.reshape(shape)  # (T, 1.., d/2): broadcast over heads
     xf = x.to(cos.dtype)
