@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv32ref.checks import check_device, check_int, check_tensor, is_int
+from dsv32ref.checks import check_device, check_int, check_slots, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 
 __all__ = ["AttentionMetadata", "BlockAllocator", "KV_CACHE_DTYPES", "LATENT_ROW_BYTES", "PagedKVCache", "StepPlan",
@@ -306,13 +306,7 @@ def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Te
     nb, bs, d = check_tensor("cache", cache, shape=(None, None, None)).shape
     check_tensor("slot_mapping", slot_mapping, shape=(None,), dtype=(torch.int32, torch.int64), device=cache.device)
     check_tensor("rows", rows, shape=(slot_mapping.shape[0], d))
-    if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= nb * bs):
-        raise ValueError(f"slot_mapping: slots must lie in [0, {nb * bs}), got "
-                         f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
-    slots, counts = torch.unique(slot_mapping, return_counts=True)
-    if (counts > 1).any():  # index_copy_ would keep one of the rows, which one unspecified on a GPU
-        raise ValueError(f"slot_mapping: each slot at most once, got slots {slots[counts > 1][:4].tolist()} "
-                         f"{int(counts.max())} times")
+    check_slots("slot_mapping", slot_mapping, nb * bs)
     cache.view(nb * bs, d).index_copy_(0, slot_mapping.long(), rows.to(cache.dtype))
 
 

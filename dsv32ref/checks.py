@@ -178,6 +178,18 @@ def check_disjoint(launcher: str, outputs: dict, inputs: dict) -> None:
                 raise ValueError(f"{launcher}: {name} overlaps {other} in memory; pass separate tensors")
 
 
+def check_slots(name: str, slot_mapping: torch.Tensor, n_slots: int) -> None:
+    """Flat cache slots: each in [0, n_slots) and none twice (index_copy_ would keep one of two rows for a slot,
+    which one unspecified on a GPU): else a ValueError naming `name`."""
+    if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= n_slots):
+        raise ValueError(f"{name}: slots must lie in [0, {n_slots}), got [{int(slot_mapping.min())}, "
+                         f"{int(slot_mapping.max())}]")
+    slots, counts = torch.unique(slot_mapping, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"{name}: each slot at most once, got slots {slots[counts > 1][:4].tolist()} "
+                         f"{int(counts.max())} times")
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64: the comparator of every check in this project."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300)).item()

@@ -613,5 +613,9 @@ def test_token_writes_land_where_the_block_layouts_put_them(seed):
         write_latent(lat_cache, torch.tensor([0, 40]), latent.view(-1, 576)[:2])
     with pytest.raises(ValueError, match=r"keys: expected shape \[\*, 64\]"):
         write_indexer_keys(key_cache, slots[:2], torch.randn(2, 32))
+    with pytest.raises(ValueError, match=r"slot_mapping: each slot at most once, got slots \[5\] 2 times"):
+        write_latent(lat_cache, torch.tensor([5, 5]), latent.view(-1, 576)[:2])
+    with pytest.raises(ValueError, match=r"slot_mapping: each slot at most once, got slots \[1\] 2 times"):
+        write_indexer_keys(key_cache, torch.tensor([1, 1]), keys.view(-1, d)[:2])
     with pytest.raises(ValueError, match=r"block_table_row: a sequence of 20 tokens reads blocks outside \[0, 5\)"):
         gather_latent(lat_cache, torch.tensor([3, 0, 5], dtype=torch.int32), 20)

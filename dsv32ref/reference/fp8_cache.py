@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from dsv32ref.cache import FP8_LATENT_DIMS, LATENT_ROW_BYTES, indexer_key_bytes, token_slots
-from dsv32ref.checks import check_tensor
+from dsv32ref.checks import check_slots, check_tensor
 from dsv32ref.reference.indexer import indexer_scores
 from dsv32ref.reference.numerics import FP8_E4M3_MAX, pow2_scale, ue8m0_scale
 from dsv32ref.reference.sparse_attention import sparse_mla
@@ -202,9 +202,7 @@ def _block_shape(cache: torch.Tensor, width: int | None) -> tuple[int, int, int]
 
 def _slots(name: str, slot_mapping: torch.Tensor, n_rows: int, nb: int, bs: int) -> torch.Tensor:
     check_tensor(name, slot_mapping, shape=(n_rows,), dtype=(torch.int32, torch.int64))
-    if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= nb * bs):
-        raise ValueError(f"{name}: slots must lie in [0, {nb * bs}), got [{int(slot_mapping.min())}, "
-                         f"{int(slot_mapping.max())}]")
+    check_slots(name, slot_mapping, nb * bs)
     return slot_mapping.long()
 
 
