@@ -610,6 +610,17 @@ def _nr(**over):
     return lambda: fused_norm_rope(**a)
 
 
+@CPU
+def test_fused_norm_rope_debug_mode_refuses_a_slot_twice():
+    """Two tokens for one cache slot race on a GPU (which row lands is unspecified); the graph-safe launcher cannot
+    see it without a sync, its debug mode names it. Padding (-1) may repeat."""
+    from dsv32ref.checks import checking_device_values
+    with checking_device_values():
+        _nr(slot_mapping=torch.tensor([-1, -1]))()
+        with pytest.raises(ValueError, match=r"slot_mapping: each slot at most once, got slots \[5\] 2 times"):
+            _nr(slot_mapping=torch.tensor([5, 5]))()
+
+
 def _fq_args(T=2):
     return dict(q_lat=torch.zeros(T, 4, 32), q=torch.zeros(T, 4, 24), q_mqa=torch.zeros(T, 4, 40),
                 positions=torch.zeros(T, dtype=torch.long), cos=torch.zeros(8, 4), sin=torch.zeros(8, 4),

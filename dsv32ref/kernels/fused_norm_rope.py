@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from dsv32ref.cache import LATENT_ROW_BYTES
-from dsv32ref.checks import (check_bool, check_range, check_rope_table, check_same_device, check_scale, check_tensor,
-                             device_value_checks_on)
+from dsv32ref.checks import (check_bool, check_range, check_rope_table, check_same_device, check_scale, check_slots,
+                             check_tensor, device_value_checks_on)
 from dsv32ref.kernels.fp8 import cast, e4m3_bytes, finite_amax, hadamard, pow2_scale, quantize_e4m3
 from dsv32ref.kernels.launch import launch
 
@@ -296,6 +296,7 @@ def fused_norm_rope(
     if device_value_checks_on():  # debug mode: syncs
         check_range("positions", positions, 0, cos.shape[0], "cos.shape[0]")
         check_range("slot_mapping", slot_mapping, -1, nb * bs, "-1 (padding) to num_blocks x block_size")
+        check_slots("slot_mapping", slot_mapping[slot_mapping >= 0], nb * bs)  # two rows for one slot: a race
     if T == 0:
         return
     dummy = kv  # never dereferenced when HAS_INDEXER is False
