@@ -120,7 +120,8 @@ def device_value_checks_on() -> bool:
 @contextlib.contextmanager
 def checking_device_values(on: bool = True):
     """Debug mode: launchers read back the device-side metadata they index with (positions, slots, block ids,
-    sequence lengths, request indices) and raise ValueError naming any value out of range, before launching.
+    sequence lengths, request indices) and raise ValueError naming any value out of range, before launching;
+    they also refuse outputs that overlap their inputs, each other or themselves (host time on every call).
 
     Off by default: it synchronises with the device (no use inside a CUDA graph capture). Without it the
     kernels still never read or write out of bounds (they mask such values; see each launcher), but a
@@ -162,19 +163,45 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes [first, end) from t's first element to its last."""
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + t.element_size() * (last + 1)
+    """The bytes [first, end) from t's first element to its last (empty: an empty span)."""
+    if not t.numel():
+        return 0, 0
+    first = last = 0
+    for n, s in zip(t.shape, t.stride()):
+        if s < 0:
+            first += (n - 1) * s
+        else:
+            last += (n - 1) * s
+    size = t.element_size()
+    return t.data_ptr() + size * first, t.data_ptr() + size * (last + 1)
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two of t's elements share memory (an expanded or otherwise aliasing view): by stride, each dim must
+    step past everything the smaller-stride dims reach (a sufficient test: it can refuse exotic layouts that do not
+    overlap)."""
+    reach = 0
+    for s, n in sorted((abs(s), n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if s <= reach:
+            return True
+        reach += s * (n - 1)
+    return False
 
 
 def check_disjoint(launcher: str, outputs: dict, inputs: dict) -> None:
-    """Each output's bytes overlap no input's (None: absent) and no other output's: a ValueError naming both."""
-    names = list(outputs)
-    for i, name in enumerate(names):
-        others = {**{k: v for k, v in inputs.items() if v is not None}, **{n: outputs[n] for n in names[i + 1:]}}
-        for other, u in others.items():
-            (a0, a1), (b0, b1) = _span(outputs[name]), _span(u)
-            if outputs[name].numel() and u.numel() and a0 < b1 and b0 < a1:
+    """Each output's bytes (None: absent) overlap no input's and no other output's, and no output's elements share
+    memory among themselves: a ValueError naming them. Spans are compared (the bytes from a tensor's first element
+    to its last), so interleaved views of one buffer count as overlapping."""
+    outputs = {name: t for name, t in outputs.items() if t is not None}
+    spans = [(name, *_span(t)) for name, t in outputs.items()]
+    for name, t in outputs.items():
+        if _self_overlapping(t):
+            raise ValueError(f"{launcher}: {name} has elements that share memory (shape {list(t.shape)}, strides "
+                             f"{list(t.stride())}); pass a tensor whose elements are distinct")
+    others = spans + [(name, *_span(t)) for name, t in inputs.items() if t is not None]
+    for i, (name, a0, a1) in enumerate(spans):
+        for other, b0, b1 in others[i + 1:]:
+            if a0 < b1 and b0 < a1:
                 raise ValueError(f"{launcher}: {name} overlaps {other} in memory; pass separate tensors")
 
 

@@ -858,6 +858,32 @@ DEVICE_VALUE_DEBUG = {
 
 
 @CPU
+def test_the_debug_mode_refuses_outputs_that_overlap():
+    """Outputs that overlap an input, each other or themselves (an expanded view): the debug mode names them (off,
+    the eager-path launchers trust the caller: the check costs host time on every call). add_rms_norm checks
+    always (it runs inside graphs, where the check costs nothing at replay)."""
+    from dsv32ref.checks import checking_device_values
+    from dsv32ref.kernels import add_rms_norm
+    q, cache = torch.randn(2, 4, 40), torch.randn(3, 4, 40)
+    topk = torch.tensor([[0, 1, 2, -1], [0, 5, 9, 11]], dtype=torch.int32)
+    meta = (torch.tensor([[2, 0, 1]], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+            torch.tensor([12], dtype=torch.int32), topk, 0.1)
+    out, scores = torch.empty(2, 4, 32), torch.randn(2, 8)
+    with checking_device_values():
+        with pytest.raises(ValueError, match="sparse_mla_paged: out overlaps lse in memory"):
+            sparse_mla_paged(q, cache, *meta, out, out.view(-1)[:8].view(2, 4))
+        with pytest.raises(ValueError, match="sparse_mla_paged: out overlaps latent_cache in memory"):
+            sparse_mla_paged(q, cache, *meta, cache.view(-1)[:256].view(2, 4, 32))
+        with pytest.raises(ValueError, match="topk_from_scores: out has elements that share memory"):
+            topk_from_scores(scores, torch.tensor([7, 7]), torch.zeros(1, 4, dtype=torch.int32).expand(2, 4))
+        with pytest.raises(ValueError, match="topk_from_scores: out overlaps scores in memory"):
+            topk_from_scores(scores, torch.tensor([7, 7]), scores.view(torch.int32)[:, :4])
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="add_rms_norm: out has elements that share memory"):
+        add_rms_norm(x, None, torch.ones(64), 1e-6, torch.zeros(1, 64).expand(4, 64), torch.empty(4, 64))
+
+
+@CPU
 def test_kernels_never_access_out_of_bounds_and_the_debug_mode_names_the_value():
     """Out-of-range values on the device: the kernels mask them (documented results, no crash, nothing
     outside the tensors touched), and checking_device_values() turns each into a ValueError that names it."""

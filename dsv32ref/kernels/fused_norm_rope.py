@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from dsv32ref.cache import LATENT_ROW_BYTES
-from dsv32ref.checks import (check_bool, check_range, check_rope_table, check_same_device, check_scale, check_slots,
-                             check_tensor, device_value_checks_on)
+from dsv32ref.checks import (check_bool, check_disjoint, check_range, check_rope_table, check_same_device, check_scale,
+                             check_slots, check_tensor, device_value_checks_on)
 from dsv32ref.kernels.fp8 import cast, e4m3_bytes, finite_amax, hadamard, pow2_scale, quantize_e4m3
 from dsv32ref.kernels.launch import launch
 
@@ -294,6 +294,11 @@ def fused_norm_rope(
                       slot_mapping=slot_mapping, cos=cos, sin=sin, index_k=index_k, k_norm_weight=k_norm_weight,
                       k_norm_bias=k_norm_bias, index_cache=index_cache)
     if device_value_checks_on():  # debug mode: syncs
+        outputs = {"q_c_out": q_c_out, "latent_cache": latent_cache, "index_cache": index_cache}
+        check_disjoint("fused_norm_rope", outputs,
+                       dict(q_c=q_c, q_a_norm_weight=q_a_norm_weight, kv=kv, kv_a_norm_weight=kv_a_norm_weight,
+                            positions=positions, slot_mapping=slot_mapping, cos=cos, sin=sin, index_k=index_k,
+                            k_norm_weight=k_norm_weight, k_norm_bias=k_norm_bias))
         check_range("positions", positions, 0, cos.shape[0], "cos.shape[0]")
         check_range("slot_mapping", slot_mapping, -1, nb * bs, "-1 (padding) to num_blocks x block_size")
         check_slots("slot_mapping", slot_mapping[slot_mapping >= 0], nb * bs)  # two rows for one slot: a race

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import (check_bool, check_range, check_rope_table, check_same_device, check_tensor,
+from dsv32ref.checks import (check_bool, check_disjoint, check_range, check_rope_table, check_same_device, check_tensor,
                              device_value_checks_on)
 from dsv32ref.kernels.fp8 import cast, hadamard, quantize_e4m3
 from dsv32ref.kernels.fused_norm_rope import _rope_pairs, rope_apply, rope_layout
@@ -130,6 +130,8 @@ def fused_q(
         if v <= 0 or v & (v - 1):
             raise ValueError(f"fused_q: {name} must be a power of two, got {v}")
     if device_value_checks_on():  # debug mode: syncs
+        check_disjoint("fused_q", {"q_mqa": q_mqa, "q_idx_out": q_idx_out, "weights_out": weights_out},
+                       dict(q_lat=q_lat, q=q, positions=positions, cos=cos, sin=sin, q_idx=q_idx, weights=weights))
         check_range("positions", positions, 0, cos.shape[0], "cos.shape[0]")
     fp8 = has_indexer and q_idx_out.dtype == torch.float8_e4m3fn
     if fp8 and d_i > 128:

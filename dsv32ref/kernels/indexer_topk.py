@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import (check_range, check_same_device, check_scale, check_tensor,
+from dsv32ref.checks import (check_disjoint, check_range, check_same_device, check_scale, check_tensor,
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.fp8 import load_e4m3
 from dsv32ref.kernels.grid import dot_precision, mma
@@ -474,6 +474,9 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
         raise ValueError(f"indexer_scores_paged: num_stages must be None or an int >= 1, got {num_stages!r}")
     sms = _num_sms(q_idx.device, num_sms, "indexer_scores_paged")
     if device_value_checks_on():
+        check_disjoint("indexer_scores_paged", {"scores": scores},
+                       dict(q_idx=q_idx, weights=weights, index_cache=index_cache, block_table=block_table,
+                            req_indices=req_indices, positions=positions))
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if T:
         groups = triton.cdiv(T, tokens)
@@ -525,6 +528,7 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
             raise ValueError(f"topk_from_scores: {name} must be an int >= 0, got {v!r}")
     pdl = _pdl(scores.device, pdl, "topk_from_scores")
     if device_value_checks_on():
+        check_disjoint("topk_from_scores", {"out": out}, {"scores": scores, "positions": positions})
         check_range("positions", positions, 0, scores.shape[1], "scores.shape[1]")
     if T == 0:
         return out

@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from dsv32ref.cache import LATENT_ROW_BYTES
-from dsv32ref.checks import (check_bool, check_keys, check_range, check_same_device, check_scale, check_tensor,
-                             device_value_checks_on, is_int)
+from dsv32ref.checks import (check_bool, check_disjoint, check_keys, check_range, check_same_device, check_scale,
+                             check_tensor, device_value_checks_on, is_int)
 from dsv32ref.kernels.fp8 import load_e4m3
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
@@ -314,6 +314,9 @@ def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indic
         check_tensor("lse", lse, shape=(T, H), dtype=torch.float32, dense_dims=1)
     check_scale("sparse_mla_paged: sm_scale", sm_scale)
     if device_value_checks_on():  # debug mode (dsv32ref.checks.checking_device_values): syncs
+        check_disjoint("sparse_mla_paged", {"out": out, "lse": lse},
+                       dict(q=q, latent_cache=latent_cache, block_table=block_table, req_indices=req_indices,
+                            seq_lens=seq_lens, topk_indices=topk_indices))
         check_range("req_indices", req_indices, 0, B, "seq_lens.shape[0]")
         check_range("seq_lens", seq_lens, 0, block_table.shape[1] * bs + 1, "block_table.shape[1] x block_size + 1")
         for b, n in enumerate(seq_lens.tolist()):
