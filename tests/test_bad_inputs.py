@@ -919,6 +919,8 @@ ENGINE_CONFIG_CASES = [
     (dict(gpu_memory_utilization=0), r"gpu_memory_utilization: expected \(0, 1\], got 0"),
     (dict(gpu_memory_utilization="0.9"), r"gpu_memory_utilization: expected \(0, 1\], got '0.9'"),
     (dict(num_blocks=0), r"EngineConfig.num_blocks: expected >= 1, got 0"),
+    (dict(num_blocks=7, max_model_len=512, block_size=64),
+     r"EngineConfig.num_blocks: 7 blocks of 64 tokens cannot hold one sequence of max_model_len 512 \(8 blocks\)"),
     (dict(seed=-1), r"EngineConfig.seed: expected >= 0, got -1"),
     (dict(num_sms=0), r"EngineConfig.num_sms: expected >= 1, got 0"),
 ]

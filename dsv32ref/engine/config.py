@@ -65,6 +65,9 @@ class EngineConfig:
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {u!r}")
         self.capture_sizes = _check_sizes(self.capture_sizes, self.max_num_batched_tokens)
+        if self.num_blocks is not None and self.num_blocks < self.max_blocks_per_seq:
+            raise ValueError(f"EngineConfig.num_blocks: {self.num_blocks} blocks of {self.block_size} tokens cannot hold "
+                             f"one sequence of max_model_len {self.max_model_len} ({self.max_blocks_per_seq} blocks)")
         if self.max_step_tokens > self.max_num_seqs * self.max_model_len:
             raise ValueError(f"max_num_batched_tokens / capture sizes: at most max_num_seqs x max_model_len = "
                              f"{self.max_num_seqs * self.max_model_len} tokens fit in one step, got "
