@@ -83,8 +83,12 @@ def check_bool(name: str, v) -> bool:
 
 def check_scale(name: str, v) -> float:
     """A finite, positive float (a softmax or norm scale): else ValueError naming it."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+    try:
+        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+    except OverflowError:  # an int past float's range
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: expected a finite number > 0, got {v!r:.40}")
     return float(v)
 
 

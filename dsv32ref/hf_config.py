@@ -54,7 +54,8 @@ def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> tupl
 
     The other layers ("shared") reuse the top-k of the closest earlier "full" layer.
     """
-    for name, v, low in (("index_topk_freq", freq, 1), ("index_skip_topk_offset", offset, 0)):
+    for name, v, low in (("num_hidden_layers", num_layers, 1), ("index_topk_freq", freq, 1),
+                         ("index_skip_topk_offset", offset, 0)):
         if not is_int(v) or v < low:
             raise ValueError(f"config: {name} must be an int >= {low}, got {v!r}")
     return tuple(
@@ -101,10 +102,11 @@ def parse(raw: dict) -> dict[str, Any]:
 
 def _check_attention(raw: dict, kw: dict) -> None:
     """Keys transformers reads for the attention, at the only values the reference implements."""
-    expected = {"head_dim": kw["qk_rope_head_dim"], "qk_head_dim": kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"],
+    nope, rope = kw["qk_nope_head_dim"], kw["qk_rope_head_dim"]  # (not ints: ModelConfig names them)
+    expected = {"head_dim": rope, "qk_head_dim": nope + rope if is_int(nope) and is_int(rope) else None,
                 "rope_interleave": True, "partial_rotary_factor": 1.0}
     for key, want in expected.items():
-        if raw.get(key) is not None and raw[key] != want:
+        if raw.get(key) is not None and want is not None and raw[key] != want:
             raise ValueError(f"config.json: {key}={raw[key]!r} is not implemented; expected {want!r}")
     if raw.get("use_sliding_window"):
         raise ValueError(f"config.json: use_sliding_window={raw['use_sliding_window']!r} is not implemented "
@@ -118,7 +120,10 @@ def _check_attention(raw: dict, kw: dict) -> None:
 def _theta(where: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"config.json: {where}: rope_theta must be a number, got {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:
+        raise ValueError(f"config.json: {where}: rope_theta must be a finite number, got {v!r}") from None
 
 
 def _rope(raw: dict) -> tuple[float, dict | None]:
@@ -202,7 +207,8 @@ def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
         return None
     if raw.get("index_topk_pattern") is not None and raw.get("indexer_types") is not None:
         given = raw["index_topk_pattern"]
-        pattern = tuple({"F": "full", "S": "shared"}.get(c, c) for c in given) if isinstance(given, str) else tuple(given)
+        pattern = tuple({"F": "full", "S": "shared"}.get(c, c) for c in given) if isinstance(given, str) else \
+            tuple(_list(raw, "index_topk_pattern"))
         if pattern != types:
             raise ValueError("config.json: indexer_types disagrees with index_topk_pattern")
     if "index_topk_freq" in raw and raw.get("indexer_types") is not None:

@@ -77,6 +77,7 @@ ROPE_CASES = [
     ({**_YARN, "factor": 0.5}, r"ModelConfig.rope_scaling.factor: expected >= 1"),
     ({**_YARN, "factor": "40"}, r"ModelConfig.rope_scaling.factor: expected a finite number > 0, got '40'"),
     ({**_YARN, "factor": math.nan}, r"ModelConfig.rope_scaling.factor: expected a finite number > 0, got nan"),
+    ({**_YARN, "factor": 10 ** 400}, r"ModelConfig.rope_scaling.factor: expected a finite number > 0, got 1000"),
     ({**_YARN, "mscale": -1.0}, r"ModelConfig.rope_scaling.mscale: expected a finite number >= 0, got -1.0"),
     ({k: v for k, v in _YARN.items() if k not in ("mscale", "mscale_all_dim")}, r"needs mscale and mscale_all_dim"),
     ({**_YARN, "mscale": 0.0, "mscale_all_dim": 0.0}, r"needs mscale and mscale_all_dim"),
@@ -152,13 +153,18 @@ def _hf_dir(tmp_path, **edits):
     (dict(layer_types=[["full_attention"]] * 8), r"layer_types must list only"),
     (dict(mlp_layer_types=[["dense"]] * 8), r"mlp_layer_types must be 8 entries of 'dense'/'sparse'"),
     (dict(indexer_types=[["full"]] * 8), r"ModelConfig.indexer_types: unknown entries \[\['full'\]"),
+    (dict(qk_nope_head_dim="16"), r"ModelConfig.qk_nope_head_dim: expected a positive int, got '16'"),
+    (dict(num_hidden_layers="8", index_topk_freq=4, mlp_layer_types=None, indexer_types=None),
+     r"config: num_hidden_layers must be an int >= 1, got .8."),
+    (dict(index_topk_pattern=5), r"config.json: index_topk_pattern must be a list, got 5"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 10 ** 400}), r"rope_theta must be a finite number"),
 ], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
         "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
         "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "yarn-beside-parameters",
         "indexer-types-int", "pattern-int",
         "mlp-types-int",
         "quant-config-str", "pattern-disagrees", "rope-type-list", "layer-types-lists", "mlp-types-lists",
-        "indexer-types-lists"])
+        "indexer-types-lists", "nope-str", "layers-str-with-freq", "pattern-int-beside-types", "theta-huge"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
