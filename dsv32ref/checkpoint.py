@@ -86,11 +86,12 @@ def _open_shards(path: str) -> dict[str, str]:
     """tensor name -> shard file, from the index json or the single file."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            try:
+        try:
+            with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{INDEX_FILE}: no readable weight_map ({e!r})") from None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{INDEX_FILE}: no readable weight_map in {index!r} ({type(e).__name__}: {e})"[:300]
+                             ) from None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) and v and os.path.basename(v) == v
                 for k, v in weight_map.items()):
@@ -290,6 +291,8 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     `path` as it was."""
     if not isinstance(model, DeepseekV32ForCausalLM):
         raise ValueError(f"model: expected a DeepseekV32ForCausalLM, got {type(model).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path: expected a directory path, got {type(path).__name__}")
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"path: expected a directory to write the checkpoint into, got the file {path!r}")
@@ -311,8 +314,11 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
         else:
             tensors[name] = t.contiguous()
     shards = _shards(tensors, max_shard_bytes)
-    os.makedirs(path, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=".save_pretrained.", dir=path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        stage = tempfile.mkdtemp(prefix=".save_pretrained.", dir=path)
+    except OSError as e:
+        raise ValueError(f"path: cannot create a checkpoint directory at {path!r} ({type(e).__name__}: {e})") from None
     try:
         order = _write_files(stage, shards, config_json)
         if len(shards) == 1 and os.path.exists(os.path.join(path, INDEX_FILE)):

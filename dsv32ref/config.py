@@ -156,6 +156,8 @@ class ModelConfig:
                 raw = json.load(f)
         except FileNotFoundError:
             raise ValueError(f"config.json: no such file {file!r}") from None
+        except OSError as e:  # a folder named config.json, no permission, an invalid path
+            raise ValueError(f"config.json: cannot read {file!r} ({type(e).__name__}: {e})"[:300]) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"config.json: {file!r} is not valid JSON ({type(e).__name__}: {e})"[:300]) from None
         return cls.from_hf_dict(raw, name=os.path.basename(os.path.dirname(os.path.abspath(file))))

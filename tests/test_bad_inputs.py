@@ -306,6 +306,14 @@ def test_checkpoint_files(tmp_path):
     index.write_text("[")
     with pytest.raises(ValueError, match="no readable weight_map"):
         load_pretrained(sharded)
+    index.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match="no readable weight_map .*UnicodeDecodeError"):
+        load_pretrained(sharded)
+    index.unlink()
+    index.mkdir()
+    with pytest.raises(ValueError, match="no readable weight_map .*IsADirectoryError"):
+        load_pretrained(sharded)
+    index.rmdir()
     with pytest.raises(ValueError, match=r"neither model.safetensors nor model.safetensors.index.json"):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "config.json").write_text((single / "config.json").read_text())
@@ -340,6 +348,14 @@ def test_checkpoint_arguments(tmp_path):
         save_pretrained(None, tmp_path)
     with pytest.raises(ValueError, match=r"path: expected a directory to write the checkpoint into, got the file"):
         save_pretrained(model, tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"path: expected a directory path, got NoneType"):
+        save_pretrained(model, None)
+    with pytest.raises(ValueError, match=r"path: cannot create a checkpoint directory at"):
+        save_pretrained(model, tmp_path / "config.json" / "sub")
+    (tmp_path / "dir_cfg").mkdir()
+    (tmp_path / "dir_cfg" / "config.json").mkdir()
+    with pytest.raises(ValueError, match=r"config.json: cannot read .*IsADirectoryError"):
+        ModelConfig.from_hf(tmp_path / "dir_cfg")
     # a weight fp16 cannot hold: finite in the file, inf in the model
     big = _ckpt(tmp_path / "big", lambda t: t[W].view(-1).__setitem__(-1, 1e6))
     with pytest.raises(ValueError, match=rf"non-finite: {W} \(in torch.float16\) \(0 NaN, 1 inf of "):
