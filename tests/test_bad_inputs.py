@@ -1007,6 +1007,14 @@ def test_engine_rejects_a_placement_it_cannot_run():
         LLMEngine(cfg.replace(rope_theta=1e6), ec, device="cpu", dtype=torch.float32, model=from_reference(ref))
     with pytest.raises(ValueError, match="weights: expected an EngineModel .* got "):
         LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, weights=ref)
+    model = from_reference(ref)
+    with pytest.raises(ValueError, match="kv_cache: expected a PagedKVCache, got dict"):
+        LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, model=model, kv_cache={})
+    for other in (cfg.replace(index_head_dim=2 * cfg.index_head_dim),
+                  cfg.replace(indexer_types=("full",) * cfg.num_hidden_layers)):
+        cache = PagedKVCache(other, 8, ec.block_size, torch.float32)
+        with pytest.raises(ValueError, match="kv_cache: built for a model whose rows or indexer layers differ"):
+            LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, model=model, kv_cache=cache)
     with pytest.raises(ValueError, match="LLMEngine: dtype: expected one of torch.bfloat16, .* got 'bf16'"):
         LLMEngine(cfg, ec, device="cpu", dtype="bf16")
     long = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=8192, max_num_seqs=2,

@@ -64,6 +64,14 @@ class ModelRunner:
         if got != want:
             raise ValueError(f"kv_cache: expected (layers, block_size, device, dtype, kv_cache_dtype, fp8_parts) = "
                              f"{want}, got {got}")
+        c, k = self.config, kv_cache.config  # what the rows hold and which layers keep indexer keys
+        fields = ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
+        if [getattr(k, f) for f in fields] != [getattr(c, f) for f in fields] or \
+                [k.runs_indexer(i) for i in range(k.num_hidden_layers)] != \
+                [c.runs_indexer(i) for i in range(c.num_hidden_layers)]:
+            raise ValueError(f"kv_cache: built for a model whose rows or indexer layers differ from this one's "
+                             f"({', '.join(f'{f} {getattr(k, f)} vs {getattr(c, f)}' for f in fields)}; indexer "
+                             f"layers as given by indexer_types)")
 
     # ---- what memory planning and capture run -----------------------------------------------------------
     def graph_runner(self, backend, kv_cache: PagedKVCache, on_capture=None) -> GraphRunner:
