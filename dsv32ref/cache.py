@@ -181,6 +181,14 @@ class StepPlan:
         return cls(positions, slots, qsl, seq_lens, [list(bt) for bt in block_tables], reqs, block_size)
 
 
+MAX_BLOCKS = 2 ** 31 - 1  # block ids are int32 in the block tables the kernels read
+
+
+def _check_block_ids(name: str, num_blocks: int) -> None:
+    if num_blocks > MAX_BLOCKS:
+        raise ValueError(f"{name}: at most {MAX_BLOCKS} (block ids are int32), got {num_blocks}")
+
+
 class BlockAllocator:
     """A free list of cache blocks; each sequence id owns a growing list of block ids and a count of the tokens its
     cache rows hold (`held`: what the steps wrote, or what `assume` declared), which a step's context must equal."""
@@ -188,6 +196,7 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int):
         check_int("BlockAllocator: num_blocks", num_blocks)
         check_int("BlockAllocator: block_size", block_size)
+        _check_block_ids("BlockAllocator: num_blocks", num_blocks)
         self.block_size = block_size
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.tables: dict[int, list[int]] = {}
@@ -258,6 +267,7 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache: config: expected a ModelConfig, got {type(config).__name__}")
         check_int("PagedKVCache: num_blocks", num_blocks)
         check_int("PagedKVCache: block_size", block_size)
+        _check_block_ids("PagedKVCache: num_blocks", num_blocks)
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"PagedKVCache: dtype: expected one of {CACHE_DTYPES}, got {dtype}")
         device = check_device("PagedKVCache: device", device)

@@ -465,6 +465,9 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     check_scale("indexer_scores_paged: softmax_scale", softmax_scale)
     tokens = scores_tokens(T, H_I) if tokens is None else tokens
     _check_pow2("indexer_scores_paged", block_s=block_s, num_warps=num_warps, tokens=tokens)
+    if block_s > 1024 or num_warps > 16:  # a key tile holds block_s x D values; a program at most 16 warps
+        raise ValueError(f"indexer_scores_paged: block_s must be at most 1024 and num_warps at most 16, got "
+                         f"{block_s} and {num_warps}")
     if tokens * H_I > 256:  # (the H200 build scored 512 columns wrong; not understood, so refused)
         raise ValueError(f"indexer_scores_paged: tokens x index_n_heads must be at most 256 MMA columns, got "
                          f"{tokens} x {H_I} = {tokens * H_I}")
