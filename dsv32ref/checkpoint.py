@@ -340,6 +340,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
     attention logits have a spread of order 1 (softmax neither uniform nor one-hot) and indexer scores
     differ between queries; `tests/test_checkpoint.py` checks both.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"init_dummy_weights: model: expected a torch.nn.Module, got {type(model).__name__}")
     if not is_int(seed):
         raise ValueError(f"init_dummy_weights: seed: expected an int, got {seed!r}")
     for name, p in model.named_parameters():

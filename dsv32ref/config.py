@@ -65,6 +65,10 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)  # ignored config.json keys
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"ModelConfig.name: expected a str, got {type(self.name).__name__} {self.name!r}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"ModelConfig.extra: expected a dict, got {type(self.extra).__name__}")
         if self.model_type not in ("deepseek_v32", "glm_moe_dsa"):
             raise ValueError(
                 f"ModelConfig.model_type: expected 'deepseek_v32' or 'glm_moe_dsa', got {self.model_type!r}"

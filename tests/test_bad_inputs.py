@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv32ref import AttentionMetadata, BlockAllocator, ModelConfig, PagedKVCache, load_pretrained, save_pretrained
+from dsv32ref import (AttentionMetadata, BlockAllocator, ModelConfig, PagedKVCache, init_dummy_weights, load_pretrained,
+                      save_pretrained)
 from dsv32ref.cache import gather_tokens, write_tokens
 from dsv32ref.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
 from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
@@ -23,7 +24,7 @@ from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, in
                                 topk_indices)
 from dsv32ref.reference.fp8_cache import write_latent
 from dsv32ref.reference.numerics import fp8_dequantize
-from dsv32ref.reference.rope import RotaryEmbedding
+from dsv32ref.reference.rope import RotaryEmbedding, rope_inv_freq
 from dsv32ref.reference.sparse_attention import dense_mla
 from dsv32ref.testing import compare
 from helpers import tiny_model
@@ -64,6 +65,8 @@ CONFIG_CASES = [
     (dict(norm_topk_prob="yes"), r"ModelConfig.norm_topk_prob: expected a bool, got 'yes'"),
     (dict(indexer_rope_interleave=1), r"ModelConfig.indexer_rope_interleave: expected a bool, got 1"),
     (dict(model_type="llama"), r"ModelConfig.model_type: expected 'deepseek_v32' or 'glm_moe_dsa', got 'llama'"),
+    (dict(name=None), r"ModelConfig.name: expected a str, got NoneType None"),
+    (dict(extra=None), r"ModelConfig.extra: expected a dict, got NoneType"),
     (dict(indexer_types=("full",)), r"ModelConfig.indexer_types: expected 4 entries, got 1"),
     (dict(indexer_types="full"), r"ModelConfig.indexer_types: expected a tuple of 'full' / 'shared', got 'full'"),
     (dict(indexer_types=("full", "shard", "full", "full")), r"ModelConfig.indexer_types: unknown entries \['shard'\]"),
@@ -494,6 +497,8 @@ REFERENCE_CASES = [
      r"scale: expected shape \[2, 1\], got \[3\]"),
     (lambda: apply_rope(torch.randn(2, 8), torch.randn(3, 4), torch.randn(3, 4), True), r"cos: expected shape \[2, 4\]"),
     (lambda: RotaryEmbedding("glm-5.2"), r"RotaryEmbedding: config: expected a ModelConfig, got str"),
+    (lambda: rope_inv_freq(None), r"rope_inv_freq: config: expected a ModelConfig, got NoneType"),
+    (lambda: init_dummy_weights(None), r"init_dummy_weights: model: expected a torch.nn.Module, got NoneType"),
     (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([0]), dtype="float32"),
      r"RotaryEmbedding: dtype: expected a float torch.dtype, got 'float32'"),
     (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([0.5])), r"positions: expected dtype"),
@@ -949,6 +954,7 @@ ENGINE_CONFIG_CASES = [
      r"EngineConfig.num_blocks: 7 blocks of 64 tokens cannot hold one sequence of max_model_len 512 \(8 blocks\)"),
     (dict(seed=-1), r"EngineConfig.seed: expected >= 0, got -1"),
     (dict(num_sms=0), r"EngineConfig.num_sms: expected >= 1, got 0"),
+    (dict(boundary=["narrow"]), r"boundary: expected one of .*, got \['narrow'\]"),
 ]
 
 
@@ -990,7 +996,6 @@ def test_engine_rejects_a_placement_it_cannot_run():
     of another class, a context past the model's positions, a seed that is not an int: ValueErrors naming the
     argument (they were a RuntimeError, an AssertionError, an engine that ran with the model's numbers and the
     config's sizes, and accepted)."""
-    from dsv32ref import init_dummy_weights
     cfg = tiny_model("tiny-glm-5.2").config
     ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=16, max_num_seqs=2,
                       max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])

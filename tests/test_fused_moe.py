@@ -181,6 +181,10 @@ def test_fused_moe_refuses_what_it_cannot_compute():
         EngineConfig(moe="sparse")
     with pytest.raises(ValueError, match="tiles"):
         fused_moe(c, x, *args, w13, w2, shared, out, tiles=Tiles())
+    with pytest.raises(ValueError, match="fused_moe: config: expected a ModelConfig, got NoneType"):
+        fused_moe(None, x, *args, w13, w2, shared, out)
+    with pytest.raises(ValueError, match="w13: expected a torch.Tensor, got NoneType"):
+        fused_moe(c, x, *args, None, w2, shared, out)
     for field, bad in (("block_n", 48), ("block_n", 8), ("block_k", 512), ("block_k", True), ("num_warps", 3),
                        ("num_stages", 0), ("num_stages", 2.0)):
         with pytest.raises(ValueError, match=f"Tiles.{field}"):
@@ -326,6 +330,8 @@ def test_align_pairs_refuses_what_its_keys_cannot_hold():
         align_pairs(ids, 4, bm=24)
     with pytest.raises(ValueError, match="ids"):
         align_pairs(ids.long(), 4)
+    with pytest.raises(ValueError, match="align_pairs: shared: expected a bool, got 'yes'"):
+        align_pairs(ids, 4, shared="yes")
 
 
 @CPU

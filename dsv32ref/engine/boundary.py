@@ -78,7 +78,7 @@ def get_boundary(name) -> Boundary:
     """The description of boundary `name` (a Boundary passes through); ValueError naming the choices."""
     if isinstance(name, Boundary):
         return name
-    if name not in _BY_NAME:
+    if not isinstance(name, str) or name not in _BY_NAME:
         raise ValueError(f"boundary: expected one of {BOUNDARIES}, got {name!r}")
     return _BY_NAME[name]
 

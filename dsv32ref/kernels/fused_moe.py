@@ -298,6 +298,12 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, stride_ot, hidden, expert0, n_local
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+def _check_config(launcher: str, config) -> ModelConfig:
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"{launcher}: config: expected a ModelConfig, got {type(config).__name__}")
+    return config
+
+
 def _dtype_code(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
@@ -307,7 +313,7 @@ def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_s
     """The router in two launches (the logits over many programs, then the selection per token), into ids int32
     [T, k] and weights fp32 [T, k] (dsv32ref.reference.moe.route's results). x [T, hidden]; weight fp32 [E, hidden];
     bias fp32 [E]."""
-    c = config
+    c = _check_config("route_kernel", config)
     T, hidden = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
                              dense_dims=1).shape
     E, k = c.n_routed_experts, c.num_experts_per_tok
@@ -362,9 +368,10 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     then up rows) and w2 [n_local, hidden, I], the first of them expert expert0; shared = (gate_up_proj [2 I_s,
     hidden], down_proj [hidden, I_s]) or None; all weights in x's dtype. tiles: the (gate/up, down) GEMMs' launch
     shapes (default: `default_tiles`), for tuning; every choice computes the same result up to fp32 summation order."""
-    c = config
+    c = _check_config("fused_moe", config)
     T, hidden = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
                              dense_dims=1).shape
+    check_tensor("w13", w13)
     n_local, inter, k = w13.shape[0] if w13.dim() == 3 else -1, c.moe_intermediate_size, c.num_experts_per_tok
     check_int("fused_moe: expert0", expert0, low=0)
     if n_local < 1 or expert0 + n_local > c.n_routed_experts:
@@ -401,6 +408,8 @@ def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool 
     block's expert, -1 past the last. max_blocks = cdiv(T (k + shared), bm) + n_local + shared, the most the runs
     can take."""
     T, k = check_tensor("ids", ids, shape=(None, None), dtype=torch.int32, dense_dims=2).shape
+    if not isinstance(shared, bool):
+        raise ValueError(f"align_pairs: shared: expected a bool, got {shared!r}")
     check_int("align_pairs: n_local", n_local)
     check_int("align_pairs: expert0", expert0, low=0)
     if bm not in (16, 32, 64, 128):

@@ -25,6 +25,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     clamped to [0, d-1]; ramp r_i = clamp((i - low) / (high - low), 0, 1); smooth = 1 - r;
     f_i <- f_i / factor * (1 - smooth) + f_i * smooth.
     """
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"rope_inv_freq: config: expected a ModelConfig, got {type(config).__name__}")
     d, theta = config.qk_rope_head_dim, float(config.rope_theta)
     freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)  # (d/2,)
     ys = config.rope_scaling
