@@ -66,6 +66,8 @@ def _needs_gpu(what: str, count: int = 1) -> bool:
 
 
 def cmd_summary(args) -> int:
+    if not 0 <= args.seed < 2 ** 63:
+        raise ValueError(f"--seed: expected an int in [0, 2^63), got {args.seed}")
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     ok = summary.main(args.preset or ["tiny-deepseek-v3.2", "tiny-glm-5.2"], args.seed)
     if ok and args.cmd is None and torch.cuda.is_available():
@@ -114,9 +116,12 @@ def cmd_capture(args) -> int:
 
 
 def cmd_regimes(args) -> int:
+    limits = {"prompt_lens": args.max_prompt, "contexts": args.max_context}
+    for flag, cap in (("--max-prompt", args.max_prompt), ("--max-context", args.max_context)):
+        if cap is not None and cap < 1:
+            raise ValueError(f"{flag}: expected an int >= 1, got {cap}")
     if _needs_gpu("regimes"):
         return 2
-    limits = {"prompt_lens": args.max_prompt, "contexts": args.max_context}
     kw = {name: tuple(v for v in getattr(regimes.RegimeProtocol, name) if v <= cap) for name, cap in limits.items()
           if cap is not None}
     regimes.run(regimes.RegimeProtocol(preset=args.model, **kw), out=_out(args, f"regimes_{args.model}.json"))

@@ -1101,6 +1101,12 @@ def test_cli_rejects_bad_arguments(capsys):
     assert main(["ttft", "--fp8-kv", "nnone"]) == 2
     assert "TTFTProtocol.fp8_kv: unknown boundaries ['nnone']" in capsys.readouterr().err
     assert main(["ttft", "--tp", "0"]) == 2 and "--tp: expected an int >= 1, got 0" in capsys.readouterr().err
+    assert main(["ttft", "--skinny-gemm", "nnone"]) == 2
+    assert "TTFTProtocol.skinny_gemm: unknown boundaries ['nnone']" in capsys.readouterr().err
+    assert main(["regimes", "--max-prompt", "0"]) == 2
+    assert "dsv32ref: error: --max-prompt: expected an int >= 1, got 0" in capsys.readouterr().err
+    assert main(["summary", "--seed", str(10 ** 22)]) == 2
+    assert "dsv32ref: error: --seed: expected an int in [0, 2^63)" in capsys.readouterr().err
     # where the result would go, and what it reads, checked before any work
     assert main(["ledger", "--predict", "--out", ""]) == 2
     assert "dsv32ref: error: --out: expected a file path, got ''" in capsys.readouterr().err
