@@ -58,6 +58,11 @@ class ForwardContext:
         return len(self.seq_lens_cpu)
 
 
+def current_forward_context() -> ForwardContext | None:
+    """The step's context, or None outside a step (a module called on its own, as tests do)."""
+    return getattr(_local, "ctx", None)
+
+
 def get_forward_context() -> ForwardContext:
     ctx = getattr(_local, "ctx", None)
     if ctx is None:

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.boundary import FUSED_ATTENTION, SPARSE_INDEXER_AND_ATTN, Boundary, StaticOutputs, get_boundary
 from dsv32ref.engine.config import MOE_IMPLS
-from dsv32ref.engine.context import get_forward_context
+from dsv32ref.engine.context import current_forward_context, get_forward_context
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.instrument import region
 from dsv32ref.kernels import (add_rms_norm, fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged,
@@ -71,7 +71,8 @@ SKINNY_ROWS = 16  # EngineConfig.gemm "skinny": steps of at most this many token
 
 
 def _skinny(x: torch.Tensor) -> bool:
-    return get_forward_context().gemm == "skinny" and x.shape[-2] <= SKINNY_ROWS
+    ctx = current_forward_context()  # (none: a module called outside a step takes torch's GEMMs)
+    return ctx is not None and ctx.gemm == "skinny" and x.shape[-2] <= SKINNY_ROWS
 
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
