@@ -184,6 +184,8 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     """Whether two of t's elements share memory (an expanded or otherwise aliasing view): by stride, each dim must
     step past everything the smaller-stride dims reach (a sufficient test: it can refuse exotic layouts that do not
     overlap)."""
+    if not t.numel():
+        return False
     reach = 0
     for s, n in sorted((abs(s), n) for s, n in zip(t.stride(), t.shape) if n > 1):
         if s <= reach:

@@ -909,6 +909,8 @@ def test_the_debug_mode_refuses_outputs_that_overlap():
             topk_from_scores(scores, torch.tensor([7, 7]), torch.zeros(1, 4, dtype=torch.int32).expand(2, 4))
         with pytest.raises(ValueError, match="topk_from_scores: out overlaps scores in memory"):
             topk_from_scores(scores, torch.tensor([7, 7]), scores.view(torch.int32)[:, :4])
+    from dsv32ref.checks import check_disjoint
+    check_disjoint("empty", {"out": torch.empty(0).as_strided((5, 0), (0, 1))}, {})  # no elements: none shared
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="add_rms_norm: out has elements that share memory"):
         add_rms_norm(x, None, torch.ones(64), 1e-6, torch.zeros(1, 64).expand(4, 64), torch.empty(4, 64))
@@ -1017,6 +1019,7 @@ def test_engine_rejects_a_placement_it_cannot_run():
     with pytest.raises(ValueError, match="weights: expected an EngineModel .* got "):
         LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, weights=ref)
     model = from_reference(ref)
+    LLMEngine(cfg.replace(name="renamed"), ec, device="cpu", dtype=torch.float32, model=model)  # names may differ
     with pytest.raises(ValueError, match="kv_cache: expected a PagedKVCache, got dict"):
         LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, model=model, kv_cache={})
     for other in (cfg.replace(index_head_dim=2 * cfg.index_head_dim),

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv32ref.kernels.skinny_gemm import MAX_ROWS, skinny_gemm
+from dsv32ref.checks import checking_device_values
+from dsv32ref.kernels.skinny_gemm import MAX_BATCH, MAX_ROWS, skinny_gemm
 from dsv32ref.testing import assert_close
 
 CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on CPU-only machines")
@@ -92,8 +93,8 @@ def test_skinny_gemm_empty_sizes():
 
 @CPU
 def test_skinny_gemm_refuses_what_it_cannot_compute():
-    """Shapes that do not chain, mixed dtypes or ranks, too many rows, overlapping out, bad tiles: ValueErrors
-    naming the argument."""
+    """Shapes that do not chain, mixed dtypes or ranks, too many rows or batches, bad tiles, and in the debug mode
+    an out that overlaps an input or itself: ValueErrors naming the argument."""
     x, w = torch.randn(4, 32).bfloat16(), torch.randn(16, 32).bfloat16()
     out = torch.empty(4, 16, dtype=torch.bfloat16)
     tall = torch.randn(MAX_ROWS + 1, 32).bfloat16()
@@ -113,9 +114,14 @@ def test_skinny_gemm_refuses_what_it_cannot_compute():
                             (("x", w, out), {}, "x: expected")):
         with pytest.raises(ValueError, match=match):
             skinny_gemm(*args, **kw)
+    many = torch.zeros(MAX_BATCH + 1, 1, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="x: expected at most 65535 batches"):
+        skinny_gemm(many, torch.zeros(1, 16, 16, dtype=torch.bfloat16).expand(MAX_BATCH + 1, 16, 16), many.clone())
     square = torch.randn(16, 16).bfloat16()
-    with pytest.raises(ValueError, match="overlaps"):
+    with checking_device_values(), pytest.raises(ValueError, match="overlaps"):  # debug mode: host time every call
         skinny_gemm(square, torch.randn(16, 16).bfloat16(), square)
+    with checking_device_values(), pytest.raises(ValueError, match="out has elements that share memory"):
+        skinny_gemm(x, w, torch.empty(1, 16, dtype=torch.bfloat16).expand(4, 16))
 
 
 @CPU
@@ -123,7 +129,7 @@ def test_projection_benchmark_checks_what_it_times(seed):
     """dsv32ref.bench.linear on the CPU (a stand-in timer, a tiny model's projections): skinny_gemm and torch's
     GEMM agree (ok), the bytes are the weight's, and a wrong product is reported as not ok."""
     from dsv32ref.bench.linear import Projection, bench_projection, projections
-    timer = lambda fn: (fn(), {"ms": 1.0, "ms_eager": 1.0})[1]  # noqa: E731
+    timer = lambda fn, n_inner=10: (fn(), {"ms": 1.0, "ms_eager": 1.0})[1]  # noqa: E731
     for p in projections("tiny-glm-5.2", device="cpu"):
         r = bench_projection("tiny-glm-5.2", p, 3, timer)
         assert r["ok"] and r["bytes"] == (p.batch or 1) * p.N * p.K * 2, r

@@ -73,14 +73,22 @@ def bench_graph(fn, n_inner=10, warmup=10, rep=40) -> float | None:
         return None
 
 
-def timed(fn, capturable: bool = True) -> dict:
+def timed(fn, capturable: bool = True, n_inner: int = 10) -> dict:
     """{'ms': graph-replay time (eager if uncapturable), 'ms_eager': eager time, 'timing': how 'ms' was taken}.
     capturable=False: eager only, for a path that synchronises (a failed capture can leave the CUDA RNG and
     context unusable for what follows)."""
     eager = bench(fn)
-    graph = bench_graph(fn) if capturable else None
+    graph = bench_graph(fn, n_inner) if capturable else None
     return {"ms": graph if graph is not None else eager, "ms_eager": eager,
             "timing": "cuda-graph replay, median" if graph is not None else "eager, median"}
+
+
+def graph_timed(fn, n_inner: int = 10) -> dict:
+    """`timed` without the eager timing (the probes' many cases): graph replay, eager where capture fails."""
+    graph = bench_graph(fn, n_inner)
+    if graph is None:
+        return {"ms": bench(fn), "timing": "eager, median"}
+    return {"ms": graph, "timing": "cuda-graph replay, median"}
 
 
 class Rotation:
@@ -646,16 +654,15 @@ def probe_moe_tiles(run: Run) -> None:
     protocol's reduced MoE and a served model's 256 experts, decode-sized steps."""
     cases = [("glm-5.2", "reduced", 8), ("glm-5.2", "full", 8), ("glm-5.2", "full", 64),
              ("deepseek-v3.2", "reduced", 8)]
-    graph_only = lambda fn: {"ms": bench_graph(fn), "timing": "cuda-graph replay, median"}  # noqa: E731
     up0, down0 = default_tiles(16)  # every case is decode-sized: blocks of 16 pairs
     for layer, Ts in _moe_layers(cases):
         for T in Ts:
-            r = bench_moe(layer, T, graph_only)
+            r = bench_moe(layer, T, graph_timed)
             run.add(dict(r, probe="moe tiles: default"), moe_line(r))
             for which, t in TILE_SWEEP:
                 tiles = (t, down0) if which == "gate_up" else (up0, t)
                 try:
-                    r = dict(bench_moe(layer, T, graph_only, tiles), probe=f"moe tiles: {which}")
+                    r = dict(bench_moe(layer, T, graph_timed, tiles), probe=f"moe tiles: {which}")
                 except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
                     r = {"kernel": "fused_moe", "model": layer.model, "experts": layer.experts, "T": T,
                          "probe": f"moe tiles: {which}", "tiles": dataclasses.asdict(t), "error": repr(e)[:300]}
@@ -674,13 +681,12 @@ def linear_cases(run: Run, quick: bool) -> None:
 
 def probe_linear_tiles(run: Run) -> None:
     """skinny_gemm under each LINEAR_TILES entry at GLM-5.2's attention projections, 8 tokens."""
-    graph_only = lambda fn: {"ms": bench_graph(fn), "timing": "cuda-graph replay, median"}  # noqa: E731
     for p in projections("glm-5.2"):
         if p.name == "lm_head":
             continue
         for tiles in LINEAR_TILES:
             try:
-                r = dict(bench_projection("glm-5.2", p, 8, graph_only, tiles), probe="linear tiles")
+                r = dict(bench_projection("glm-5.2", p, 8, graph_timed, tiles), probe="linear tiles")
             except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
                 r = {"kernel": "skinny_gemm", "projection": p.name, "tiles": tiles, "probe": "linear tiles",
                      "error": repr(e)[:300]}

@@ -2,10 +2,12 @@
 against the weight read, at the engine's shapes. Called by the kernel benchmark (dsv32ref.bench.kernels).
 
 At T <= 16 tokens a projection is its weight read: bytes = the weight's (x and y are a few rows). Each call reads
-one of several copies of the weight, so that replays read them from HBM, not from the 50 MB L2.
+one of several copies of the weight (together at least twice the 50 MB L2), so that replays read them from HBM.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,7 @@ from dsv32ref.kernels.skinny_gemm import skinny_gemm
 __all__ = ["LINEAR_TILES", "Projection", "bench_projection", "projection_line", "projections"]
 
 BF16 = torch.bfloat16
-COPIES = 10  # weight copies read in turn (a graph of 10 calls reads each once)
+L2_BYTES = 50e6  # the H200's L2: the copies a graph reads in turn hold at least twice this
 LINEAR_TILES = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s) for bn in (16, 32, 64, 128)
                 for bk in (64, 128, 256) for w, s in ((4, 3), (4, 4), (8, 4))]
 
@@ -29,10 +31,15 @@ class Projection:
     def __init__(self, name: str, N: int, K: int, batch: int | None = None, device: str = "cuda"):
         self.name, self.N, self.K, self.batch, self.device = name, N, K, batch, device
 
+    @property
+    def copies(self) -> int:
+        """Weight copies a graph reads in turn, one a call: at least 10, together at least twice the L2."""
+        return max(10, math.ceil(2 * L2_BYTES / self.nbytes))
+
     def weights(self, gen: torch.Generator) -> list[torch.Tensor]:
         shape = (self.N, self.K) if self.batch is None else (self.batch, self.K, self.N)
         return [(torch.randn(shape, generator=gen, device=self.device) * self.K ** -0.5).to(BF16)
-                for _ in range(COPIES)]
+                for _ in range(self.copies)]
 
     def inputs(self, T: int, gen: torch.Generator) -> torch.Tensor:
         shape = (T, self.K) if self.batch is None else (self.batch, T, self.K)
@@ -76,9 +83,9 @@ def bench_projection(model: str, p: Projection, T: int, timed, tiles: dict | Non
     p.skinny(x, ws[0], out, **(tiles or {}))
     exact = torch.matmul(x.double(), (ws[0].double().T if p.batch is None else ws[0].double()))
     err, err_torch = rel_err(out, exact), rel_err(ref, exact)
-    i = iter(range(10 ** 9))
-    t_torch = timed(lambda: p.torch_path(x, ws[next(i) % COPIES], ref))
-    t_skinny = timed(lambda: p.skinny(x, ws[next(i) % COPIES], out, **(tiles or {})))
+    i, n = iter(range(10 ** 9)), len(ws)
+    t_torch = timed(lambda: p.torch_path(x, ws[next(i) % n], ref), n_inner=n)
+    t_skinny = timed(lambda: p.skinny(x, ws[next(i) % n], out, **(tiles or {})), n_inner=n)
     return {"kernel": "skinny_gemm", "model": model, "projection": p.name, "T": T, "N": p.N, "K": p.K,
             "batch": p.batch, "tiles": tiles, "ms": t_skinny["ms"], "ms_eager": t_skinny.get("ms_eager"),
             "torch_ms": t_torch["ms"],

@@ -63,7 +63,7 @@ class LLMEngine:
             if m is not None and not isinstance(m, EngineModel):
                 raise ValueError(f"LLMEngine: {name}: expected an EngineModel (dsv32ref.engine.from_reference, "
                                  f"build_model, load_pretrained), got {type(m).__name__}")
-            if m is not None and m.config != config:
+            if m is not None and dataclasses.replace(m.config, name=config.name) != config:  # (names may differ)
                 raise ValueError(f"LLMEngine: {name} was built for another ModelConfig than `config` (fields that "
                                  f"differ: {_differing(m.config, config)})")
         if model is None:
