@@ -154,6 +154,8 @@ class ModelConfig:
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError(f"path: expected a checkpoint directory or a config.json path, got {type(path).__name__}")
         path = os.fspath(path)
+        if "\0" in str(path):
+            raise ValueError(f"path: a file path cannot hold a NUL character, got {path!r}")
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         try:
             with open(file) as f:

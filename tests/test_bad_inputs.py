@@ -23,7 +23,7 @@ from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, spa
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, rms_norm, sparse_mla,
                                 topk_indices)
 from dsv32ref.reference.fp8_cache import write_latent
-from dsv32ref.reference.numerics import fp8_dequantize
+from dsv32ref.reference.numerics import fp8_dequantize, pow2_scale, ue8m0_scale
 from dsv32ref.reference.rope import RotaryEmbedding, rope_inv_freq
 from dsv32ref.reference.sparse_attention import dense_mla
 from dsv32ref.testing import compare
@@ -359,6 +359,8 @@ def test_checkpoint_arguments(tmp_path):
     (tmp_path / "dir_cfg" / "config.json").mkdir()
     with pytest.raises(ValueError, match=r"config.json: cannot read .*IsADirectoryError"):
         ModelConfig.from_hf(tmp_path / "dir_cfg")
+    with pytest.raises(ValueError, match=r"path: a file path cannot hold a NUL character"):
+        ModelConfig.from_hf("a\0b")
     # a weight fp16 cannot hold: finite in the file, inf in the model
     big = _ckpt(tmp_path / "big", lambda t: t[W].view(-1).__setitem__(-1, 1e6))
     with pytest.raises(ValueError, match=rf"non-finite: {W} \(in torch.float16\) \(0 NaN, 1 inf of "):
@@ -467,6 +469,8 @@ REFERENCE_CASES = [
      r"weight_scale_inv: expected dtype"),
     (lambda: dequantize_fp8_blocks(torch.ones(4, 4).to(torch.float8_e4m3fn), [[1.0]]),
      r"weight_scale_inv: expected a torch.Tensor, got list"),
+    (lambda: ue8m0_scale(torch.tensor([1.0, float("nan")])), r"amax: expected finite values >= 0, got \[nan\]"),
+    (lambda: pow2_scale(torch.tensor([-2.0]), -13), r"amax: expected finite values >= 0, got \[-2.0\]"),
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(2, 1, dtype=torch.int64)),
      r"fp8_quantize: scale: expected dtype torch.float32 or torch.float64, got torch.int64"),
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(2, 1, dtype=torch.bool)),

@@ -47,7 +47,11 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
 def pow2_scale(amax: torch.Tensor, min_exp: int) -> torch.Tensor:
     """The smallest power of two s = 2^k, k >= min_exp, with amax / s <= 448: 2^max(ceil(log2(amax / 448)), min_exp)
     in exact arithmetic, read off amax's exponent and mantissa (448 = 0.875 x 2^9). fp32 log2 would round a
-    quotient just above a power of two down to it, and that value would then saturate."""
+    quotient just above a power of two down to it, and that value would then saturate. amax: finite, >= 0."""
+    check_tensor("amax", amax, dtype=_FLOATS)
+    bad = ~(torch.isfinite(amax) & (amax >= 0))
+    if bad.any():  # a NaN, inf or negative amax would get the smallest scale, silently
+        raise ValueError(f"amax: expected finite values >= 0, got {amax[bad][:4].tolist()}")
     mant, exp = torch.frexp(amax.float())  # amax = mant x 2^exp, mant in [0.5, 1)
     k = torch.where(amax > 0, exp - 9 + (mant > 0.875).to(exp.dtype), min_exp).clamp(min=min_exp)
     return torch.exp2(k.float())
