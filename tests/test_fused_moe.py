@@ -22,8 +22,8 @@ PRESETS = [pytest.param("cpu", "tiny-deepseek-v3.2", marks=CPU, id="cpu-deepseek
 
 
 def _moe(config: ModelConfig, device, dtype, seed: int) -> MoE:
-    """The reference module with random weights, made and drawn on `device` (GLM-5.2's 256 experts are a billion
-    values: 23 s a module when drawn on a 2-core CPU)."""
+    """The reference module with random weights, made and drawn on `device` (GLM-5.2's 256 experts at the GPU
+    tests' width are a billion values, slow to draw on a CPU)."""
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
         m = MoE(config)

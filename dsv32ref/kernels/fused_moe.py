@@ -82,9 +82,9 @@ class Tiles:
 
 def default_tiles(bm: int) -> tuple[Tiles, Tiles]:
     """(gate/up, down) tiles for blocks of bm pairs. On the H200 (`python -m dsv32ref.bench.kernels --moe-probe`, at
-    decode-sized steps, where bm is 16) BLOCK_K = 128 brought the gate/up GEMM's layer 6-14 % closer to the copy rate
-    than 64, with 4 experts and with 256; no down tiling moved it by more than the run's noise. Larger blocks keep
-    the tiles they were measured with."""
+    decode-sized steps, where bm is 16) BLOCK_K = 128 brought the gate/up GEMM's layer closer to the copy rate than
+    64, with 4 experts and with 256, and no down tiling was faster in every case; rerun the probe on another GPU.
+    Larger blocks keep the tiles they were measured with."""
     return (Tiles(block_k=128) if bm == 16 else Tiles()), Tiles()
 
 

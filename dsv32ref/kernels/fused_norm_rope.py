@@ -253,6 +253,18 @@ def _check_indexer(index_k, k_norm_weight, k_norm_bias, index_cache, T: int, nb:
     return d_i
 
 
+def _check_device_values(tensors: dict, n_slots: int) -> None:
+    """fused_norm_rope's debug mode: outputs apart from the inputs, positions within the rope table, slots within
+    the cache and none given to two tokens (padding -1 aside): two rows for one slot race on a GPU."""
+    outputs = ("q_c_out", "latent_cache", "index_cache")
+    check_disjoint("fused_norm_rope", {k: tensors[k] for k in outputs},
+                   {k: t for k, t in tensors.items() if k not in outputs})
+    positions, slot_mapping = tensors["positions"], tensors["slot_mapping"]
+    check_range("positions", positions, 0, tensors["cos"].shape[0], "cos.shape[0]")
+    check_range("slot_mapping", slot_mapping, -1, n_slots, "-1 (padding) to num_blocks x block_size")
+    check_slots("slot_mapping", slot_mapping[slot_mapping >= 0], n_slots)
+
+
 def fused_norm_rope(
     q_c: torch.Tensor, q_a_norm_weight: torch.Tensor, q_c_out: torch.Tensor,
     kv: torch.Tensor, kv_a_norm_weight: torch.Tensor, latent_cache: torch.Tensor,
@@ -289,19 +301,12 @@ def fused_norm_rope(
     for name, v in (("kv_lora_rank", kv_lora), ("qk_rope_head_dim", rope), ("index_head_dim", d_i)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"fused_norm_rope: {name} must be a power of two, got {v}")
-    check_same_device(q_c=q_c, q_a_norm_weight=q_a_norm_weight, q_c_out=q_c_out, kv=kv,
-                      kv_a_norm_weight=kv_a_norm_weight, latent_cache=latent_cache, positions=positions,
-                      slot_mapping=slot_mapping, cos=cos, sin=sin, index_k=index_k, k_norm_weight=k_norm_weight,
-                      k_norm_bias=k_norm_bias, index_cache=index_cache)
+    tensors = dict(q_c=q_c, q_a_norm_weight=q_a_norm_weight, q_c_out=q_c_out, kv=kv, kv_a_norm_weight=kv_a_norm_weight,
+                   latent_cache=latent_cache, positions=positions, slot_mapping=slot_mapping, cos=cos, sin=sin,
+                   index_k=index_k, k_norm_weight=k_norm_weight, k_norm_bias=k_norm_bias, index_cache=index_cache)
+    check_same_device(**tensors)
     if device_value_checks_on():  # debug mode: syncs
-        outputs = {"q_c_out": q_c_out, "latent_cache": latent_cache, "index_cache": index_cache}
-        check_disjoint("fused_norm_rope", outputs,
-                       dict(q_c=q_c, q_a_norm_weight=q_a_norm_weight, kv=kv, kv_a_norm_weight=kv_a_norm_weight,
-                            positions=positions, slot_mapping=slot_mapping, cos=cos, sin=sin, index_k=index_k,
-                            k_norm_weight=k_norm_weight, k_norm_bias=k_norm_bias))
-        check_range("positions", positions, 0, cos.shape[0], "cos.shape[0]")
-        check_range("slot_mapping", slot_mapping, -1, nb * bs, "-1 (padding) to num_blocks x block_size")
-        check_slots("slot_mapping", slot_mapping[slot_mapping >= 0], nb * bs)  # two rows for one slot: a race
+        _check_device_values(tensors, nb * bs)
     if T == 0:
         return
     dummy = kv  # never dereferenced when HAS_INDEXER is False
