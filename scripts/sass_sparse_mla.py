@@ -4,51 +4,35 @@
     python scripts/sass_sparse_mla.py --merge sass-*.json --out data/sparse_mla_sass.json
 
 The Triton kernel (dsv32ref.kernels.sparse_mla) and sm_90's warp-specialized Gluon kernels (sparse_mla_hopper,
-and sparse_mla_heads_n at 16 heads: the consumers' loop and the producer's), each over the bf16 cache and over
-FlashMLA's FP8 rows, at DeepSeek-V3.2 sizes, as sparse_mla_paged launches them. A kernel that does not compile
-under this triton is a result too (its error is recorded). scripts/sm90_triton_versions.sh runs this under each
-triton release and merges the files.
+sparse_mla_heads_n at 16 heads, and sparse_mla_pairs, FlashMLA's pair schedule, over bf16 rows only: the consumers'
+loop and the producer's), each over the bf16 cache and over FlashMLA's FP8 rows, at DeepSeek-V3.2 sizes, as
+sparse_mla_paged launches them. A kernel that does not compile under this triton is a result too (its error is
+recorded). scripts/sm90_triton_versions.sh runs this under each triton release and merges the files.
 
-Uses the ptxas and cuobjdump that ship with triton. The loop is the innermost backward branch whose body holds the
-most HGMMA instructions (the producer's: the most LDGSTS, or LDG over FP8 rows); the counts are of instructions in
-that body (one step of the loop): LDG = global loads into registers, LDGSTS = cp.async copies (the gather),
-HGMMA = warpgroup MMAs, BAR = CTA barriers. ptxas also reports registers and spills.
+Built by dsv32ref.kernels.sm90_offline (triton's ptxas and cuobjdump). The loop is the innermost backward branch
+whose body holds the most HGMMA instructions (the producer's: the most LDGSTS, or LDG over FP8 rows); the counts
+are of instructions in that body (one step of the loop: 64 keys, a pair of 64-key blocks in sparse_mla_pairs):
+LDG = global loads into registers, LDGSTS = cp.async copies (the gather), HGMMA = warpgroup MMAs, BAR = CTA
+barriers. ptxas also reports registers and spills.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource
 
+from dsv32ref.kernels.sm90_offline import SPARSE_MLA_POINTERS as POINTERS
+from dsv32ref.kernels.sm90_offline import compile_sm90, ptxas_report
 from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, FP8_CONFIG, _sparse_mla_kernel
 from dsv32ref.kernels.sparse_mla_heads_n import _sparse_mla_heads_n_kernel
 from dsv32ref.kernels.sparse_mla_hopper import _sparse_mla_ws_kernel
+from dsv32ref.kernels.sparse_mla_pairs import _sparse_mla_pairs_kernel
 from dsv32ref.provenance import provenance
-
-POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_table_ptr": "*i32", "req_ptr": "*i32",
-            "seq_lens_ptr": "*i32", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "rows_ptr": "*i32"}
-SM90 = GPUTarget("cuda", 90, 32)
-
-
-def _source(cls, fn, const: dict, pointers: dict = POINTERS):
-    """As at a launch with 16-byte aligned pointers and strides (what the GPU build specialises on)."""
-    params = list(inspect.signature(fn.fn).parameters)
-    sig = {p: "constexpr" if p in const else pointers.get(p, "fp32" if p == "sm_scale_log2" else "i32") for p in params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p] not in ("constexpr", "fp32")}
-    return cls(fn, sig, constexprs=const, attrs=attrs)
-
 
 def compile_triton_kernel(fp8: bool = False):
     """The Triton kernel over the bf16 cache, or (fp8) over FlashMLA's FP8 rows, with its tiles."""
@@ -56,35 +40,28 @@ def compile_triton_kernel(fp8: bool = False):
     const = dict(D_LAT=512, D_ROPE=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PRECISION="tf32",
                  NUM_SPLITS=1, VALID_FIRST=False, FP8=fp8, FLAG_NAN=False)
     pointers = dict(POINTERS, cache_ptr="*u8") if fp8 else POINTERS
-    return triton.compile(_source(ASTSource, _sparse_mla_kernel, const, pointers), target=SM90,
-                          options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    return compile_sm90(_sparse_mla_kernel, const, pointers, cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def compile_hopper_kernel(fp8: bool = False, heads_n: bool = False):
-    """sm_90's 64-head kernel (or, heads_n, the one with 16 heads as the MMA's N) over the bf16 cache, or (fp8)
-    over FlashMLA's FP8 rows; one top-k split (bf16 out)."""
-    warps = 4 if heads_n else 8
-    const = dict(D_LAT=512, D_ROPE=64, VALID_FIRST=False, FP8=fp8, NUM_SPLITS=1, num_warps=warps)
+def compile_hopper_kernel(fp8: bool = False, heads_n: bool = False, pairs: bool = False):
+    """sm_90's 64-head kernel (or, heads_n, the one with 16 heads as the MMA's N; pairs, the one with FlashMLA's
+    pair schedule, bf16 rows only) over the bf16 cache, or (fp8) over FlashMLA's FP8 rows; one top-k split."""
+    warps = 4 if heads_n or pairs else 8
+    const = dict(D_LAT=512, D_ROPE=64, VALID_FIRST=False, NUM_SPLITS=1, num_warps=warps)
+    if not pairs:
+        const["FP8"] = fp8
     if heads_n:
         const["HB"] = 16
     pointers = dict(POINTERS, cache_ptr="*u8") if fp8 else POINTERS
-    fn = _sparse_mla_heads_n_kernel if heads_n else _sparse_mla_ws_kernel
-    return triton.compile(_source(GluonASTSource, fn, const, pointers), target=SM90, options=dict(num_warps=warps))
+    fn = _sparse_mla_pairs_kernel if pairs else _sparse_mla_heads_n_kernel if heads_n else _sparse_mla_ws_kernel
+    return compile_sm90(fn, const, pointers, warps, gluon=True)
 
 
 def loop_counts(kernel, loop: str = "HGMMA") -> dict:
     """Registers, spills and one step's instructions of the loop whose body holds the most `loop` instructions."""
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        report = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
-                                capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
+    report = ptxas_report(kernel)
     instrs = []  # (address, opcode, operands)
-    for line in sass.splitlines():
+    for line in report["sass"].splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
         if m:
             instrs.append((int(m.group(1), 16), m.group(2), m.group(3)))
@@ -100,9 +77,8 @@ def loop_counts(kernel, loop: str = "HGMMA") -> dict:
     bodies = [[o for a, o, _ in instrs if f <= a <= l] for f, l in inner]
     body = max(bodies, key=lambda b: sum(o.startswith(loop) for o in b))
     kinds = collections.Counter(o.split(".")[0] for o in body)
-    regs, spill = re.search(r"Used (\d+) registers", report), re.search(r"(\d+) bytes spill stores", report)
-    return {"kernel": kernel.name, "registers": int(regs.group(1)), "spill_store_bytes": int(spill.group(1)),
-            "shared_bytes": kernel.metadata.shared, "loop_instructions": len(body),
+    return {"kernel": kernel.name, "registers": report["registers"], "spill_store_bytes": report["spill_store_bytes"],
+            "shared_bytes": report["shared_bytes"], "loop_instructions": len(body),
             "per_step": {k: kinds[k] for k in ("LDG", "LDGSTS", "LDS", "STS", "HGMMA", "BAR", "MUFU", "IMAD")}}
 
 
@@ -117,9 +93,11 @@ def counts() -> dict:
     rows = {"the Triton kernel": _attempt(lambda: loop_counts(compile_triton_kernel())),
             "the Triton kernel, fp8 cache": _attempt(lambda: loop_counts(compile_triton_kernel(fp8=True)))}
     # the producer's loop: over bf16 rows it gathers with cp.async; over FP8 rows it loads into registers
-    for heads_n, kernel in ((False, "sm_90 warp-specialized"), (True, "sm_90 heads as N (16)")):
-        for fp8, producer_op in ((False, "LDGSTS"), (True, "LDG")):
-            hopper = _attempt(lambda: compile_hopper_kernel(fp8, heads_n))
+    kernels = ((False, False, "sm_90 warp-specialized"), (True, False, "sm_90 heads as N (16)"),
+               (False, True, "sm_90 key pairs"))
+    for heads_n, pairs, kernel in kernels:
+        for fp8, producer_op in ((False, "LDGSTS"), (True, "LDG"))[:1 if pairs else 2]:
+            hopper = _attempt(lambda: compile_hopper_kernel(fp8, heads_n, pairs))
             cache = ", fp8 cache" if fp8 else ""
             for name, loop in ((f"{kernel}{cache}: the consumers' loop", "HGMMA"),
                                (f"{kernel}{cache}: the producer's loop", producer_op)):

@@ -15,7 +15,7 @@ from dsv32ref.kernels.sparse_mla import FP32_CONFIG, sparse_mla_paged
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
                                 sparse_mla, topk_indices)
 from dsv32ref.reference.rope import RotaryEmbedding
-from dsv32ref.testing import assert_close, eps
+from dsv32ref.testing import assert_close, eps, paged_sparse_mla_inputs, reference_sparse_mla_paged
 
 # (device, dtype, tolerance in units of the dtype's precision, per element: dsv32ref.testing)
 # Interpreted cases need TRITON_INTERPRET=1, which conftest sets only where there is no GPU (triton reads
@@ -393,11 +393,58 @@ def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
     poisoned; invalid, out-of-range and repeated indices; a token of a request outside the block table; a token with
     no valid key; block ids outside the cache (the producer zero-fills those rows and flags them invalid: they must
     not count); head counts that are not a multiple of a program's heads."""
+    _check_sm90_kernel(heads, valid_first, _sizes("cuda")["k"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 64, 40])
+@pytest.mark.parametrize("valid_first,k", [(False, 2048), (True, 1984)])
+def test_sparse_mla_pair_kernel(monkeypatch, heads, valid_first, k, seed):
+    """sparse_mla_pairs (FlashMLA's pair schedule) where sparse_mla_paged runs its 64-head sm_90 kernel: the same
+    cases as test_sparse_mla_hopper_kernel, with an even and an odd count of 64-key blocks (the last pair's second
+    block then holds no key: zero-filled, flagged invalid)."""
+    from dsv32ref.kernels import sparse_mla_hopper, sparse_mla_pairs
+
+    monkeypatch.setattr(sparse_mla_hopper, "sparse_mla_hopper", sparse_mla_pairs.sparse_mla_pairs)
+    _check_sm90_kernel(heads, valid_first, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("query_lens", [[70, 1, 33], [1, 1, 1]])
+def test_sparse_mla_pair_kernel_on_generated_inputs(monkeypatch, query_lens, seed):
+    """The pair kernel on the generator's inputs (NaN in every cache row no token selects), with one query row
+    holding a NaN and the outputs poisoned, against the oracle; the three decode tokens take top-k splits (each
+    program a few pairs, fp32 partials merged)."""
+    from dsv32ref.kernels import sparse_mla_hopper, sparse_mla_pairs
+    from dsv32ref.kernels.sparse_mla import launch_plan
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the pair kernel is sm_90's")
+    monkeypatch.setattr(sparse_mla_hopper, "sparse_mla_hopper", sparse_mla_pairs.sparse_mla_pairs)
+    x = paged_sparse_mla_inputs(num_heads=128, d_lat=512, d_rope=64, topk=1984, context_lens=[0, 3000, 40],
+                                query_lens=query_lens, block_size=64, dtype=torch.bfloat16, device="cuda", seed=seed,
+                                sm_scale=0.1352)
+    x.q[-1, 1, 3] = float("nan")
+    T, H = x.q.shape[:2]
+    _, _, splits, sm90 = launch_plan(x.q, 512, 1984, None, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert sm90 and (splits > 1) == (T == 3), splits
+    want_out, want_lse = reference_sparse_mla_paged(x)
+    out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((T, H), -7.0, device="cuda")
+    sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,
+                     out, lse)
+    assert_close("out", out, want_out, dtype=torch.bfloat16, rtol=1, atol=1, row_dims=2)
+    assert_close("lse", lse, want_lse, dtype=torch.float32, rtol=64, atol=64, row_dims=1)
+    assert torch.isnan(out[-1, 1]).all() or not (x.topk_indices[-1] >= 0).any()  # the NaN reached its head only
+
+
+def _check_sm90_kernel(heads: int, valid_first: bool, k: int) -> None:
+    """The cases of test_sparse_mla_hopper_kernel, at k top-k slots a token."""
     from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, launch_plan
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized kernel is sm_90's")
-    z = _sizes("cuda")
+    z = dict(_sizes("cuda"), k=k)
     meta, nb = _meta("cuda", [3000, 0, 200], [5, 64, 1], z["block"])
     T, f = meta.num_tokens, dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(T, heads, z["d_lat"] + z["rope"], **f)

@@ -147,26 +147,30 @@ def _issue_pv(p, alpha, p_smem, kl, acc, o_l: gl.constexpr):
 
 
 @gluon.jit
-def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split, D_LAT: gl.constexpr,
-            NUM_SPLITS: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
-    """O / l and the natural-log logsumexp (+inf where no key was valid; NaN where a score was NaN or +inf, as in
-    the reference), stored for the program's heads; with top-k splits, fp32 partials [T, H, NUM_SPLITS, D_LAT] and
-    [T, H, NUM_SPLITS] (an empty split's lse -inf: weight 0 when sparse_mla merges them)."""
+def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split, C0: gl.constexpr,
+            WRITE_LSE: gl.constexpr, D_LAT: gl.constexpr, NUM_SPLITS: gl.constexpr, s_l: gl.constexpr,
+            o_l: gl.constexpr):
+    """O / l (acc: O's columns C0 to C0 + acc.shape[1]) and, with WRITE_LSE, the natural-log logsumexp (+inf where
+    no key was valid; NaN where a score was NaN or +inf, as in the reference), stored for the program's heads; with
+    top-k splits, fp32 partials [T, H, NUM_SPLITS, D_LAT] and [T, H, NUM_SPLITS] (an empty split's lse -inf:
+    weight 0 when sparse_mla merges them)."""
     has_key = l_i != 0
     lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
     out = acc / gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))[:, None]
     offs_ho = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_l))
-    offs_d = gl.arange(0, D_LAT, gl.SliceLayout(0, o_l))
+    offs_d = C0 + gl.arange(0, acc.shape[1], gl.SliceLayout(0, o_l))
     offs_hl = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
     if NUM_SPLITS > 1:
         o_ptrs = out_ptr + ((t * H + offs_ho[:, None]) * NUM_SPLITS + split) * D_LAT + offs_d[None, :]
         gl.store(o_ptrs, out, mask=(offs_ho < H)[:, None])
-        gl.store(lse_ptr + (t * H + offs_hl) * NUM_SPLITS + split, gl.where(has_key, lse, float("-inf")),
-                 mask=offs_hl < H)
+        if WRITE_LSE:
+            gl.store(lse_ptr + (t * H + offs_hl) * NUM_SPLITS + split, gl.where(has_key, lse, float("-inf")),
+                     mask=offs_hl < H)
     else:
         gl.store(out_ptr + t * stride_ot + offs_ho[:, None] * stride_oh + offs_d[None, :], out.to(gl.bfloat16),
                  mask=(offs_ho < H)[:, None])
-        gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
+        if WRITE_LSE:
+            gl.store(lse_ptr + t * stride_lt + offs_hl, gl.where(has_key, lse, float("inf")), mask=offs_hl < H)
 
 
 @gluon.jit
@@ -321,8 +325,8 @@ def _compute_partition(q_lat, q_pe, k_lat, k_pe, p_smem, valid_smem, q_bar, read
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _cta_barrier()  # every consumer warp is done with P and with this stage
         mbarrier.arrive(free.index(st))
-    _finish(acc, m_i, gl.sum(l_acc, axis=1), out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split,
-            D_LAT, NUM_SPLITS, s_l, o_l)
+    _finish(acc, m_i, gl.sum(l_acc, axis=1), out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split, 0,
+            True, D_LAT, NUM_SPLITS, s_l, o_l)
 
 
 @gluon.jit

@@ -1,0 +1,40 @@
+"""sm_90's Gluon kernels built for sm_90a on the CPU (triton's own ptxas, no GPU): each fits the shared memory one
+block may take and spills no register, as sparse_mla_paged would launch it. The build runs in a process of its
+own: the tests' triton is the interpreter."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsv32ref.kernels import sparse_mla_hopper
+from dsv32ref.kernels.sm90_offline import MAX_SHARED_BYTES, have_ptxas
+
+pytestmark = pytest.mark.skipif(
+    not have_ptxas() or sparse_mla_hopper._TRITON not in sparse_mla_hopper.SUPPORTED_TRITON,
+    reason="needs triton's ptxas and a triton the sm_90 kernels are built for")
+
+
+def _build(kernel: str, **const) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "dsv32ref.kernels.sm90_offline", kernel, json.dumps(const),
+                           "--gluon"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("splits,valid_first", [(1, False), (4, True)])
+def test_the_pair_kernel_builds_for_sm90_within_a_block_without_spills(splits, valid_first):
+    r = _build("dsv32ref.kernels.sparse_mla_pairs:_sparse_mla_pairs_kernel", D_LAT=512, D_ROPE=64,
+               VALID_FIRST=valid_first, NUM_SPLITS=splits, num_warps=4)
+    assert r["shared_bytes"] <= MAX_SHARED_BYTES, r["shared_bytes"]
+    assert r["spill_store_bytes"] == 0, r["spill_store_bytes"]
+    assert r["opcodes"].get("HGMMA", 0) > 0
+
+
+def test_the_warp_specialized_kernel_builds_for_sm90_within_a_block_without_spills():
+    r = _build("dsv32ref.kernels.sparse_mla_hopper:_sparse_mla_ws_kernel", D_LAT=512, D_ROPE=64, VALID_FIRST=False,
+               FP8=False, NUM_SPLITS=1, num_warps=8)
+    assert r["shared_bytes"] <= MAX_SHARED_BYTES and r["spill_store_bytes"] == 0, r
