@@ -190,6 +190,28 @@ def test_ttft_experiment_control_flow_on_cpu(tmp_path):
     from dsv32ref.param_counts import model_parameter_count
     assert res["weight_read"]["bytes"] == 4 * (model_parameter_count(cfg) - cfg.vocab_size * cfg.hidden_size)
     assert res["weight_read"]["limit_ms"] is None and res["variants"]["none"]["floor_over_weight_read"] is None
+    by_region = res["weight_read"]["by_region"]
+    assert sum(r["bytes"] for r in by_region.values()) == res["weight_read"]["bytes"]
+
+
+@CPU
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3.2", "tiny-glm-5.2"])
+def test_weight_bytes_by_region_name_the_regions_that_read_them(preset):
+    """Every weight a forward reads falls in one instrument region, and that region is one the engine enters in a
+    step (host timers: timing_regions), so the ledger's GPU time of a region stands beside the region's own weight
+    read: the split sums to weight_read's bytes, a dense MLP's weights and a MoE's apart."""
+    from dsv32ref.experiments.ttft import weight_bytes_by_region, weight_read
+    from dsv32ref.instrument import timing_regions
+
+    layers = dict(indexer_types=("full", "shared")) if "glm" in preset else {}
+    ref = tiny_model(preset, dtype=torch.float32, num_hidden_layers=2, first_k_dense_replace=1, **layers)
+    eng = _engine(ref, "narrow")
+    with timing_regions() as times:
+        eng.generate(torch.randint(0, ref.config.vocab_size, (9,)).tolist(), 1)
+    by = weight_bytes_by_region(eng.model)
+    assert sum(by.values()) == weight_read(eng.model, None)["bytes"]
+    assert {"moe", "mlp", "o_proj", "a_proj", "q_gemm"} <= set(by) and set(by) - {"other"} <= set(times), (by, times)
+    assert by["mlp"] == 4 * sum(p.numel() for p in eng.model.layers[0].mlp.parameters())
 
 
 @CPU

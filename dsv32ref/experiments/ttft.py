@@ -24,13 +24,14 @@ from dsv32ref.bench.kernels import measure_copy
 from dsv32ref.checks import is_int
 from dsv32ref.config import REDUCED_MOE, ModelConfig, reduced_moe
 from dsv32ref.engine import BOUNDARIES, LLMEngine, StepInput, TensorParallel, build_model, shard
+from dsv32ref.engine.model import EngineMoE
 from dsv32ref.experiments import host_costs, ledger
 from dsv32ref.experiments.protocol import arm, engine_config, prompts, stats
 from dsv32ref.instrument import measuring
 from dsv32ref.provenance import provenance
 from dsv32ref.results import progress, write_partial, write_result
 
-__all__ = ["TTFTProtocol", "anatomy", "run"]
+__all__ = ["TTFTProtocol", "anatomy", "run", "weight_bytes_by_region", "weight_read"]
 
 
 @dataclass(frozen=True)
@@ -166,16 +167,49 @@ def weight_read(model, copy_GBps: float | None) -> dict:
     return {"bytes": nbytes, "copy_GBps": copy_GBps, "limit_ms": nbytes / copy_GBps / 1e6 if copy_GBps else None}
 
 
+# the engine's instrument region that reads each weight (dsv32ref.engine.model), by the parameter's own name;
+# an MLP's weights are read in "moe" or "mlp" (which module holds them says), lm_head and the final norm in the
+# logits, outside the forward: "other"
+_WEIGHT_REGION = {
+    "fused_qkv_a_proj": "a_proj", "wk_weights_proj": "a_proj", "q_b_proj": "q_gemm", "wq_b": "q_gemm",
+    "W_UK": "wuk_bmm", "W_UV": "uv_bmm", "o_proj": "o_proj", "q_a_layernorm": "norm_rope",
+    "kv_a_layernorm": "norm_rope", "k_norm_weight": "norm_rope", "k_norm_bias": "norm_rope",
+    "input_layernorm": "layer_norm", "post_attention_layernorm": "layer_norm", "lm_head": "other", "norm": "other",
+}
+
+
+def weight_bytes_by_region(model) -> dict[str, int]:
+    """weight_read's bytes split by the instrument region whose kernels read them: beside the ledger's GPU time of
+    each region (gpu_ms_by_region_eager), how far each part of the floor is from its own weight read."""
+    by = {}
+    for name, p in model.named_parameters():
+        if name == "embed_tokens":
+            continue
+        if ".mlp." in name:
+            region = "moe" if isinstance(model.get_submodule(name[: name.index(".mlp.") + 4]), EngineMoE) else "mlp"
+        else:
+            region = _WEIGHT_REGION[name.rsplit(".", 1)[-1]]
+        by[region] = by.get(region, 0) + p.numel() * p.element_size()
+    return by
+
+
 def _attach_weight_read(result: dict, weights, cuda: bool, lead: bool) -> None:
-    """The weights' read at this GPU's copy bandwidth (measured after the timed loop: nothing else runs), and
-    each arm's GPU-busy floor over it."""
+    """The weights' read at this GPU's copy bandwidth (measured after the timed loop: nothing else runs), each
+    arm's GPU-busy floor over it, and each region's weight bytes and read time."""
     result["weight_read"] = w = weight_read(weights, measure_copy()["copy_GBps"] if cuda else None)
+    w["by_region"] = {region: {"bytes": n, "limit_ms": n / w["copy_GBps"] / 1e6 if w["copy_GBps"] else None}
+                      for region, n in weight_bytes_by_region(weights).items()}
     for r in result["variants"].values():
         r["floor_over_weight_read"] = r["ledger"]["gpu_busy_ms"] / w["limit_ms"] if w["limit_ms"] else None
     if lead and w["limit_ms"]:
         print(f"  weights read once: {w['bytes'] / 2**30:.2f} GiB at {w['copy_GBps']:.0f} GB/s = {w['limit_ms']:.2f} "
               f"ms; floor / that: " + ", ".join(f"{v} {r['floor_over_weight_read']:.2f}"
                                                for v, r in result["variants"].items()), flush=True)
+        best = min(result["variants"], key=lambda v: result["variants"][v]["ledger"]["gpu_busy_ms"])
+        by_ms = result["variants"][best]["ledger"]["gpu_ms_by_region_eager"] or {}
+        over = sorted(((by_ms.get(k, 0.0) - v["limit_ms"], k) for k, v in w["by_region"].items()), reverse=True)
+        print(f"  {best}'s GPU time over each region's weight read: "
+              + ", ".join(f"{k} {ms:+.2f} ms" for ms, k in over[:5]), flush=True)
 
 
 def _arm_result(eng: LLMEngine, cap_s: float, t: dict, p: TTFTProtocol, prompt: list[int], anat) -> dict:
