@@ -396,31 +396,38 @@ def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
     _check_sm90_kernel(heads, valid_first, _sizes("cuda")["k"])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [128, 64, 40])
-@pytest.mark.parametrize("valid_first,k", [(False, 2048), (True, 1984)])
-def test_sparse_mla_pair_kernel(monkeypatch, heads, valid_first, k, seed):
-    """sparse_mla_pairs (FlashMLA's pair schedule) where sparse_mla_paged runs its 64-head sm_90 kernel: the same
-    cases as test_sparse_mla_hopper_kernel, with an even and an odd count of 64-key blocks (the last pair's second
-    block then holds no key: zero-filled, flagged invalid)."""
+def _pair_kernel_in_place_of_hopper(monkeypatch, prefetch: bool) -> None:
+    """sparse_mla_paged's 64-head sm_90 launches go to sparse_mla_pairs (FlashMLA's pair schedule) instead."""
+    import functools
+
     from dsv32ref.kernels import sparse_mla_hopper, sparse_mla_pairs
 
-    monkeypatch.setattr(sparse_mla_hopper, "sparse_mla_hopper", sparse_mla_pairs.sparse_mla_pairs)
+    monkeypatch.setattr(sparse_mla_hopper, "sparse_mla_hopper",
+                        functools.partial(sparse_mla_pairs.sparse_mla_pairs, prefetch=prefetch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 64, 40])
+@pytest.mark.parametrize("valid_first,k,prefetch", [(False, 2048, False), (True, 1984, False), (True, 1984, True)])
+def test_sparse_mla_pair_kernel(monkeypatch, heads, valid_first, k, prefetch, seed):
+    """sparse_mla_pairs where sparse_mla_paged runs its 64-head sm_90 kernel: the same cases as
+    test_sparse_mla_hopper_kernel, with an even and an odd count of 64-key blocks (the last pair's second block
+    then holds no key: zero-filled, flagged invalid), consumer 0 prefetching the next pair's scores or not."""
+    _pair_kernel_in_place_of_hopper(monkeypatch, prefetch)
     _check_sm90_kernel(heads, valid_first, k)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("query_lens", [[70, 1, 33], [1, 1, 1]])
-def test_sparse_mla_pair_kernel_on_generated_inputs(monkeypatch, query_lens, seed):
+@pytest.mark.parametrize("query_lens,prefetch", [([70, 1, 33], False), ([70, 1, 33], True), ([1, 1, 1], True)])
+def test_sparse_mla_pair_kernel_on_generated_inputs(monkeypatch, query_lens, prefetch, seed):
     """The pair kernel on the generator's inputs (NaN in every cache row no token selects), with one query row
     holding a NaN and the outputs poisoned, against the oracle; the three decode tokens take top-k splits (each
     program a few pairs, fp32 partials merged)."""
-    from dsv32ref.kernels import sparse_mla_hopper, sparse_mla_pairs
     from dsv32ref.kernels.sparse_mla import launch_plan
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the pair kernel is sm_90's")
-    monkeypatch.setattr(sparse_mla_hopper, "sparse_mla_hopper", sparse_mla_pairs.sparse_mla_pairs)
+    _pair_kernel_in_place_of_hopper(monkeypatch, prefetch)
     x = paged_sparse_mla_inputs(num_heads=128, d_lat=512, d_rope=64, topk=1984, context_lens=[0, 3000, 40],
                                 query_lens=query_lens, block_size=64, dtype=torch.bfloat16, device="cuda", seed=seed,
                                 sm_scale=0.1352)

@@ -238,11 +238,11 @@ def ref_sparse_mla_chunked(q, cache, r, topk, scale, d_lat, chunk=128):
 
 
 def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, sort_indices=False, batch=False,
-                     pairs=False):
+                     pairs=None):
     """T tokens at the end of a ctx-token request (batch: T decode requests, decode_batch). `config`: tiles of
     the Triton kernel over its defaults (None: what the library picks; the result says which kernel and why).
-    pairs: sparse_mla_pairs (FlashMLA's pair schedule) launched itself, where the programs fill the GPU (no top-k
-    splits)."""
+    pairs "plain" or "prefetch": sparse_mla_pairs (FlashMLA's pair schedule) launched itself, where the programs
+    fill the GPU (no top-k splits)."""
     r = decode_batch(T, ctx) if batch else one_request(ctx, T)
     D = z["d_lat"] + z["rope"]
     cache = torch.randn(r["nblocks"], BLOCK_SIZE, D, device=DEV, dtype=BF16)
@@ -263,8 +263,8 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
             raise ValueError(f"bench_sparse_mla: the pair kernel does not run here ({splits} splits; {why_pairs})")
         outputs = (out, out.stride(0), out.stride(1), lse, lse.stride(0))
         run = lambda: sparse_mla_pairs.sparse_mla_pairs(q, cache, r["block_table"], r["req"], r["seq_lens"], topk,
-                                                        scale, outputs, 1)
-        impl, why = "sm_90 key pairs", "FlashMLA's pair schedule, launched by the benchmark"
+                                                        scale, outputs, 1, prefetch=pairs == "prefetch")
+        impl, why = f"sm_90 key pairs ({pairs})", "FlashMLA's pair schedule, launched by the benchmark"
     res = {"kernel": "sparse_mla", "impl": impl, "why": why, "model": z["name"], "T": T, "context": ctx,
            "topk": z["k"], "config": config or {}, "config_full": cfg, "splits": splits,
            "shape": "decode batch" if batch else "one request"}
@@ -597,12 +597,12 @@ def probe_splits(run: Run, models) -> None:
 
 
 def probe_pairs(run: Run, models) -> None:
-    """sparse_mla_pairs beside what sparse_mla_paged runs, one request of 512 to 8192 tokens over a 32k context,
-    interleaved (library, pairs, library, pairs), each checked against the chunked reference."""
+    """sparse_mla_pairs (plain, and with consumer 0 prefetching) beside what sparse_mla_paged runs, one request of
+    512 to 8192 tokens over a 32k context, interleaved twice, each checked against the chunked reference."""
     for z in models:
         for T in (512, 1024, 2048, 4096, 8192):
             for rnd in range(2):
-                for pairs in (False, True):
+                for pairs in (None, "plain", "prefetch"):
                     r = bench_sparse_mla(z, T, 32768, run.ceil, torch_path=False, pairs=pairs)
                     run.add(dict(r, probe="pairs", round=rnd), _sparse_line(r))
 
