@@ -47,8 +47,14 @@ def _out(args, name: str) -> str:
         raise ValueError(f"--record and --out {args.out!r}: give one (--record writes into data/, --out to a path)")
     if args.out is not None and (not args.out or os.path.isdir(args.out)):
         raise ValueError(f"--out: expected a file path, got {args.out!r}" + (" (a directory)" if args.out else ""))
+    if args.out is not None and "\0" in args.out:
+        raise ValueError(f"--out: a path cannot hold a NUL character, got {args.out!r}")
     if args.out:  # where the result goes, before the work that makes it
         folder = os.path.dirname(os.path.abspath(args.out))
+        name_max = 255  # NAME_MAX of the common file systems: a longer name fails only when the result is written
+        if len(os.fsencode(os.path.basename(args.out))) > name_max:
+            raise ValueError(f"--out: the file name takes {len(os.fsencode(os.path.basename(args.out)))} bytes, a file "
+                             f"system takes at most {name_max}")
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
@@ -61,7 +67,8 @@ def _out(args, name: str) -> str:
 def _needs_gpu(what: str, count: int = 1) -> bool:
     if torch.cuda.is_available() and torch.cuda.device_count() >= count:
         return False
-    print(f"{what} needs {count} CUDA GPU(s); what one H200 recorded is in data/ (see `dsv32ref summary`)")
+    print(f"dsv32ref: error: {what} needs {count} CUDA GPU(s); what one H200 recorded is in data/ (see "
+          f"`dsv32ref summary`)", file=sys.stderr)
     return True
 
 
@@ -143,16 +150,20 @@ def cmd_hostcosts(args) -> int:
 
 
 def cmd_kernels(args) -> int:
+    if _needs_gpu("kernels"):  # before --out's folders are made
+        return 2
     return kernel_bench.main(["--out", _out(args, "kernels.json")] + (["--quick"] if args.quick else []))
 
 
 def cmd_fp8_speed(args) -> int:
+    if _needs_gpu("fp8-speed"):
+        return 2
     return fp8_bench.main(["--out", _out(args, "fp8_speed.json")] + (["--quick"] if args.quick else []))
 
 
 def cmd_fp8_accuracy(args) -> int:
-    if args.tokens < 1:
-        raise ValueError(f"--tokens: expected an int >= 1, got {args.tokens}")
+    if not 1 <= args.tokens <= fp8_accuracy.MAX_TOKENS:
+        raise ValueError(f"--tokens: expected an int in [1, {fp8_accuracy.MAX_TOKENS}], got {args.tokens}")
     fp8_accuracy.run(tokens=args.tokens, out=_out(args, "fp8_accuracy.json"))
     return 0
 
@@ -164,7 +175,8 @@ def cmd_ledger(args) -> int:
     out = _out(args, f"ledger_predicted_{args.model}.json")
     measured = args.measured or os.path.join(DATA_DIR, f"ttft_{args.model}.json")
     if args.measured and not os.path.isfile(measured):
-        raise ValueError(f"--measured: no such file {measured!r}")
+        raise ValueError(f"--measured: {'a directory, not a TTFT result' if os.path.isdir(measured) else 'no such file'} "
+                         f"{measured!r}")
     run = ttft_model.load_ttft_result(measured) if os.path.exists(measured) else None  # before the minutes below
     predicted = ledger.predict_all(args.model)
     if run is not None:

@@ -157,9 +157,12 @@ class StepPlan:
                     raise ValueError(f"AttentionMetadata.build: {name}[{b}] must be an int, got {type(v).__name__} {v!r}")
             if ctx < 0 or n < 1:
                 raise ValueError(f"request {b}: context_len {ctx} must be >= 0 and query_len {n} >= 1")
+            if ctx + n > MAX_BLOCKS:
+                raise ValueError(f"request {b}: context_len + query_len must be at most {MAX_BLOCKS} (positions are "
+                                 f"int32 in the kernels), got {ctx + n}")
             for blk in blocks:
-                if not is_int(blk) or blk < 0 or (num_blocks is not None and blk >= num_blocks):
-                    bound = f"[0, {num_blocks})" if num_blocks is not None else ">= 0"
+                if not is_int(blk) or blk < 0 or blk >= (MAX_BLOCKS if num_blocks is None else num_blocks):
+                    bound = f"[0, {num_blocks})" if num_blocks is not None else f"in [0, {MAX_BLOCKS})"
                     raise ValueError(f"block_tables[{b}]: block ids must be ints {bound}, got {blk!r}")
                 if owner.setdefault(blk, b) != b:
                     raise ValueError(f"block_tables[{b}]: block {blk} also belongs to request {owner[blk]} of this step")
@@ -189,6 +192,29 @@ def _check_block_ids(name: str, num_blocks: int) -> None:
         raise ValueError(f"{name}: at most {MAX_BLOCKS} (block ids are int32), got {num_blocks}")
 
 
+class _FreeBlocks:
+    """The free block ids: those handed back (a stack), then the ones never handed out, counted rather than listed
+    (a list of every id of a 2^31-block cache would not fit in memory). pop() hands out low ids first."""
+
+    def __init__(self, num_blocks: int):
+        self.returned: list[int] = []
+        self.next, self.end = 0, num_blocks
+
+    def __len__(self) -> int:
+        return len(self.returned) + self.end - self.next
+
+    def pop(self) -> int:
+        if self.returned:
+            return self.returned.pop()
+        if self.next == self.end:
+            raise IndexError("pop from an empty free list")
+        self.next += 1
+        return self.next - 1
+
+    def extend(self, ids) -> None:
+        self.returned.extend(ids)
+
+
 class BlockAllocator:
     """A free list of cache blocks; each sequence id owns a growing list of block ids and a count of the tokens its
     cache rows hold (`held`: what the steps wrote, or what `assume` declared), which a step's context must equal."""
@@ -198,7 +224,7 @@ class BlockAllocator:
         check_int("BlockAllocator: block_size", block_size)
         _check_block_ids("BlockAllocator: num_blocks", num_blocks)
         self.block_size = block_size
-        self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.free = _FreeBlocks(num_blocks)
         self.tables: dict[int, list[int]] = {}
         self.held: dict[int, int] = {}
 
@@ -215,6 +241,9 @@ class BlockAllocator:
         check_int("BlockAllocator.ensure: seq_id", seq_id, low=0)
         check_int("BlockAllocator.ensure: num_tokens", num_tokens, low=0)
         need = -(-num_tokens // self.block_size) - len(self.tables.get(seq_id, []))
+        if need > MAX_BLOCKS:
+            raise ValueError(f"BlockAllocator.ensure: num_tokens: {num_tokens} tokens need more blocks of "
+                             f"{self.block_size} than a cache can have ({MAX_BLOCKS})")
         if need > len(self.free):  # (nothing changes: a sequence not yet known stays unknown)
             raise RuntimeError(
                 f"BlockAllocator: sequence {seq_id} needs {need} more blocks, {len(self.free)} free"
@@ -239,14 +268,19 @@ FP8_PARTS = ("latent", "indexer")  # what an "fp8" cache stores in FP8 (both, as
 
 def indexer_key_bytes(head_dim: int) -> int:
     """Bytes one token's key takes in the FP8 indexer cache: head_dim fp8 values and one fp32 scale (132 at 128)."""
-    return head_dim + 4
+    return check_int("indexer_key_bytes: head_dim", head_dim) + 4
 
 
 def token_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[int, int]:
     """(latent row, indexer key) bytes of one token in one layer: "auto" stores both in `dtype`; "fp8" stores
     FlashMLA's latent rows (656 bytes) and DeepGEMM's keys (index_head_dim + 4: fp8 values and an fp32 scale)."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"token_bytes: config: expected a ModelConfig, got {type(config).__name__}")
+    check_kv_cache_dtype("token_bytes: kv_cache_dtype", kv_cache_dtype, config)
     if kv_cache_dtype == "fp8":
         return LATENT_ROW_BYTES, indexer_key_bytes(config.index_head_dim)
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"token_bytes: dtype: expected one of {CACHE_DTYPES}, got {dtype!r}")
     size = torch.finfo(dtype).bits // 8
     return config.latent_dim * size, config.index_head_dim * size
 
@@ -311,13 +345,22 @@ def _check_float_cache(cache: torch.Tensor) -> None:
 
 
 def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache [NB, BS, D] <- rows [T, D] at slot_mapping [T] (flattened slot ids)."""
+    """cache [NB, BS, D] (any strides) <- rows [T, D] (a float dtype, finite values in the cache's range or NaN /
+    inf as they are) at slot_mapping [T] (flattened slot ids)."""
     _check_float_cache(cache)
     nb, bs, d = check_tensor("cache", cache, shape=(None, None, None)).shape
     check_tensor("slot_mapping", slot_mapping, shape=(None,), dtype=(torch.int32, torch.int64), device=cache.device)
-    check_tensor("rows", rows, shape=(slot_mapping.shape[0], d))
+    check_tensor("rows", rows, shape=(slot_mapping.shape[0], d), dtype=CACHE_DTYPES, device=cache.device)
     check_slots("slot_mapping", slot_mapping, nb * bs)
-    cache.view(nb * bs, d).index_copy_(0, slot_mapping.long(), rows.to(cache.dtype))
+    cast = rows.to(cache.dtype)
+    overflow = torch.isfinite(rows) & ~torch.isfinite(cast)
+    if overflow.any():
+        raise ValueError(f"rows: {int(overflow.sum())} finite values past {cache.dtype}'s range (the cache's), e.g. "
+                         f"{rows[overflow][:2].tolist()}")
+    slots = slot_mapping.long()
+    cache[slots // bs, slots % bs] = cast
+
+
 
 
 def token_slots(block_table_row: torch.Tensor, seq_len: int, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -337,7 +380,10 @@ def token_slots(block_table_row: torch.Tensor, seq_len: int, num_blocks: int, bl
 
 
 def gather_tokens(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len token rows [seq_len, D] of one sequence, read through its block-table row."""
+    """The first seq_len token rows [seq_len, D] of one sequence, read through its block-table row (cache
+    [NB, BS, D], any strides)."""
     _check_float_cache(cache)
-    nb, bs, d = cache.shape
-    return cache.view(nb * bs, d)[token_slots(block_table_row.to(cache.device), seq_len, nb, bs)]
+    nb, bs, d = check_tensor("cache", cache, shape=(None, None, None)).shape
+    check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
+    slots = token_slots(block_table_row.to(cache.device), seq_len, nb, bs)
+    return cache[slots // bs, slots % bs]

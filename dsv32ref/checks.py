@@ -65,12 +65,13 @@ def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_int(name: str, v, low: int = 1) -> int:
-    """An int >= low: else ValueError naming `name` and what it got."""
+def check_int(name: str, v, low: int = 1, high: int | None = None) -> int:
+    """An int >= low (and <= high): else ValueError naming `name` and what it got."""
     if not is_int(v):
         raise ValueError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
-    if v < low:
-        raise ValueError(f"{name}: expected >= {low}, got {v}")
+    if v < low or (high is not None and v > high):
+        raise ValueError(f"{name}: expected {f'an int in [{low}, {high}]' if high is not None else f'>= {low}'}, "
+                         f"got {v}")
     return v
 
 

@@ -21,6 +21,23 @@ __all__ = ["ModelConfig", "PRESETS", "REDUCED_MOE", "indexer_types_from_schedule
 _INDEXER_TYPES = ("full", "shared")
 
 
+class _FrozenDict(dict):
+    """A dict that cannot change after it is made: a frozen ModelConfig's rope_scaling (a shared or later-mutated
+    dict would change every config holding it, past the checks it passed). Hashable, picklable, JSON-serialisable
+    as the dict it is."""
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("ModelConfig.rope_scaling is read-only: make another config with .replace(rope_scaling=...)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.items())))
+
+    def __reduce__(self):
+        return _FrozenDict, (dict(self),)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a DSA (DeepSeek Sparse Attention) MLA model.
@@ -77,6 +94,7 @@ class ModelConfig:
         _check_router(self)
         if self.rope_scaling is not None:
             _check_yarn(self.rope_scaling)
+            object.__setattr__(self, "rope_scaling", _FrozenDict(self.rope_scaling))  # this config's own copy
         if self.indexer_types is not None:
             if not isinstance(self.indexer_types, (tuple, list)):
                 raise ValueError(f"ModelConfig.indexer_types: expected a tuple of 'full' / 'shared', got "
@@ -115,17 +133,22 @@ class ModelConfig:
     def layer_indexer_types(self) -> tuple[str, ...]:
         return self.indexer_types or ("full",) * self.num_hidden_layers
 
+    def _layer(self, layer) -> int:
+        if not is_int(layer) or not 0 <= layer < self.num_hidden_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.num_hidden_layers}), got {layer!r}")
+        return layer
+
     def runs_indexer(self, layer: int) -> bool:
-        return self.layer_indexer_types[layer] == "full"
+        return self.layer_indexer_types[self._layer(layer)] == "full"
 
     def indexer_source_layer(self, layer: int) -> int:
         """The layer whose top-k layer `layer` uses: itself if it runs its indexer, else the last full one."""
-        while self.layer_indexer_types[layer] != "full":
+        while self.layer_indexer_types[self._layer(layer)] != "full":
             layer -= 1
         return layer
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
+        return self._layer(layer) >= self.first_k_dense_replace
 
     @property
     def num_indexer_layers(self) -> int:
@@ -136,7 +159,7 @@ class ModelConfig:
     def preset(cls, name: str) -> "ModelConfig":
         if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-        return PRESETS[name]
+        return dataclasses.replace(PRESETS[name])  # a copy: nothing a caller does to it reaches the next one
 
     def replace(self, **changes: Any) -> "ModelConfig":
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
@@ -182,11 +205,16 @@ _POSITIVE = (
 )
 
 
+MAX_SIZE = 2 ** 31 - 1  # every size indexes int32 tensors in the kernels
+
+
 def _check_sizes(c: ModelConfig) -> None:
     for name in _POSITIVE:
         value = getattr(c, name)
         if not is_int(value) or value <= 0:
             raise ValueError(f"ModelConfig.{name}: expected a positive int, got {value!r}")
+        if value > MAX_SIZE:
+            raise ValueError(f"ModelConfig.{name}: expected at most {MAX_SIZE} (int32 indices), got {value}")
     if not is_int(c.first_k_dense_replace) or not 0 <= c.first_k_dense_replace <= c.num_hidden_layers:
         raise ValueError(f"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers={c.num_hidden_layers}, "
                          f"got {c.first_k_dense_replace!r}")
@@ -239,6 +267,9 @@ def _check_yarn(rs) -> None:
         raise ValueError(f"ModelConfig.rope_scaling: YaRN needs {missing}, got {rs}")
     for key in required:
         check_scale(f"ModelConfig.rope_scaling.{key}", rs[key])
+    if not is_int(rs["original_max_position_embeddings"]):
+        raise ValueError(f"ModelConfig.rope_scaling.original_max_position_embeddings: expected an int, got "
+                         f"{rs['original_max_position_embeddings']!r}")
     for key in ("mscale", "mscale_all_dim"):
         v = rs.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):

@@ -115,6 +115,9 @@ def _check_attention(raw: dict, kw: dict) -> None:
     kinds = ("full_attention", "indexed_attention")  # (transformers writes the latter: every layer its top-k)
     if layer_types is not None and (not isinstance(layer_types, list) or any(t not in kinds for t in layer_types)):
         raise ValueError(f"config.json: layer_types must list only {sorted(kinds)}, got {layer_types!r}")
+    n = kw.get("num_hidden_layers")
+    if layer_types is not None and is_int(n) and len(layer_types) != n:
+        raise ValueError(f"config.json: layer_types: expected {n} entries (num_hidden_layers), got {len(layer_types)}")
 
 
 def _theta(where: str, v) -> float:
@@ -188,35 +191,27 @@ def _list(raw: dict, key: str) -> list:
 
 
 def _indexer_types(raw: dict, num_layers: int) -> tuple[str, ...] | None:
+    """IndexShare from whichever of its forms config.json gives (indexer_types, index_topk_pattern, the
+    index_topk_freq schedule); given more than one, they must agree."""
+    forms = {}
     if raw.get("indexer_types") is not None:
-        types = tuple(_list(raw, "indexer_types"))
-    elif raw.get("index_topk_pattern") is not None:
+        forms["indexer_types"] = tuple(_list(raw, "indexer_types"))
+    if raw.get("index_topk_pattern") is not None:
         pattern = raw["index_topk_pattern"]
-        letters = {"F": "full", "S": "shared"}
         if isinstance(pattern, str):
-            if set(pattern) - set(letters):
+            if set(pattern) - set("FS"):
                 raise ValueError(f"config.json: index_topk_pattern {pattern!r} has letters other than F/S")
-            types = tuple(letters[c] for c in pattern)
-        else:
-            types = tuple(_list(raw, "index_topk_pattern"))
-    elif "index_topk_freq" in raw or "index_skip_topk_offset" in raw:
-        types = indexer_types_from_schedule(
-            num_layers, raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2)
-        )
-    else:
+            pattern = ["full" if c == "F" else "shared" for c in pattern]
+        forms["index_topk_pattern"] = tuple(_list({"index_topk_pattern": pattern}, "index_topk_pattern"))
+    if "index_topk_freq" in raw or (not forms and "index_skip_topk_offset" in raw):
+        forms["index_topk_freq/index_skip_topk_offset"] = indexer_types_from_schedule(
+            num_layers, raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2))
+    if not forms:
         return None
-    if raw.get("index_topk_pattern") is not None and raw.get("indexer_types") is not None:
-        given = raw["index_topk_pattern"]
-        pattern = tuple({"F": "full", "S": "shared"}.get(c, c) for c in given) if isinstance(given, str) else \
-            tuple(_list(raw, "index_topk_pattern"))
-        if pattern != types:
-            raise ValueError("config.json: indexer_types disagrees with index_topk_pattern")
-    if "index_topk_freq" in raw and raw.get("indexer_types") is not None:
-        derived = indexer_types_from_schedule(
-            num_layers, raw["index_topk_freq"], raw.get("index_skip_topk_offset", 2)
-        )
-        if derived != types:
-            raise ValueError("config.json: indexer_types disagrees with index_topk_freq/index_skip_topk_offset")
+    (first, types), *others = forms.items()
+    for name, other in others:
+        if other != types:
+            raise ValueError(f"config.json: {first} disagrees with {name}")
     return types
 
 

@@ -15,14 +15,14 @@ from safetensors.torch import load_file, save_file
 
 from dsv32ref import (AttentionMetadata, BlockAllocator, ModelConfig, PagedKVCache, init_dummy_weights, load_pretrained,
                       save_pretrained)
-from dsv32ref.cache import gather_tokens, write_tokens
+from dsv32ref.cache import gather_tokens, indexer_key_bytes, token_bytes, write_tokens
 from dsv32ref.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
 from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, rms_norm, sparse_mla,
                                 topk_indices)
-from dsv32ref.reference.fp8_cache import write_latent
+from dsv32ref.reference.fp8_cache import indexer_scores_fp8, sparse_mla_fp8, write_latent
 from dsv32ref.reference.numerics import fp8_dequantize, pow2_scale, ue8m0_scale
 from dsv32ref.reference.rope import RotaryEmbedding, rope_inv_freq
 from dsv32ref.reference.sparse_attention import dense_mla
@@ -71,6 +71,8 @@ CONFIG_CASES = [
     (dict(indexer_types="full"), r"ModelConfig.indexer_types: expected a tuple of 'full' / 'shared', got 'full'"),
     (dict(indexer_types=("full", "shard", "full", "full")), r"ModelConfig.indexer_types: unknown entries \['shard'\]"),
     (dict(indexer_types=("shared", "full", "full", "full")), r"ModelConfig.indexer_types: layer 0 must be 'full'"),
+    (dict(vocab_size=2 ** 70), r"ModelConfig.vocab_size: expected at most 2147483647 \(int32 indices\), got"),
+    (dict(num_attention_heads=10 ** 10), r"ModelConfig.num_attention_heads: expected at most 2147483647"),
 ]
 
 _YARN = dict(TINY.rope_scaling)
@@ -93,6 +95,8 @@ ROPE_CASES = [
     ({**_YARN, "rope_type": "linear"}, r"ModelConfig.rope_scaling.rope_type: expected 'yarn' .*, got 'linear'"),
     ({**_YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, r"ModelConfig.rope_scaling: mscale != mscale_all_dim is not implemented"),
     ({**_YARN, "mscale": 1.0, "mscale_all_dim": 0.0}, r"needs mscale and mscale_all_dim"),
+    ({**_YARN, "original_max_position_embeddings": 64.5},
+     r"ModelConfig.rope_scaling.original_max_position_embeddings: expected an int, got 64.5"),
 ]
 
 
@@ -161,16 +165,45 @@ def _hf_dir(tmp_path, **edits):
      r"config: num_hidden_layers must be an int >= 1, got .8."),
     (dict(index_topk_pattern=5), r"config.json: index_topk_pattern must be a list, got 5"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 10 ** 400}), r"rope_theta must be a finite number"),
+    (dict(indexer_types=None, index_topk_pattern="FSFSFSFS", index_topk_freq=4),
+     r"config.json: index_topk_pattern disagrees with index_topk_freq/index_skip_topk_offset"),
+    (dict(layer_types=["full_attention"] * 99), r"config.json: layer_types: expected 8 entries \(num_hidden_layers\), got 99"),
 ], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
         "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
         "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "yarn-beside-parameters",
         "indexer-types-int", "pattern-int",
         "mlp-types-int",
         "quant-config-str", "pattern-disagrees", "rope-type-list", "layer-types-lists", "mlp-types-lists",
-        "indexer-types-lists", "nope-str", "layers-str-with-freq", "pattern-int-beside-types", "theta-huge"])
+        "indexer-types-lists", "nope-str", "layers-str-with-freq", "pattern-int-beside-types", "theta-huge",
+        "pattern-disagrees-with-freq", "layer-types-99"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
+
+
+def test_a_config_cannot_change_under_its_checks():
+    """A preset is a copy, and a config's rope_scaling is its own and read-only: writing into one (the preset's
+    dict was shared by every preset() call) changed every later config past its checks, silently. Layer indices
+    outside the model are refused, not read from the end."""
+    import pickle
+
+    from dsv32ref.hf_config import to_hf
+
+    c = ModelConfig.preset("tiny-deepseek-v3.2")
+    with pytest.raises(TypeError, match=r"ModelConfig.rope_scaling is read-only"):
+        c.rope_scaling["factor"] = -5.0
+    with pytest.raises(TypeError, match=r"read-only"):
+        c.rope_scaling.update(factor=-5.0)
+    raw = dict(c.rope_scaling)
+    d = c.replace(rope_scaling=raw)
+    raw["factor"] = -5.0  # the caller's dict: not the config's
+    assert d.rope_scaling == ModelConfig.preset("tiny-deepseek-v3.2").rope_scaling == c.rope_scaling
+    assert d.softmax_scale == c.softmax_scale and hash(d) == hash(c)
+    assert pickle.loads(pickle.dumps(c)) == c and json.loads(json.dumps(to_hf(c)))["rope_scaling"] == dict(c.rope_scaling)
+    n = c.num_hidden_layers
+    for call, arg in ((c.runs_indexer, -1), (c.indexer_source_layer, n), (c.is_moe_layer, 1.0), (c.runs_indexer, "0")):
+        with pytest.raises(ValueError, match=rf"layer: expected an int in \[0, {n}\), got"):
+            call(arg)
 
 
 def test_unknown_preset():  # a missing or broken config.json: tests/test_config.py
@@ -509,6 +542,21 @@ REFERENCE_CASES = [
     (lambda: RotaryEmbedding(ModelConfig.preset("tiny-glm-5.2"))(torch.tensor([3, -1])),
      r"positions: expected positions >= 0, got -1"),
     (lambda: ModelConfig.preset("tiny-glm-5.2").replace(hidden=64), r"ModelConfig.replace: unknown fields \['hidden'\]"),
+    (lambda: apply_rope(torch.randn(3, 8), torch.tensor(1.0), torch.tensor(1.0), True), r"cos: expected shape \[3, 4\]"),
+    (lambda: apply_rope(torch.randn(3, 8), torch.ones(3, 4, device="meta"), torch.ones(3, 4), True),
+     r"cos: expected device cpu, got meta"),
+    (lambda: RotaryEmbedding(TINY)(torch.tensor([0]), torch.float8_e4m3fn),
+     r"RotaryEmbedding: dtype: expected a float dtype of 16 bits or more, got torch.float8_e4m3fn"),
+    (lambda: RotaryEmbedding(TINY)(torch.tensor([0, TINY.max_position_embeddings])),
+     r"positions: expected positions < max_position_embeddings"),
+    # a minimum exponent that is not an int in fp32's normal range gave scales that are not powers of two, or 0, inf
+    (lambda: pow2_scale(torch.ones(2), 2.5), r"pow2_scale: min_exp: expected an int, got float 2.5"),
+    (lambda: pow2_scale(torch.ones(2), True), r"pow2_scale: min_exp: expected an int, got bool True"),
+    (lambda: pow2_scale(torch.ones(2), 200), r"pow2_scale: min_exp: expected an int in \[-126, 127\], got 200"),
+    (lambda: pow2_scale(torch.ones(2), -200), r"pow2_scale: min_exp: expected an int in \[-126, 127\], got -200"),
+    # the dense H_n of 2^16 took 32 GiB and minutes
+    (lambda: hadamard_transform(torch.ones(1, 2 ** 13)),
+     r"hadamard_transform: size must be a power of two <= 4096 \(the dense H_n\), got 8192"),
 ]
 
 
@@ -565,9 +613,9 @@ CACHE_CASES = [
     (lambda: AttentionMetadata.build([0], [1], [[0]], 4, num_blocks=0), r"num_blocks must be None or an int >= 1, got 0"),
     (lambda: AttentionMetadata.build(5, [1], [[0]], 4), r"AttentionMetadata.build: context_lens must be a list, got int"),
     (lambda: AttentionMetadata.build([0], [1], [0], 4), r"block_tables must be a list of lists of block ids"),
-    (lambda: AttentionMetadata.build([0], [2], [[0.0]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got 0.0"),
-    (lambda: AttentionMetadata.build([0], [2], [[1.5]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got 1.5"),
-    (lambda: AttentionMetadata.build([0], [2], [[-1]], 4), r"block_tables\[0\]: block ids must be ints >= 0, got -1"),
+    (lambda: AttentionMetadata.build([0], [2], [[0.0]], 4), r"block_tables\[0\]: block ids must be ints in \[0, 2147483647\), got 0.0"),
+    (lambda: AttentionMetadata.build([0], [2], [[1.5]], 4), r"block_tables\[0\]: block ids must be ints in \[0, 2147483647\), got 1.5"),
+    (lambda: AttentionMetadata.build([0], [2], [[-1]], 4), r"block_tables\[0\]: block ids must be ints in \[0, 2147483647\), got -1"),
     (lambda: AttentionMetadata.build([0], [2], [[5]], 4, num_blocks=4),
      r"block_tables\[0\]: block ids must be ints \[0, 4\), got 5"),
     (lambda: AttentionMetadata.build([0, 0], [2, 2], [[3], [3]], 4),
@@ -594,6 +642,45 @@ CACHE_CASES = [
      r"slot_mapping: each slot at most once, got slots \[3\] 2 times"),
     (lambda: gather_tokens(torch.zeros(2, 4, 8), torch.tensor([0, 5]), 6),
      r"block_table_row: a sequence of 6 tokens reads blocks outside \[0, 2\)"),
+    # rows the cache cannot hold: complex (the imaginary part dropped), ints, finite values past its range (inf)
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([0]), torch.full((1, 8), 1 + 5j)), r"rows: expected dtype"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([0]), torch.ones(1, 8, dtype=torch.int64)),
+     r"rows: expected dtype"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([0]), torch.full((1, 8), 1e300, dtype=torch.float64)),
+     r"rows: 8 finite values past torch.float32's range \(the cache's\)"),
+    (lambda: gather_tokens(torch.zeros(8, 8), torch.tensor([0, 1]), 4), r"cache: expected shape \[\*, \*, \*\]"),
+    (lambda: gather_tokens(torch.zeros(2, 4, 8), [0, 1], 4), r"block_table_row: expected a torch.Tensor, got list"),
+    (lambda: token_bytes(TINY, torch.int8), r"token_bytes: dtype: expected one of .*, got torch.int8"),
+    (lambda: token_bytes(TINY, torch.bfloat16, "fp9"), r"token_bytes: kv_cache_dtype: expected one of .*, got 'fp9'"),
+    (lambda: token_bytes(TINY, torch.bfloat16, "fp8"), r"token_bytes: kv_cache_dtype: 'fp8' stores FlashMLA's rows"),
+    (lambda: indexer_key_bytes(-4), r"indexer_key_bytes: head_dim: expected >= 1, got -4"),
+    (lambda: indexer_key_bytes("128"), r"indexer_key_bytes: head_dim: expected an int, got str '128'"),
+    (lambda: BlockAllocator(4, 4).ensure(3, 2 ** 80), r"BlockAllocator.ensure: num_tokens: .* more blocks of 4 than"),
+    (lambda: AttentionMetadata.build([0], [3], [[2 ** 31]], 8), r"block_tables\[0\]: block ids must be ints in "
+                                                                r"\[0, 2147483647\), got 2147483648"),
+    (lambda: AttentionMetadata.build([2 ** 63], [1], [[0, 1]], 2 ** 63),
+     r"request 0: context_len \+ query_len must be at most 2147483647"),
+    # the FP8 oracle's entry points check what they are given before reading it
+    (lambda: sparse_mla_fp8([1], torch.zeros(1, 4, 1, 656, dtype=torch.uint8), torch.zeros(1, 2, dtype=torch.int32), 0.1),
+     r"q: expected a torch.Tensor, got list"),
+    (lambda: sparse_mla_fp8(torch.ones(1, 2, 576, dtype=torch.int64), torch.zeros(1, 4, 1, 656, dtype=torch.uint8),
+                            torch.zeros(1, 2, dtype=torch.int32), 0.1), r"q: expected dtype"),
+    (lambda: sparse_mla_fp8(torch.ones(1, 2, 576).to(torch.float8_e4m3fn), torch.zeros(1, 4, 1, 656, dtype=torch.uint8),
+                            torch.zeros(1, 2, dtype=torch.int32), 0.1), r"q: expected dtype"),
+    (lambda: indexer_scores_fp8([1], torch.ones(1, 2), torch.zeros(1, 64, 1, 132, dtype=torch.uint8),
+                                torch.tensor([0]), 3, 0.1), r"q_idx: expected a torch.Tensor, got list"),
+    (lambda: indexer_scores_fp8(torch.ones(1, 2, 128), torch.ones(1, 2, dtype=torch.int64),
+                                torch.zeros(1, 64, 1, 132, dtype=torch.uint8), torch.tensor([0]), 3, 0.1),
+     r"weights: expected dtype"),
+    (lambda: indexer_scores_fp8(torch.ones(1, 2, 128), torch.ones(1, 2), torch.zeros(1, 64, 1, 132, dtype=torch.uint8),
+                                [0, 1], 3, 0.1), r"block_table_row: expected a torch.Tensor, got list"),
+    # another device than the data's (meta stands in for a second device on a CPU machine)
+    (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(2, 1, device="meta")),
+     r"fp8_quantize: scale: expected device cpu, got meta"),
+    (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([0]), torch.zeros(1, 8, device="meta")),
+     r"rows: expected device cpu, got meta"),
+    (lambda: write_latent(torch.zeros(2, 4, 656, dtype=torch.uint8), torch.tensor([0], device="meta"),
+                          torch.randn(1, 576)), r"slot_mapping: expected device cpu, got meta"),
 ]
 
 
@@ -645,6 +732,24 @@ def _nr(**over):
 
 
 @CPU
+def test_caches_of_any_strides_and_the_largest_allocator():
+    """write_tokens and gather_tokens take a cache view of any strides (a transposed or strided view raised a
+    RuntimeError from view()), with the result of the contiguous copy; an allocator of the most blocks block ids
+    allow is made at once (it listed every id: about 70 GB) and hands out low ids first."""
+    pool = torch.zeros(4, 2, 8)  # [BS, NB, D] in memory: the cache [NB, BS, D] is its transposed view
+    cache, packed = pool.transpose(0, 1), torch.zeros(2, 4, 8)
+    slots, rows = torch.tensor([5, 0, 2]), torch.randn(3, 8)
+    for c in (cache, packed):
+        write_tokens(c, slots, rows)
+    assert torch.equal(cache, packed)
+    table = torch.tensor([1, 0])
+    assert torch.equal(gather_tokens(cache, table, 7), gather_tokens(packed, table, 7))
+    alloc = BlockAllocator(2 ** 31 - 1, 16)
+    assert alloc.ensure(0, 40) == [0, 1, 2] and len(alloc.free) == 2 ** 31 - 4
+    alloc.release(0)
+    assert alloc.ensure(1, 17) == [0, 1] and len(alloc.free) == 2 ** 31 - 3
+
+
 def test_fused_norm_rope_debug_mode_refuses_a_slot_twice():
     """Two tokens for one cache slot race on a GPU (which row lands is unspecified); the graph-safe launcher cannot
     see it without a sync, its debug mode names it. Padding (-1) may repeat."""
@@ -942,12 +1047,14 @@ def test_kernels_never_access_out_of_bounds_and_the_debug_mode_names_the_value()
 ENGINE_CONFIG_CASES = [
     (dict(boundary="medium"), r"boundary: expected one of \('wide', .*got 'medium'"),
     (dict(mode="full"), r"EngineConfig.mode: expected a CUDAGraphMode .*, got str 'full'"),
-    (dict(max_model_len=0), r"EngineConfig.max_model_len: expected >= 1, got 0"),
-    (dict(max_num_seqs=0), r"EngineConfig.max_num_seqs: expected >= 1, got 0"),
-    (dict(max_num_batched_tokens=0), r"EngineConfig.max_num_batched_tokens: expected >= 1, got 0"),
-    (dict(max_num_batched_tokens=-8), r"EngineConfig.max_num_batched_tokens: expected >= 1, got -8"),
+    (dict(max_model_len=0), r"EngineConfig.max_model_len: expected an int in \[1, 2147483647\], got 0"),
+    (dict(max_num_seqs=0), r"EngineConfig.max_num_seqs: expected an int in \[1, 2147483647\], got 0"),
+    (dict(max_num_batched_tokens=0), r"EngineConfig.max_num_batched_tokens: expected an int in \[1, 2147483647\]"),
+    (dict(max_num_batched_tokens=-8), r"EngineConfig.max_num_batched_tokens: expected an int in .*, got -8"),
     (dict(max_num_batched_tokens=8.0), r"EngineConfig.max_num_batched_tokens: expected an int, got float 8.0"),
-    (dict(block_size=0), r"EngineConfig.block_size: expected >= 1, got 0"),
+    (dict(block_size=0), r"EngineConfig.block_size: expected an int in \[1, 65536\], got 0"),
+    (dict(block_size=2 ** 40), r"EngineConfig.block_size: expected an int in \[1, 65536\], got 1099511627776"),
+    (dict(max_num_seqs=10 ** 12), r"EngineConfig.max_num_seqs: expected an int in \[1, 2147483647\]"),
     (dict(block_size="16"), r"EngineConfig.block_size: expected an int, got str '16'"),
     (dict(capture_sizes=[-1, 8]), r"EngineConfig.capture_sizes: every size must be an int >= 1, got -1"),
     (dict(capture_sizes=[0]), r"EngineConfig.capture_sizes: every size must be an int >= 1, got 0"),
@@ -1033,6 +1140,14 @@ def test_engine_rejects_a_placement_it_cannot_run():
             LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, model=model, kv_cache=cache)
     with pytest.raises(ValueError, match="LLMEngine: dtype: expected one of torch.bfloat16, .* got 'bf16'"):
         LLMEngine(cfg, ec, device="cpu", dtype="bf16")
+    # a shared cache too small for one sequence, a model of another dtype: refused before a step fails inside
+    with pytest.raises(ValueError, match=r"kv_cache: 1 blocks of 4 tokens cannot hold one sequence of max_model_len "
+                                         r"16 \(4 blocks\)"):
+        LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, model=model,
+                  kv_cache=PagedKVCache(cfg, 1, ec.block_size, torch.float32))
+    with pytest.raises(ValueError, match=r"model: its weights are torch.float32 on cpu, the engine runs "
+                                         r"torch.bfloat16 on cpu"):
+        LLMEngine(cfg, ec, device="cpu", dtype=torch.bfloat16, model=model)
     long = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=8192, max_num_seqs=2,
                         max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
     with pytest.raises(ValueError, match=r"max_model_len: 8192 exceeds the model's max_position_embeddings \(4096\)"):
@@ -1125,6 +1240,20 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "--heads-per-rank: expected an int >= 1, got -5" in capsys.readouterr().err
     assert main(["ledger", "--predict", "--measured", "/nonexistent/ttft.json"]) == 2
     assert "dsv32ref: error: --measured: no such file '/nonexistent/ttft.json'" in capsys.readouterr().err
+    assert main(["ledger", "--predict", "--measured", os.path.dirname(__file__)]) == 2
+    assert "--measured: a directory, not a TTFT result" in capsys.readouterr().err
+    # a result path the file system refuses, a run past the models' positions: refused before the run (both were
+    # refused only when the result was written, after the whole experiment)
+    assert main(["fp8-accuracy", "--tokens", "1", "--out", "/tmp/" + "a" * 300 + ".json"]) == 2
+    assert "--out: the file name takes 305 bytes, a file system takes at most 255" in capsys.readouterr().err
+    assert main(["fp8-accuracy", "--tokens", "1", "--out", "/tmp/\0x.json"]) == 2
+    assert "--out: a path cannot hold a NUL character" in capsys.readouterr().err
+    assert main(["fp8-accuracy", "--tokens", str(10 ** 8)]) == 2
+    assert "--tokens: expected an int in [1, 2048], got 100000000" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # a GPU benchmark refused on stderr, before --out's folders are made
+        out = os.path.join(os.path.dirname(__file__), "no-such-folder", "k.json")
+        assert main(["kernels", "--out", out]) == 2 and not os.path.exists(os.path.dirname(out))
+        assert "dsv32ref: error: kernels needs 1 CUDA GPU(s)" in capsys.readouterr().err
     wrong = os.path.join(os.path.dirname(__file__), "..", "data", "fp8_speed.json")  # a result, not a TTFT run's
     assert main(["ledger", "--predict", "--measured", wrong]) == 2
     assert "not a TTFT result (`dsv32ref ttft`'s file): it has no host_costs, variants" in capsys.readouterr().err

@@ -14,6 +14,7 @@ __all__ = ["EngineConfig", "GEMM_IMPLS", "MOE_IMPLS"]
 
 MOE_IMPLS = ("dense", "fused")  # EngineConfig.moe
 GEMM_IMPLS = ("torch", "skinny")  # EngineConfig.gemm
+MAX_BLOCK_SIZE = 2 ** 16  # tokens a cache block (FlashMLA's are 64; a larger one is a whole cache in a block)
 
 
 @dataclass
@@ -45,8 +46,9 @@ class EngineConfig:
         if not isinstance(self.mode, CUDAGraphMode):
             raise ValueError(f"EngineConfig.mode: expected a CUDAGraphMode (e.g. CUDAGraphMode("
                              f"'full_and_piecewise')), got {type(self.mode).__name__} {self.mode!r}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-            check_int(f"EngineConfig.{name}", getattr(self, name))
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            check_int(f"EngineConfig.{name}", getattr(self, name), 1, 2 ** 31 - 1)  # (positions and slots: int32)
+        check_int("EngineConfig.block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         check_int("EngineConfig.seed", self.seed, low=0)
         for name in ("num_blocks", "num_sms"):
             if getattr(self, name) is not None:

@@ -33,6 +33,10 @@ class ModelRunner:
         another can share it)."""
         if model.boundary != ec.spec:
             raise ValueError(f"model: built for boundary {model.boundary.name!r}, the engine runs {ec.boundary!r}")
+        w = model.lm_head
+        if (w.dtype, w.device.type) != (dtype, device.type):
+            raise ValueError(f"model: its weights are {w.dtype} on {w.device.type}, the engine runs {dtype} on "
+                             f"{device.type} (dtype and device)")
         check_kv_cache_dtype("EngineConfig.kv_cache_dtype", ec.kv_cache_dtype, config)
         self.config, self.ec, self.model, self.device, self.dtype = config, ec, model, device, dtype
         model.static_outputs.reserve(ec.max_step_tokens, model.embed_tokens)  # before profiling: the budget sees it
@@ -64,6 +68,9 @@ class ModelRunner:
         if got != want:
             raise ValueError(f"kv_cache: expected (layers, block_size, device, dtype, kv_cache_dtype, fp8_parts) = "
                              f"{want}, got {got}")
+        if kv_cache.num_blocks < self.ec.max_blocks_per_seq:
+            raise ValueError(f"kv_cache: {kv_cache.num_blocks} blocks of {kv_cache.block_size} tokens cannot hold one "
+                             f"sequence of max_model_len {self.ec.max_model_len} ({self.ec.max_blocks_per_seq} blocks)")
         c, k = self.config, kv_cache.config  # what the rows hold and which layers keep indexer keys
         fields = ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
         if [getattr(k, f) for f in fields] != [getattr(c, f) for f in fields] or \

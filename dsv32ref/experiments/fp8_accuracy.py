@@ -149,6 +149,9 @@ def study(model, prompt: list[int], n: int) -> dict:
     return out
 
 
+MAX_TOKENS = 2048  # generated tokens per arm: with the prompt, within the models' 4096 positions
+
+
 def run(tokens: int = 200, prompt_len: int = 48, seeds=(0, 1), out: str | None = None) -> dict:
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     t0 = time.time()

@@ -85,7 +85,7 @@ def quantize_latent(latent: torch.Tensor, scale: torch.Tensor | None = None) -> 
     if scale is None:
         scale = latent_scale(c_kv.abs().amax(-1))  # (..., 4)
     else:
-        check_tensor("scale", scale, shape=tuple(lead) + (D_LAT // GROUP,), dtype=torch.float32)
+        check_tensor("scale", scale, shape=tuple(lead) + (D_LAT // GROUP,), dtype=torch.float32, device=latent.device)
         _powers_of_two("scale", scale)
     values = _to_fp8(c_kv, scale[..., None]).reshape(*lead, D_LAT)
     scales = scale.contiguous().view(torch.uint8).reshape(*lead, 4 * (D_LAT // GROUP))
@@ -162,8 +162,10 @@ def sparse_mla_fp8(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, sm
     int32 [n, k] (flat slots block x BS + offset; -1 or out of the cache: none) -> (out [n, H, d_v], lse [n, H]),
     in q's dtype promoted to fp32 (float64 for float64 q): the reference's sparse_mla on the dequantised rows.
     Only the rows some slot selects are read (and their scales checked): the rest of the cache may be unwritten."""
-    nb, bs = check_tensor("cache", cache, shape=(None, None, 1, LATENT_ROW_BYTES), dtype=torch.uint8).shape[:2]
-    check_tensor("slots", slots, shape=(q.shape[0], None), dtype=torch.int32)
+    check_tensor("q", q, shape=(None, None, D_LAT + D_ROPE), dtype=_FLOATS)
+    nb, bs = check_tensor("cache", cache, shape=(None, None, 1, LATENT_ROW_BYTES), dtype=torch.uint8,
+                          device=q.device).shape[:2]
+    check_tensor("slots", slots, shape=(q.shape[0], None), dtype=torch.int32, device=q.device)
     dt = torch.promote_types(q.dtype, torch.float32)
     slots = slots.to(cache.device).long()
     valid = (slots >= 0) & (slots < nb * bs)
@@ -182,6 +184,10 @@ def indexer_scores_fp8(q_idx: torch.Tensor, weights: torch.Tensor, cache: torch.
     seq_len keys read through block_table_row -> [n, seq_len] fp32 (float64 for float64 weights)."""
     values, scale = _indexer_key_bytes(cache)  # (NB, BK, D), (NB, BK): only the sequence's keys are read
     nb, bk, d = values.shape
+    n, h = check_tensor("q_idx", q_idx, shape=(None, None, d), dtype=_FLOATS + (torch.float8_e4m3fn,),
+                        device=cache.device).shape[:2]
+    check_tensor("weights", weights, shape=(n, h), dtype=(torch.float32, torch.float64), device=cache.device)
+    check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
     at = token_slots(block_table_row.to(values.device), seq_len, nb, bk)  # (seq_len,)
     s = scale.reshape(-1)[at]
     _powers_of_two("cache: key scales (each block's last block_kv x 4 bytes) of the sequence's tokens", s)
@@ -200,8 +206,8 @@ def _block_shape(cache: torch.Tensor, width: int | None) -> tuple[int, int, int]
     return cache.shape[0], cache.shape[1], cache.shape[-1]
 
 
-def _slots(name: str, slot_mapping: torch.Tensor, n_rows: int, nb: int, bs: int) -> torch.Tensor:
-    check_tensor(name, slot_mapping, shape=(n_rows,), dtype=(torch.int32, torch.int64))
+def _slots(name: str, slot_mapping: torch.Tensor, n_rows: int, nb: int, bs: int, device: torch.device) -> torch.Tensor:
+    check_tensor(name, slot_mapping, shape=(n_rows,), dtype=(torch.int32, torch.int64), device=device)
     check_slots(name, slot_mapping, nb * bs)
     return slot_mapping.long()
 
@@ -210,14 +216,16 @@ def write_latent(cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.
     """cache uint8 [NB, BS, 656] (or [NB, BS, 1, 656]) <- latent [T, 576] quantised (quantize_latent) at
     slot_mapping [T] (flat slots)."""
     nb, bs, _ = _block_shape(cache, LATENT_ROW_BYTES)
-    check_tensor("latent", latent, shape=(None, D_LAT + D_ROPE), dtype=_FLOATS)
-    slots = _slots("slot_mapping", slot_mapping, latent.shape[0], nb, bs)
+    check_tensor("latent", latent, shape=(None, D_LAT + D_ROPE), dtype=_FLOATS, device=cache.device)
+    slots = _slots("slot_mapping", slot_mapping, latent.shape[0], nb, bs, cache.device)
     cache.view(nb * bs, LATENT_ROW_BYTES).index_copy_(0, slots, quantize_latent(latent))
 
 
 def gather_latent(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len latent rows of one sequence, dequantised -> fp32 [seq_len, 576]."""
     nb, bs, _ = _block_shape(cache, LATENT_ROW_BYTES)
+    check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64),
+                 device=cache.device)
     rows = cache.view(nb * bs, LATENT_ROW_BYTES)[token_slots(block_table_row, seq_len, nb, bs)]
     return dequantize_latent(rows)
 
@@ -228,8 +236,8 @@ def write_indexer_keys(cache: torch.Tensor, slot_mapping: torch.Tensor, keys: to
     its offset among the block's scales."""
     nb, bs, w = _block_shape(cache, None)
     d = w - 4
-    check_tensor("keys", keys, shape=(None, d), dtype=_FLOATS)
-    slots = _slots("slot_mapping", slot_mapping, keys.shape[0], nb, bs)
+    check_tensor("keys", keys, shape=(None, d), dtype=_FLOATS, device=cache.device)
+    slots = _slots("slot_mapping", slot_mapping, keys.shape[0], nb, bs, cache.device)
     packed = quantize_indexer_keys(keys[:, None, :]).view(-1, d + 4)  # (T, D + 4): a block of one key
     flat = cache.view(nb, bs * (d + 4))
     block, off = slots // bs, slots % bs

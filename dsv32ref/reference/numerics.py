@@ -22,10 +22,13 @@ FP8_E4M3_MAX = 448.0
 QUANT_BLOCK = 128
 
 
+MAX_HADAMARD = 4096  # the dense H_n holds n^2 float64 values (128 MiB at 4096; the indexer's is 128)
+
+
 @functools.lru_cache(maxsize=8)
 def _hadamard(n: int) -> torch.Tensor:
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"hadamard_transform: size must be a power of two, got {n}")
+    if n < 1 or n & (n - 1) or n > MAX_HADAMARD:
+        raise ValueError(f"hadamard_transform: size must be a power of two <= {MAX_HADAMARD} (the dense H_n), got {n}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:  # Sylvester: H_2n = [[H, H], [H, -H]]
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
@@ -49,6 +52,7 @@ def pow2_scale(amax: torch.Tensor, min_exp: int) -> torch.Tensor:
     in exact arithmetic, read off amax's exponent and mantissa (448 = 0.875 x 2^9). fp32 log2 would round a
     quotient just above a power of two down to it, and that value would then saturate. amax: finite, >= 0."""
     check_tensor("amax", amax, dtype=_FLOATS)
+    check_int("pow2_scale: min_exp", min_exp, -126, 127)  # fp32's normal exponents: 2^min_exp a normal scale
     bad = ~(torch.isfinite(amax) & (amax >= 0))
     if bad.any():  # a NaN, inf or negative amax would get the smallest scale, silently
         raise ValueError(f"amax: expected finite values >= 0, got {amax[bad][:4].tolist()}")
@@ -83,6 +87,8 @@ def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
                          f"{list(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
     elif scale.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"fp8_quantize: scale: expected dtype torch.float32 or torch.float64, got {scale.dtype}")
+    elif scale.device != x.device:
+        raise ValueError(f"fp8_quantize: scale: expected device {x.device}, got {scale.device}")
     elif not (torch.isfinite(scale) & (scale > 0)).all():
         bad = scale[~(torch.isfinite(scale) & (scale > 0))]
         raise ValueError(f"fp8_quantize: scale: expected finite values > 0, got {bad[:4].tolist()}")

@@ -68,8 +68,13 @@ class RotaryEmbedding(nn.Module):
         check_tensor("positions", positions, shape=(None,), dtype=(torch.int64, torch.int32))
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"RotaryEmbedding: dtype: expected a float torch.dtype, got {dtype!r}")
+        if dtype.itemsize < 2:
+            raise ValueError(f"RotaryEmbedding: dtype: expected a float dtype of 16 bits or more, got {dtype}")
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"positions: expected positions >= 0, got {int(positions.min())}")
+        if positions.numel() and int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"positions: expected positions < max_position_embeddings "
+                             f"({self.config.max_position_embeddings}), got {int(positions.max())}")
         dt = torch.promote_types(dtype, torch.float32)
         angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
         return angles.cos().to(dt), angles.sin().to(dt)
@@ -84,12 +89,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     if check_tensor("x", x, dtype=floats).dim() < 2:
         raise ValueError(f"apply_rope: x: expected [T, ..., d], got shape {list(x.shape)}")
     d = x.shape[-1]
-    check_tensor("cos", cos, dtype=(torch.float32, torch.float64))
+    check_tensor("cos", cos, dtype=(torch.float32, torch.float64), device=x.device)
     check_bool("apply_rope: interleaved", interleaved)
+    if cos.dim() != 2:
+        raise ValueError(f"cos: expected shape [{x.shape[0]}, {d // 2}], got {list(cos.shape)}")
     if cos.shape[-1] * 2 != d:
         raise ValueError(f"apply_rope: x has {d} rope dims but cos has {cos.shape[-1]} (expected {d // 2})")
     for name, t in (("cos", cos), ("sin", sin)):
-        check_tensor(name, t, shape=(x.shape[0], d // 2), dtype=cos.dtype)
+        check_tensor(name, t, shape=(x.shape[0], d // 2), dtype=cos.dtype, device=x.device)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
     c, s = cos.reshape(shape), sin.reshape(shape)  # (T, 1.., d/2): broadcast over heads
     xf = x.to(cos.dtype)
