@@ -209,6 +209,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     if dtype not in _FLOATS:
         raise ValueError(f"dtype: expected a float dtype for the model, got {dtype}")
     device = check_device("load_pretrained: device", device)
+    if device.type not in ("cpu", "cuda"):  # (meta: a model with no weights, silently)
+        raise ValueError(f"load_pretrained: device: expected a cpu or cuda device, got {device}")
     if nonfinite not in ("raise", "warn"):
         raise ValueError(f"nonfinite: expected 'raise' or 'warn', got {nonfinite!r}")
     config = ModelConfig.from_hf(path)
@@ -294,6 +296,8 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path: expected a directory path, got {type(path).__name__}")
     path = os.fspath(path)
+    if "\0" in str(path):
+        raise ValueError(f"path: a path cannot hold a NUL character, got {path!r}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"path: expected a directory to write the checkpoint into, got the file {path!r}")
     check_bool("fp8", fp8)

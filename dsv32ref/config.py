@@ -189,6 +189,8 @@ class ModelConfig:
             raise ValueError(f"config.json: cannot read {file!r} ({type(e).__name__}: {e})"[:300]) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"config.json: {file!r} is not valid JSON ({type(e).__name__}: {e})"[:300]) from None
+        except RecursionError:
+            raise ValueError(f"config.json: {file!r} nests its values too deeply to be a config") from None
         return cls.from_hf_dict(raw, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
 
     @classmethod

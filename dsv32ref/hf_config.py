@@ -236,6 +236,8 @@ def _check_mlp_layer_types(raw: dict, kw: dict) -> None:
 def to_hf(config, form: str = "released") -> dict[str, Any]:
     """ModelConfig -> config.json dict. form "released": rope_theta + rope_scaling; form "current":
     transformers' rope_parameters and mlp_layer_types. IndexShare is written as an explicit indexer_types list."""
+    if not hasattr(config, "model_type") or not hasattr(config, "rope_scaling"):
+        raise ValueError(f"to_hf: config: expected a ModelConfig, got {type(config).__name__}")
     if form not in ("released", "current"):
         raise ValueError(f"form: expected 'released' or 'current', got {form!r}")
     raw: dict[str, Any] = {"model_type": config.model_type, "architectures": [

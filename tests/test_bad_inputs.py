@@ -370,10 +370,26 @@ def test_checkpoint_block_size(tmp_path, block, match):
 
 
 def test_checkpoint_arguments(tmp_path):
+    from dsv32ref import DeepseekV32ForCausalLM
+    from dsv32ref.hf_config import to_hf
+
     model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
     with pytest.raises(ValueError, match=r"max_shard_bytes: expected None or an int >= 1, got 0"):
         save_pretrained(model, tmp_path, max_shard_bytes=0)
+    with pytest.raises(ValueError, match=r"path: a path cannot hold a NUL character"):
+        save_pretrained(model, str(tmp_path / "x\0y"))
+    with pytest.raises(ValueError, match=r"to_hf: config: expected a ModelConfig, got NoneType"):
+        to_hf(None)
+    with pytest.raises(ValueError, match=r"DeepseekV32ForCausalLM: config: expected a ModelConfig, got NoneType"):
+        DeepseekV32ForCausalLM(None)
     save_pretrained(model, tmp_path)
+    with pytest.raises(ValueError, match=r"load_pretrained: device: expected a cpu or cuda device, got meta"):
+        load_pretrained(tmp_path, device="meta")  # (a model with no weights)
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"config.json: .* nests its values too deeply to be a config"):
+        ModelConfig.from_hf(deep)
     with pytest.raises(ValueError, match=r"dtype: expected a float dtype for the model, got torch.int8"):
         load_pretrained(tmp_path, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"deployed_numerics: expected a bool, got str 'no'"):

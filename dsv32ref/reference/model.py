@@ -60,6 +60,8 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, form: str = "absorbed", deployed_numerics: bool = False):
         super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"DeepseekV32ForCausalLM: config: expected a ModelConfig, got {type(config).__name__}")
         self.config = config
         self.model = DeepseekV32Model(config, form, deployed_numerics)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
