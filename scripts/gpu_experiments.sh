@@ -12,8 +12,6 @@
 #              every boundary; FUSED= for none), the instrument A/B and the FP8 KV cache's arms (narrow, none) for
 #              AB_MODEL (default glm-5.2)                                     -> ttft_<model>.json
 #   fp8        the FP8 KV cache against bf16: decode and indexer scores       -> fp8_speed.json
-#   pairs      sparse_mla_pairs (FlashMLA's pair schedule): its GPU tests, then its time beside the library's
-#              kernel at 512-8192 tokens (not in data/ until it runs in the library) -> pairs.txt, pairs.json
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary   -> capture_memory_glm-5.2_h16.json
 #   capture8   the same with the FP8 KV cache                                 -> capture_memory_glm-5.2_h16_fp8.json
 #   regimes    TTFT against prompt length to 32k (chunked past 8k), TPOT to 128k context, every variant, with
@@ -62,11 +60,6 @@ for step in "$@"; do
     fp8)
       timeout 300 python3 -m dsv32ref fp8-speed --out "$OUT/fp8_speed.json" > "$OUT/fp8.log" 2>&1; echo "fp8 rc $?"
       grep "B=128\|B=1 " "$OUT/fp8.log" | tail -12 ;;
-    pairs)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_kernels.py -k pair 2>&1 \
-        | tee "$OUT/pairs.txt" | tail -4
-      timeout 240 python3 -m dsv32ref.bench.kernels --pairs-probe --out "$OUT/pairs.json" > "$OUT/pairs.log" 2>&1
-      echo "pairs probe rc $?"; grep "^sparse_mla\|^ceilings" "$OUT/pairs.log" | tail -22 ;;
     capture)
       dsv 480 capture --model glm-5.2 --heads-per-rank 16 ${CAPTURE_ARGS:---no-threshold} --out "$OUT/capture_memory_glm-5.2_h16.json" \
         > "$OUT/capture.log"; tail -10 "$OUT/capture.log" ;;

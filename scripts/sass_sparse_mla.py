@@ -48,9 +48,7 @@ def compile_hopper_kernel(fp8: bool = False, heads_n: bool = False, pairs: bool 
     pair schedule, bf16 rows only) over the bf16 cache, or (fp8) over FlashMLA's FP8 rows; one top-k split."""
     warps = 4 if heads_n or pairs else 8
     const = dict(D_LAT=512, D_ROPE=64, VALID_FIRST=False, NUM_SPLITS=1, num_warps=warps)
-    if pairs:
-        const["PREFETCH"] = False
-    else:
+    if not pairs:
         const["FP8"] = fp8
     if heads_n:
         const["HB"] = 16

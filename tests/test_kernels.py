@@ -381,53 +381,33 @@ def test_the_hopper_kernel_runs_only_where_it_applies(monkeypatch):
             assert not launch_plan(*args, 132)[3], args[1:]
         # the heads on the MMA's N up to 32 heads a token, on its M past them
         assert [kernel_choice(g[:, :h], 512, 1, None)[0] for h in (1, 16, 32, 33, 64)] == (
-            ["sm_90 heads as N"] * 3 + ["sm_90 warp-specialized"] * 2)
+            ["sm_90 heads as N"] * 3 + ["sm_90 key pairs"] * 2)
+        assert kernel_choice(g, 512, 1, None, fp8=True)[0] == "sm_90 warp-specialized"  # FP8 rows
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [128, 64, 40, 32, 24, 16])
 @pytest.mark.parametrize("valid_first", [False, True])
 def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
-    """sm_90's warp-specialized kernels, as sparse_mla_paged runs them (64 heads a program past 32 heads, heads as
-    the MMA's N up to 32), against the reference and against the Triton kernel (a config selects that one): outputs
-    poisoned; invalid, out-of-range and repeated indices; a token of a request outside the block table; a token with
-    no valid key; block ids outside the cache (the producer zero-fills those rows and flags them invalid: they must
-    not count); head counts that are not a multiple of a program's heads."""
-    _check_sm90_kernel(heads, valid_first, _sizes("cuda")["k"])
-
-
-def _pair_kernel_in_place_of_hopper(monkeypatch, prefetch: bool) -> None:
-    """sparse_mla_paged's 64-head sm_90 launches go to sparse_mla_pairs (FlashMLA's pair schedule) instead."""
-    import functools
-
-    from dsv32ref.kernels import sparse_mla_hopper, sparse_mla_pairs
-
-    monkeypatch.setattr(sparse_mla_hopper, "sparse_mla_hopper",
-                        functools.partial(sparse_mla_pairs.sparse_mla_pairs, prefetch=prefetch))
+    """sm_90's warp-specialized kernels, as sparse_mla_paged runs them over bf16 rows (the pair kernel, 64 heads a
+    program, past 32 heads; heads as the MMA's N up to 32), against the reference and against the Triton kernel (a
+    config selects that one): outputs poisoned; invalid, out-of-range and repeated indices; a token of a request
+    outside the block table; a token with no valid key; block ids outside the cache (the producer zero-fills those
+    rows and flags them invalid: they must not count); head counts that are not a multiple of a program's heads."""
+    # with valid_first the top-k has 31 blocks of 64 keys: the pair kernel's last pair has no second block
+    _check_sm90_kernel(heads, valid_first, 1984 if valid_first else 2048)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", [128, 64, 40])
-@pytest.mark.parametrize("valid_first,k,prefetch", [(False, 2048, False), (True, 1984, False), (True, 1984, True)])
-def test_sparse_mla_pair_kernel(monkeypatch, heads, valid_first, k, prefetch, seed):
-    """sparse_mla_pairs where sparse_mla_paged runs its 64-head sm_90 kernel: the same cases as
-    test_sparse_mla_hopper_kernel, with an even and an odd count of 64-key blocks (the last pair's second block
-    then holds no key: zero-filled, flagged invalid), consumer 0 prefetching the next pair's scores or not."""
-    _pair_kernel_in_place_of_hopper(monkeypatch, prefetch)
-    _check_sm90_kernel(heads, valid_first, k)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("query_lens,prefetch", [([70, 1, 33], False), ([70, 1, 33], True), ([1, 1, 1], True)])
-def test_sparse_mla_pair_kernel_on_generated_inputs(monkeypatch, query_lens, prefetch, seed):
-    """The pair kernel on the generator's inputs (NaN in every cache row no token selects), with one query row
-    holding a NaN and the outputs poisoned, against the oracle; the three decode tokens take top-k splits (each
-    program a few pairs, fp32 partials merged)."""
-    from dsv32ref.kernels.sparse_mla import launch_plan
+@pytest.mark.parametrize("query_lens", [[70, 1, 33], [1, 1, 1]])
+def test_sparse_mla_pair_kernel_on_generated_inputs(query_lens, seed):
+    """The pair kernel (sparse_mla_paged's past 32 heads over bf16 rows) on the generator's inputs (NaN in every
+    cache row no token selects), with one query row holding a NaN and the outputs poisoned, against the oracle; the
+    three decode tokens take top-k splits (each program a few pairs, fp32 partials merged)."""
+    from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the pair kernel is sm_90's")
-    _pair_kernel_in_place_of_hopper(monkeypatch, prefetch)
     x = paged_sparse_mla_inputs(num_heads=128, d_lat=512, d_rope=64, topk=1984, context_lens=[0, 3000, 40],
                                 query_lens=query_lens, block_size=64, dtype=torch.bfloat16, device="cuda", seed=seed,
                                 sm_scale=0.1352)
@@ -435,6 +415,7 @@ def test_sparse_mla_pair_kernel_on_generated_inputs(monkeypatch, query_lens, pre
     T, H = x.q.shape[:2]
     _, _, splits, sm90 = launch_plan(x.q, 512, 1984, None, torch.cuda.get_device_properties(0).multi_processor_count)
     assert sm90 and (splits > 1) == (T == 3), splits
+    assert kernel_choice(x.q, 512, splits, None)[0] == "sm_90 key pairs"
     want_out, want_lse = reference_sparse_mla_paged(x)
     out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((T, H), -7.0, device="cuda")

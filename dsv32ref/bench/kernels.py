@@ -27,7 +27,7 @@ from dsv32ref.bench.moe import MOE_CASES, TILE_SWEEP, MoELayer, bench_moe, moe_l
 from dsv32ref.checks import rel_err
 from dsv32ref.config import ModelConfig
 from dsv32ref.kernels.fused_norm_rope import _fused_norm_rope_kernel, fused_norm_rope
-from dsv32ref.kernels import grid, sparse_mla_pairs
+from dsv32ref.kernels import grid, sparse_mla_hopper
 from dsv32ref.kernels.fused_q import _fused_q_kernel, fused_q
 from dsv32ref.kernels.fused_moe import _down_kernel, _gate_up_kernel, _router_logits_kernel, default_tiles
 from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact_kernel, _topk_hist_kernel, _topk_kernel,
@@ -238,11 +238,11 @@ def ref_sparse_mla_chunked(q, cache, r, topk, scale, d_lat, chunk=128):
 
 
 def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, sort_indices=False, batch=False,
-                     pairs=None):
+                     warp_specialized=False):
     """T tokens at the end of a ctx-token request (batch: T decode requests, decode_batch). `config`: tiles of
     the Triton kernel over its defaults (None: what the library picks; the result says which kernel and why).
-    pairs "plain" or "prefetch": sparse_mla_pairs (FlashMLA's pair schedule) launched itself, where the programs
-    fill the GPU (no top-k splits)."""
+    warp_specialized: sparse_mla_hopper (each consumer warpgroup 32 keys of a step) launched itself over the bf16
+    rows, where the library runs sparse_mla_pairs, to time the two schedules."""
     r = decode_batch(T, ctx) if batch else one_request(ctx, T)
     D = z["d_lat"] + z["rope"]
     cache = torch.randn(r["nblocks"], BLOCK_SIZE, D, device=DEV, dtype=BF16)
@@ -258,13 +258,14 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
                                    config)
     cfg, _, splits, _ = launch_plan(q, z["d_lat"], z["k"], config, grid.num_sms(q.device, None, "bench_sparse_mla"))
     impl, why = kernel_choice(q, z["d_lat"], splits, config)
-    if pairs:
-        if splits != 1 or (why_pairs := sparse_mla_pairs.why_not(q, z["d_lat"], z["rope"], False)) is not None:
-            raise ValueError(f"bench_sparse_mla: the pair kernel does not run here ({splits} splits; {why_pairs})")
+    if warp_specialized:
+        if impl != "sm_90 key pairs" or splits != 1:
+            raise ValueError(f"bench_sparse_mla: warp_specialized times sparse_mla_hopper where the library runs "
+                             f"sparse_mla_pairs without splits, here {impl} with {splits} split(s)")
         outputs = (out, out.stride(0), out.stride(1), lse, lse.stride(0))
-        run = lambda: sparse_mla_pairs.sparse_mla_pairs(q, cache, r["block_table"], r["req"], r["seq_lens"], topk,
-                                                        scale, outputs, 1, prefetch=pairs == "prefetch")
-        impl, why = f"sm_90 key pairs ({pairs})", "FlashMLA's pair schedule, launched by the benchmark"
+        run = lambda: sparse_mla_hopper.sparse_mla_hopper(q, cache, r["block_table"], r["req"], r["seq_lens"], topk,
+                                                          scale, outputs, 1)
+        impl, why = "sm_90 warp-specialized", "32 keys a consumer warpgroup, launched by the benchmark"
     res = {"kernel": "sparse_mla", "impl": impl, "why": why, "model": z["name"], "T": T, "context": ctx,
            "topk": z["k"], "config": config or {}, "config_full": cfg, "splits": splits,
            "shape": "decode batch" if batch else "one request"}
@@ -596,17 +597,6 @@ def probe_splits(run: Run, models) -> None:
             run.add(bench_combine(z, 64, splits))
 
 
-def probe_pairs(run: Run, models) -> None:
-    """sparse_mla_pairs (plain, and with consumer 0 prefetching) beside what sparse_mla_paged runs, one request of
-    512 to 8192 tokens over a 32k context, interleaved twice, each checked against the chunked reference."""
-    for z in models:
-        for T in (512, 1024, 2048, 4096, 8192):
-            for rnd in range(2):
-                for pairs in (None, "plain", "prefetch"):
-                    r = bench_sparse_mla(z, T, 32768, run.ceil, torch_path=False, pairs=pairs)
-                    run.add(dict(r, probe="pairs", round=rnd), _sparse_line(r))
-
-
 def tile_sweep(run: Run, z, sort_probe: bool = False) -> dict:
     """sparse_mla at 512 tokens under each SPARSE_CONFIGS entry; returns the fastest correct Triton config."""
     for cfg in SPARSE_CONFIGS:
@@ -627,7 +617,8 @@ def tile_sweep(run: Run, z, sort_probe: bool = False) -> dict:
 
 
 def sparse_mla_cases(run: Run, z, quick: bool) -> None:
-    """What the library runs at each size, and beside it the Triton kernel where the library picked sm_90's."""
+    """What the library runs at each size, and beside it the Triton kernel where the library picked sm_90's, and the
+    warp-specialized kernel where it picked the pair kernel (the schedule the pair kernel replaced)."""
     cases = [(T, False) for T in ([1, 64, 512] if quick else [1, 8, 64, 128, 256, 512, 2048, 8192])] + \
         [(T, True) for T in ([64] if quick else [8, 64, 128])]
     for T, batch in cases:
@@ -637,6 +628,9 @@ def sparse_mla_cases(run: Run, z, quick: bool) -> None:
         if r["impl"] != "triton":
             t = bench_sparse_mla(z, T, ctx, run.ceil, config=dict(DEFAULT_CONFIG), torch_path=False, batch=batch)
             run.add(dict(t, probe="the Triton kernel"), "  " + _sparse_line(t))
+        if r["impl"] == "sm_90 key pairs" and r["splits"] == 1:  # the schedule it replaced, on the same inputs
+            w = bench_sparse_mla(z, T, ctx, run.ceil, torch_path=False, warp_specialized=True)
+            run.add(dict(w, probe="the warp-specialized kernel"), "  " + _sparse_line(w))
 
 
 def indexer_cases(run: Run, z, quick: bool) -> None:
@@ -740,8 +734,6 @@ def _args(argv):
                     help="only skinny_gemm: each tiling at GLM-5.2's attention projections, 8 tokens")
     ap.add_argument("--moe-probe", action="store_true",
                     help="only fused_moe: each grouped GEMM's tiles (the other's at the default) at decode-sized steps")
-    ap.add_argument("--pairs-probe", action="store_true",
-                    help="only sparse_mla at 512-8192 tokens: sparse_mla_pairs beside the library's kernel, interleaved")
     ap.add_argument("--compare", metavar="JSON",
                     help="only sparse_mla: each config of this JSON list (over the defaults) at 64, 128 and 512 tokens "
                          "of one request and a 64-request decode batch, both models")
@@ -754,10 +746,7 @@ def main(argv=None) -> int:
         return 2
     run = Run(args.out or os.path.join(run_dir(), "kernels.json"), start[1], start[0])
     models = [shapes("deepseek-v3.2"), shapes("glm-5.2")]
-    probes = (args.compare, args.indexer_probe, args.splits_probe, args.moe_probe, args.linear_probe, args.pairs_probe)
-    if any(probes):
-        if args.pairs_probe:
-            probe_pairs(run, models)
+    if args.compare or args.indexer_probe or args.splits_probe or args.moe_probe or args.linear_probe:
         if args.moe_probe:
             probe_moe_tiles(run)
         if args.linear_probe:

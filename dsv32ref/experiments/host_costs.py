@@ -50,7 +50,8 @@ WRAPPER_KERNELS = {
     "norm_rope": ("_fused_norm_rope_kernel",),
     "fused_q": ("_fused_q_kernel",),
     "indexer": ("_indexer_scores_kernel", "_topk_kernel", "_topk_hist_kernel", "_topk_compact_kernel"),
-    "attention": ("_sparse_mla_kernel", "_sparse_mla_ws_kernel", "_combine_splits_kernel"),
+    "attention": ("_sparse_mla_kernel", "_sparse_mla_pairs_kernel", "_sparse_mla_ws_kernel", "_sparse_mla_heads_n_kernel",
+                  "_combine_splits_kernel"),
 }
 
 

@@ -52,8 +52,9 @@ from dsv32ref.kernels.launch import launch
 try:  # the warp-specialized Gluon kernels that sm_90 runs (need triton.experimental.gluon)
     from dsv32ref.kernels import sparse_mla_heads_n as _heads_n
     from dsv32ref.kernels import sparse_mla_hopper as _hopper
+    from dsv32ref.kernels import sparse_mla_pairs as _pairs
 except ImportError:  # an older triton: every device runs the Triton kernel below
-    _hopper = _heads_n = None
+    _hopper = _heads_n = _pairs = None
 
 __all__ = ["sparse_mla_paged", "DEFAULT_CONFIG", "kernel_choice", "launch_plan"]
 
@@ -339,7 +340,8 @@ def num_splits(T: int, head_blocks: int, sms: int) -> int:
 def kernel_choice(q: torch.Tensor, d_lat: int, splits: int, config: dict | None, fp8: bool = False
                   ) -> tuple[str, str]:
     """(the kernel sparse_mla_paged runs, why): on sm_90 one of the warp-specialized Gluon kernels, "sm_90 heads
-    as N" for at most 32 heads a token (dsv32ref.kernels.sparse_mla_heads_n) or "sm_90 warp-specialized" for more
+    as N" for at most 32 heads a token (dsv32ref.kernels.sparse_mla_heads_n), past them "sm_90 key pairs" over bf16
+    rows (dsv32ref.kernels.sparse_mla_pairs, FlashMLA's pair schedule) or "sm_90 warp-specialized" over FP8 rows
     (dsv32ref.kernels.sparse_mla_hopper); elsewhere "triton" (the kernel of this module). fp8: the latent cache
     holds FlashMLA's FP8 rows."""
     if config:
@@ -355,7 +357,10 @@ def kernel_choice(q: torch.Tensor, d_lat: int, splits: int, config: dict | None,
     if H <= _heads_n.MAX_HEADS:
         return "sm_90 heads as N", (f"sm_90, bf16 q, {rows}, {H} heads: keys as the MMA's M, "
                                     f"{_heads_n.heads_per_program(H)} heads as its N, {splits} top-k split(s)")
-    return "sm_90 warp-specialized", f"sm_90, bf16 q, {rows}, 64 heads a program, {splits} top-k split(s)"
+    if fp8:
+        return "sm_90 warp-specialized", f"sm_90, bf16 q, {rows}, 64 heads a program, {splits} top-k split(s)"
+    return "sm_90 key pairs", (f"sm_90, bf16 q, {rows}, 64 heads a program, a pair of 64-key blocks a step (one per "
+                               f"consumer warpgroup), {splits} top-k split(s)")
 
 
 def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: int, fp8: bool = False
@@ -412,8 +417,8 @@ def sparse_mla_paged(
                   min(K, seq_len) slots are visited. Off by default (FlashMLA accepts any order).
     config        tiles (CONFIG_KEYS) over DEFAULT_CONFIG (FP32_CONFIG for fp32 inputs). Without one, an sm_90
                   GPU runs a warp-specialized Gluon kernel (`kernel_choice`: sparse_mla_heads_n up to 32 heads,
-                  sparse_mla_hopper past them) where they apply (bf16 q, D_LAT 512, D_ROPE 64; bf16 or FP8
-                  rows); with one, always the Triton kernel.
+                  past them sparse_mla_pairs over bf16 rows and sparse_mla_hopper over FP8 ones) where they apply
+                  (bf16 q, D_LAT 512, D_ROPE 64); with one, always the Triton kernel.
     When T x head blocks leaves SMs idle (decode), the top-k is split across NUM_SPLITS programs (`num_splits`,
     or config["NUM_SPLITS"], a power of two) and a second launch merges the partial results; the split count
     depends only on shapes, so it is fixed within a captured graph. `num_sms`: the SMs to fill (default: the
@@ -431,7 +436,9 @@ def sparse_mla_paged(
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
     outputs = _kernel_outputs(out, lse_arg, splits)
     if hopper:
-        kernel = _heads_n.sparse_mla_heads_n if H <= _heads_n.MAX_HEADS else _hopper.sparse_mla_hopper
+        fp8 = latent_cache.dtype == torch.uint8
+        kernel = (_heads_n.sparse_mla_heads_n if H <= _heads_n.MAX_HEADS else
+                  _hopper.sparse_mla_hopper if fp8 else _pairs.sparse_mla_pairs)
         kernel(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, splits,
                valid_first)
     else:

@@ -1,8 +1,10 @@
-"""sparse_mla on Hopper (sm_90), warp-specialized, in Gluon: what `sparse_mla_paged` runs there. Graph-safe.
+"""sparse_mla on Hopper (sm_90), warp-specialized, in Gluon: what `sparse_mla_paged` runs there past 32 heads over
+FlashMLA's FP8 rows. Graph-safe. Over bf16 rows it runs dsv32ref.kernels.sparse_mla_pairs, FlashMLA's pair schedule
+in full, which gives each consumer warpgroup a whole 64-key block; the kernel benchmark times this one beside it.
 
 The math, the semantics and the program (one token, 64 heads, the top-k walked 64 keys a step) are those of the
-Triton kernel in dsv32ref.kernels.sparse_mla; this one writes out the schedule FlashMLA's sparse prefill uses,
-which Triton's compiler does not find for that kernel:
+Triton kernel in dsv32ref.kernels.sparse_mla; this one writes out a schedule of FlashMLA's kind, which Triton's
+compiler does not find for that kernel:
 
     producer   one warpgroup: q once, then for each step the 64 keys' cache rows (the top-k index through the
                block table, as the Triton kernel resolves them), their cp.async gather into a free stage, and

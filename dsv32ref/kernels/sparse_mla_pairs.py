@@ -1,5 +1,6 @@
-"""sparse_mla on Hopper (sm_90) with FlashMLA's sparse-prefill schedule, in Gluon: 64 heads a program, the top-k
-walked two 64-key blocks (a pair) at a time. Graph-safe.
+"""sparse_mla on Hopper (sm_90) with FlashMLA's sparse-prefill schedule, in Gluon: what `sparse_mla_paged` runs
+there past 32 heads over bf16 rows. 64 heads a program, the top-k walked two 64-key blocks (a pair) at a time.
+Graph-safe.
 
 The math and the program's inputs are those of dsv32ref.kernels.sparse_mla_hopper (one token, 64 heads, its
 top-k resolved through the block table by a producer warpgroup); the consumers' schedule is the one FlashMLA's
@@ -17,9 +18,6 @@ sm_90 sparse prefill uses (deepseek-ai/FlashMLA, csrc/sm90/prefill/sparse/phase1
     producer      q once, then per pair the halves V0L, V1R, V0R, V1L (cp.async gathers through the block table)
                   and each block's validity flags with its first half
 
-With `prefetch`, consumer 0 issues the next pair's S0 while its last MMA of a pair (O += P1 V1) runs, as FlashMLA
-does, and frees block 1's L half between the two: the tensor cores then have work queued at the pair's end.
-Which of the two schedules is faster is for the H200 to say (the kernel benchmark's --pairs-probe times both).
 
 Each warpgroup's QK^T is a 64 x 64 MMA over 576 columns (the warpgroups of sparse_mla_hopper each take 32 keys),
 each P meets half of V from registers and the other half from shared memory, and the row statistics cross the
@@ -53,7 +51,7 @@ from dsv32ref.kernels.sparse_mla_hopper import (BLOCK_H, BLOCK_N, FLAGS_LAYOUT, 
 __all__ = ["sparse_mla_pairs", "why_not"]
 
 # consumer 1's registers a thread (O's half takes 128; S, P and the running statistics the rest); consumer 0 gets
-# what the producer's and these leave of the 64K (232), which it needs with PREFETCH (fewer spill: the offline test)
+# what the producer's and these leave of the 64K (232)
 ODD_REGS = gl.constexpr(208)
 HALF = gl.constexpr(256)  # the columns of c_kv each consumer owns in O, and a stage's L half
 L = gl.constexpr(0)  # a stage's halves: index of its barriers
@@ -153,18 +151,15 @@ def _write_half(acc, m_i, l_i, out, C0: gl.constexpr, WRITE_LSE: gl.constexpr, D
 
 
 @gluon.jit
-def _issue_scores_even(qz, k0, ready, ph, s_zero):
-    """S0 = q K0^T's first half (c_kv's columns 0-255) issued once block 0's L half has landed (not waited)."""
-    mbarrier.wait(ready.index(2 * 0 + L), ph)
+def _scores_even(q_lat, q_pe, k_lat, k_pe, ready, j, s_zero):
+    """Pair j's S0 = q K0^T (64 heads x 64 keys), raw: c_kv's first half issued once block 0's L half has landed,
+    the second half and k_pe once its R half has."""
+    qz, qz_pe, k0, k0_pe, k1, k1_pe = _pair_views(q_lat, q_pe, k_lat, k_pe, j)
+    mbarrier.wait(ready.index(2 * 0 + L), j & 1)
     fence_async_shared()  # the copies' generic-proxy writes, visible to the wgmma's async proxy
-    return warpgroup_mma(qz.slice(0, HALF, dim=1), k0.slice(0, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                         is_async=True)
-
-
-@gluon.jit
-def _finish_scores_even(s, qz, qz_pe, k0, k0_pe, ready, ph):
-    """S0's second half and RoPE part issued once block 0's R half has landed, then every MMA waited."""
-    mbarrier.wait(ready.index(2 * 0 + R), ph)
+    s = warpgroup_mma(qz.slice(0, HALF, dim=1), k0.slice(0, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    mbarrier.wait(ready.index(2 * 0 + R), j & 1)
     fence_async_shared()
     s = warpgroup_mma(qz.slice(HALF, HALF, dim=1), k0.slice(HALF, HALF, dim=1).permute((1, 0)), s, is_async=True)
     s = warpgroup_mma(qz_pe, k0_pe.permute((1, 0)), s, is_async=True)
@@ -172,49 +167,15 @@ def _finish_scores_even(s, qz, qz_pe, k0, k0_pe, ready, ph):
 
 
 @gluon.jit
-def _scores_even(q_lat, q_pe, k_lat, k_pe, ready, j, s_zero):
-    """Pair j's S0 = q K0^T (64 heads x 64 keys), raw."""
-    qz, qz_pe, k0, k0_pe, k1, k1_pe = _pair_views(q_lat, q_pe, k_lat, k_pe, j)
-    s = _issue_scores_even(qz, k0, ready, j & 1, s_zero)
-    return _finish_scores_even(s, qz, qz_pe, k0, k0_pe, ready, j & 1)
-
-
-@gluon.jit
-def _pv_odd_then_scores(acc, s, p_odd, k1, q_lat, q_pe, k_lat, k_pe, ready, free, j, n_pairs, s_zero,
-                        PREFETCH: gl.constexpr):
-    """Consumer 0's last MMA of pair j, O += P1 V1 (P1 from shared memory), waited, and block 1's L half freed;
-    with PREFETCH the next pair's S0 is issued before that wait (FlashMLA's order: the MMAs queue while P1 V1
-    runs) and returned as s."""
-    if PREFETCH and j + 1 < n_pairs:
-        acc = warpgroup_mma(p_odd, k1.slice(0, HALF, dim=1), acc, is_async=True)
-        qz, qz_pe, k0, k0_pe, k1n, k1n_pe = _pair_views(q_lat, q_pe, k_lat, k_pe, j + 1)
-        s = _issue_scores_even(qz, k0, ready, (j + 1) & 1, s_zero)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # P1 V1 done; S0's first half may run on
-        _release(free.index(2 * 1 + L))
-        s = _finish_scores_even(s, qz, qz_pe, k0, k0_pe, ready, (j + 1) & 1)
-    else:
-        acc = warpgroup_mma(p_odd, k1.slice(0, HALF, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        _release(free.index(2 * 1 + L))
-    return acc, s
-
-
-@gluon.jit
-def _consume_even(smem, out, sm_scale_log2, n_pairs, D_LAT: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                  PREFETCH: gl.constexpr):
-    """Consumer 0: block 0 of each pair, O's columns 0-255 (the module docstring); PREFETCH: each pair's S0
-    issued during the last MMA of the pair before (_pv_odd_then_scores)."""
+def _consume_even(smem, out, sm_scale_log2, n_pairs, D_LAT: gl.constexpr, NUM_SPLITS: gl.constexpr):
+    """Consumer 0: block 0 of each pair, O's columns 0-255 (the module docstring)."""
     q_lat, q_pe, k_lat, k_pe, p_odd, valid_smem, stats, q_bar, ready, free, hand = smem
     m_i, l_i, acc, s_zero = _consumer_start(q_bar)
-    s = s_zero
-    if PREFETCH and n_pairs > 0:
-        s = _scores_even(q_lat, q_pe, k_lat, k_pe, ready, 0, s_zero)
     for j in range(n_pairs):
         ph = j & 1
         qz, qz_pe, k0, k0_pe, k1, k1_pe = _pair_views(q_lat, q_pe, k_lat, k_pe, j)
-        if not PREFETCH:
-            s = _scores_even(q_lat, q_pe, k_lat, k_pe, ready, j, s_zero)
-        s = _masked_scores(s, valid_smem.index(0), sm_scale_log2, S_L)
+        s = _masked_scores(_scores_even(q_lat, q_pe, k_lat, k_pe, ready, j, s_zero), valid_smem.index(0),
+                           sm_scale_log2, S_L)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_safe[:, None])
@@ -233,8 +194,9 @@ def _consume_even(smem, out, sm_scale_log2, n_pairs, D_LAT: gl.constexpr, NUM_SP
         l_i = l_i * beta
         acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
         mbarrier.wait(hand.index(P_ODD), ph)
-        acc, s = _pv_odd_then_scores(acc, s, p_odd, k1, q_lat, q_pe, k_lat, k_pe, ready, free, j, n_pairs, s_zero,
-                                     PREFETCH)
+        acc = warpgroup_mma(p_odd, k1.slice(0, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _release(free.index(2 * 1 + L))
         m_i = m_pair
     l_i = _row_sums(l_i, stats, L_EVEN, L_ODD, hand, S_L)
     _write_half(acc, m_i, l_i, out, 0, False, D_LAT, NUM_SPLITS)
@@ -372,7 +334,7 @@ def _sparse_mla_pairs_kernel(
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,  # out [T, H, D_LAT] bf16, lse [T, H] fp32
     sm_scale_log2, H, K, block_size, rows_per_block, B, max_blocks, num_blocks,
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, VALID_FIRST: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    PREFETCH: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     gl.static_assert(D_LAT == 2 * HALF, "each consumer owns half of c_kv's 512 columns")
     t = gl.program_id(0)
@@ -385,7 +347,7 @@ def _sparse_mla_pairs_kernel(
     smem = (q_lat, q_pe, k_lat, k_pe, p_odd, valid_smem, stats, q_bar, ready, free, hand)
     out = (out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split)
     gl.warp_specialize([  # constexprs passed on their own: inside a tuple they turn into values
-        (_consume_even, (smem, out, sm_scale_log2, n_pairs, D_LAT, NUM_SPLITS, PREFETCH)),
+        (_consume_even, (smem, out, sm_scale_log2, n_pairs, D_LAT, NUM_SPLITS)),
         (_consume_odd, (smem, out, sm_scale_log2, n_pairs, D_LAT, NUM_SPLITS)),
         (_produce_pairs, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
                           k_end, it0, it1, n_pairs, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe,
@@ -394,11 +356,9 @@ def _sparse_mla_pairs_kernel(
 
 
 def sparse_mla_pairs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs,
-                     splits: int, valid_first: bool = False, prefetch: bool = False) -> None:
-    """The launch, as sparse_mla_hopper's (inputs checked by sparse_mla_paged, `why_not` None): one program per
-    (token, 64 heads, top-k split) into outputs = (out, out's two strides, lse, lse's stride), or the fp32
-    partials with splits > 1. prefetch: consumer 0 issues each pair's S0 while the pair before ends, as FlashMLA
-    does (a schedule to time against the plain one: both give the same result)."""
+                     splits: int, valid_first: bool = False) -> None:
+    """The launch (inputs checked by sparse_mla_paged, `why_not` None): one program per (token, 64 heads, top-k
+    split) into outputs = (out, out's two strides, lse, lse's stride), or the fp32 partials with splits > 1."""
     T, H = q.shape[:2]
     nb, bs = latent_cache.shape[:2]
     o_arg, o_s0, o_s1, l_arg, l_s0 = outputs
@@ -408,5 +368,4 @@ def sparse_mla_pairs(q, latent_cache, block_table, req_indices, seq_lens, topk_i
         o_arg, o_s0, o_s1, l_arg, l_s0,
         sm_scale * math.log2(math.e), H, topk_indices.shape[1], bs,
         latent_cache.stride(0) // latent_cache.stride(1), seq_lens.shape[0], block_table.shape[1], nb,
-        D_LAT=q.shape[-1] - 64, D_ROPE=64, VALID_FIRST=valid_first, NUM_SPLITS=splits, PREFETCH=prefetch,
-        num_warps=4)
+        D_LAT=q.shape[-1] - 64, D_ROPE=64, VALID_FIRST=valid_first, NUM_SPLITS=splits, num_warps=4)
