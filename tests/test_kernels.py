@@ -402,8 +402,9 @@ def test_sparse_mla_hopper_kernel(heads, valid_first, seed):
 @pytest.mark.parametrize("query_lens", [[70, 1, 33], [1, 1, 1]])
 def test_sparse_mla_pair_kernel_on_generated_inputs(query_lens, seed):
     """The pair kernel (sparse_mla_paged's past 32 heads over bf16 rows) on the generator's inputs (NaN in every
-    cache row no token selects), with one query row holding a NaN and the outputs poisoned, against the oracle; the
-    three decode tokens take top-k splits (each program a few pairs, fp32 partials merged)."""
+    cache row no token selects), with one query row holding a NaN, infinite scores in both blocks of a pair and the
+    outputs poisoned, against the oracle; the three decode tokens take top-k splits (each program a few pairs, fp32
+    partials merged)."""
     from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -412,6 +413,14 @@ def test_sparse_mla_pair_kernel_on_generated_inputs(query_lens, seed):
                                 query_lens=query_lens, block_size=64, dtype=torch.bfloat16, device="cuda", seed=seed,
                                 sm_scale=0.1352)
     x.q[-1, 1, 3] = float("nan")
+    # an infinite k_pe in keys that a token selects in block 0 and block 1 of its first pair: a +inf or -inf score
+    # (by the sign of q_pe's first value) in the one consumer's block and in the other's
+    t = int((x.topk_indices >= 0).sum(1).argmax())
+    for i in (0, 64 + 5):
+        pos = int(x.topk_indices[t, i])
+        if pos >= 0:
+            blk = int(x.block_table[int(x.req_indices[t]), pos // 64])
+            x.latent_cache[blk, pos % 64, 512] = float("inf")
     T, H = x.q.shape[:2]
     _, _, splits, sm90 = launch_plan(x.q, 512, 1984, None, torch.cuda.get_device_properties(0).multi_processor_count)
     assert sm90 and (splits > 1) == (T == 3), splits

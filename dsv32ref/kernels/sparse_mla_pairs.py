@@ -100,10 +100,12 @@ def _masked_scores(s, valid_st, sm_scale_log2, s_l: gl.constexpr):
 
 
 @gluon.jit
-def _publish(smem, value, bar):
-    """value into shared memory, visible to the other partitions (and to their MMAs) once `bar` completes."""
+def _publish(smem, value, bar, FOR_MMA: gl.constexpr = False):
+    """value into shared memory, visible to the other partitions once `bar` completes; FOR_MMA: to their MMAs too
+    (the async proxy: a fence first). The row statistics are read by plain loads and need no fence."""
     smem.store(value)
-    fence_async_shared()
+    if FOR_MMA:
+        fence_async_shared()
     _cta_barrier()  # the warpgroup's stores are all made
     mbarrier.arrive(bar)
 
@@ -190,7 +192,7 @@ def _consume_even(smem, out, sm_scale_log2, n_pairs, D_LAT: gl.constexpr, NUM_SP
         mbarrier.wait(hand.index(M_PAIR), ph)  # the pair's max, from consumer 1
         m_pair = stats.index(M_PAIR).load(gl.SliceLayout(1, S_L))
         beta = _rescale(m_new, m_pair)
-        _publish(k0_pe, (p * beta[:, None]).to(gl.bfloat16), hand.index(P_EVEN))  # P0 over block 0's k_pe
+        _publish(k0_pe, (p * beta[:, None]).to(gl.bfloat16), hand.index(P_EVEN), True)  # P0 over block 0's k_pe
         l_i = l_i * beta
         acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
         mbarrier.wait(hand.index(P_ODD), ph)
@@ -230,12 +232,12 @@ def _consume_odd(smem, out, sm_scale_log2, n_pairs, D_LAT: gl.constexpr, NUM_SPL
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         pb = p.to(gl.bfloat16)
         acc = warpgroup_mma(gl.convert_layout(pb, P_L), k1.slice(HALF, HALF, dim=1), acc, is_async=True)
-        _publish(p_odd, pb, hand.index(P_ODD))
+        _publish(p_odd, pb, hand.index(P_ODD), True)
         mbarrier.wait(hand.index(P_EVEN), ph)
         acc = warpgroup_mma(k0_pe, k0.slice(HALF, HALF, dim=1), acc, is_async=True)  # P0, over block 0's k_pe
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _release(free.index(2 * 1 + R))
-        mbarrier.arrive(free.index(2 * 0 + R))
+        mbarrier.arrive(free.index(2 * 0 + R))  # (after _release's barrier: every warp's MMAs on P0 V0 are done)
         m_i = m_pair
     l_i = _row_sums(l_i, stats, L_ODD, L_EVEN, hand, S_L)
     _write_half(acc, m_i, l_i, out, HALF, True, D_LAT, NUM_SPLITS)
