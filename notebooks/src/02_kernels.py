@@ -289,6 +289,9 @@ print(f"ridge of the measured ceilings: {ceil['bf16_gemm_TFLOPs'] * 1e3 / ceil['
 
 # %% [markdown]
 # ## What sm_90 runs: a producer warpgroup
+# (The recording below predates `dsv32ref.kernels.sparse_mla_pairs`, which now runs past 32 heads over bf16 rows:
+# FlashMLA's schedule in full, each consumer warpgroup a whole 64-key block of a pair. The kernel benchmark times
+# the kernel described here beside it; the next recording of data/ shows both.)
 # `dsv32ref.kernels.sparse_mla_hopper` writes FlashMLA's sparse-prefill schedule in Gluon: a producer warpgroup
 # resolves each step's 64 top-k slots to cache rows, gathers them with cp.async into the stage the two consumer
 # warpgroups freed, and stores the stage's validity flags beside it; one `ready` and one `free` mbarrier per
