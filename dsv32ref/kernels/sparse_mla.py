@@ -436,10 +436,7 @@ def sparse_mla_paged(
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
     outputs = _kernel_outputs(out, lse_arg, splits)
     if hopper:
-        fp8 = latent_cache.dtype == torch.uint8
-        kernel = (_heads_n.sparse_mla_heads_n if H <= _heads_n.MAX_HEADS else
-                  _hopper.sparse_mla_hopper if fp8 else _pairs.sparse_mla_pairs)
-        kernel(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, splits,
+        _sm90_launcher(H, latent_cache.dtype == torch.uint8)(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, splits,
                valid_first)
     else:
         _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
@@ -448,6 +445,13 @@ def sparse_mla_paged(
         launch(_combine_splits_kernel, (T, H), outputs[0], outputs[3], out, out.stride(0), out.stride(1), lse_arg,
                lse_arg.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)
     return out, lse
+
+
+def _sm90_launcher(H: int, fp8: bool):
+    """The launcher of the Gluon kernel `kernel_choice` names for H heads a token and the cache's rows."""
+    if H <= _heads_n.MAX_HEADS:
+        return _heads_n.sparse_mla_heads_n
+    return _hopper.sparse_mla_hopper if fp8 else _pairs.sparse_mla_pairs
 
 
 def _kernel_outputs(out: torch.Tensor, lse_arg: torch.Tensor, splits: int) -> tuple:
