@@ -436,8 +436,9 @@ def sparse_mla_paged(
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
     outputs = _kernel_outputs(out, lse_arg, splits)
     if hopper:
-        _sm90_launcher(H, latent_cache.dtype == torch.uint8)(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, splits,
-               valid_first)
+        launcher = _sm90_launcher(H, latent_cache.dtype == torch.uint8)
+        launcher(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, splits,
+                 valid_first)
     else:
         _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
                        block_h, splits, valid_first)
