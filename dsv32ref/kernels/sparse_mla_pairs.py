@@ -18,7 +18,6 @@ sm_90 sparse prefill uses (deepseek-ai/FlashMLA, csrc/sm90/prefill/sparse/phase1
     producer      q once, then per pair the halves V0L, V1R, V0R, V1L (cp.async gathers through the block table)
                   and each block's validity flags with its first half
 
-
 Each warpgroup's QK^T is a 64 x 64 MMA over 576 columns (the warpgroups of sparse_mla_hopper each take 32 keys),
 each P meets half of V from registers and the other half from shared memory, and the row statistics cross the
 warpgroups once a pair (the max: one hand-off each way; the row sums: once, after the loop). Hand-offs between
@@ -28,7 +27,9 @@ the partitions are mbarriers (one arrive after the warpgroup's barrier: a releas
     P0 lives in block 0's k_pe
 
 Scope: bf16 q and bf16 rows, D_LAT 512, D_ROPE 64, top-k splits as sparse_mla_hopper's (fp32 partials merged by
-sparse_mla_paged). `why_not` says when it does not run.
+sparse_mla_paged). `why_not` says when it does not run. Over FlashMLA's FP8 rows sparse_mla_hopper runs: a producer
+that dequantises into the stage holds a step's fp8 values in registers (120 a thread), which the 64K left beside
+these consumers' do not allow.
 """
 
 from __future__ import annotations
