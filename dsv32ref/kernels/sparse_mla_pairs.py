@@ -27,7 +27,7 @@ the partitions are mbarriers (one arrive after the warpgroup's barrier: a releas
     P0 lives in block 0's k_pe
 
 Scope: bf16 q and bf16 rows, D_LAT 512, D_ROPE 64, top-k splits as sparse_mla_hopper's (fp32 partials merged by
-sparse_mla_paged). `why_not` says when it does not run. Over FlashMLA's FP8 rows sparse_mla_hopper runs: a producer
+sparse_mla_paged). sparse_mla.kernel_choice says where it runs. Over FlashMLA's FP8 rows sparse_mla_hopper runs: a producer
 that dequantises into the stage holds a step's fp8 values in registers (120 a thread), which the 64K left beside
 these consumers' do not allow.
 """
@@ -36,20 +36,18 @@ from __future__ import annotations
 
 import math
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from dsv32ref.kernels import sparse_mla_hopper as ws
 from dsv32ref.kernels.launch import launch
 from dsv32ref.kernels.sparse_mla_hopper import (BLOCK_H, BLOCK_N, FLAGS_LAYOUT, LOAD_REGS, LOAD_WARPS, _async_copy,
                                                 _cta_barrier, _finish, _load_q, _program_steps, _release_stage,
                                                 _rows_of, _step_indices)
 
-__all__ = ["sparse_mla_pairs", "why_not"]
+__all__ = ["sparse_mla_pairs"]
 
 # consumer 1's registers a thread (O's half takes 128; S, P and the running statistics the rest); consumer 0 gets
 # what the producer's and these leave of the 64K (232)
@@ -69,13 +67,6 @@ P_ODD = gl.constexpr(5)
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
 P_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
-
-
-def why_not(q: torch.Tensor, d_lat: int, d_rope: int, fp8: bool) -> str | None:
-    """Why this kernel does not run for q (None: it does): sparse_mla_hopper's conditions, over bf16 rows."""
-    if fp8:
-        return "FlashMLA's FP8 rows (the pair kernel reads bf16 rows)"
-    return ws.why_not(q, d_lat, d_rope)
 
 
 @gluon.jit
