@@ -242,7 +242,8 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     """T tokens at the end of a ctx-token request (batch: T decode requests, decode_batch). `config`: tiles of
     the Triton kernel over its defaults (None: what the library picks; the result says which kernel and why).
     warp_specialized: sparse_mla_hopper (each consumer warpgroup 32 keys of a step) launched itself over the bf16
-    rows, where the library runs sparse_mla_pairs, to time the two schedules."""
+    rows, where the library runs sparse_mla_pairs, to time the two schedules. ceil None: no roofline (a run
+    under a profiler)."""
     r = decode_batch(T, ctx) if batch else one_request(ctx, T)
     D = z["d_lat"] + z["rope"]
     cache = torch.randn(r["nblocks"], BLOCK_SIZE, D, device=DEV, dtype=BF16)
@@ -283,7 +284,8 @@ def bench_sparse_mla(z, T, ctx, ceil, config=None, check=True, torch_path=True, 
     distinct = torch.unique(slots_of(r["block_table"], topk.long(), r["req"])).numel()
     nbytes = 2 * (distinct * D + T * z["H"] * (D + z["d_lat"])) + 4 * T * z["k"]
     res["bytes_gathered"] = 2 * (T * z["k"] * D + T * z["H"] * (D + z["d_lat"])) + 4 * T * z["k"]
-    res.update(**roofline(flops, nbytes, res["ms"], ceil))
+    if ceil is not None:
+        res.update(**roofline(flops, nbytes, res["ms"], ceil))
     if torch_path and T * z["k"] * D * 2 <= 2.5e9:
         tp = timed(lambda: torch_sparse_mla(q, cache, r, topk, scale, z["d_lat"]))
         res.update(torch_ms=tp["ms"], torch_ms_eager=tp["ms_eager"])
