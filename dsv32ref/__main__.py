@@ -33,7 +33,8 @@ from dsv32ref import summary
 from dsv32ref.bench import fp8 as fp8_bench
 from dsv32ref.bench import kernels as kernel_bench
 from dsv32ref.cache import KV_CACHE_DTYPES
-from dsv32ref.config import PRESETS
+from dsv32ref.config import PRESETS, ModelConfig
+from dsv32ref.engine.model import TensorParallel
 from dsv32ref.experiments import (capture_memory, fp8_accuracy, host_costs, ledger, regimes, reproduce, timeline, ttft,
                                   ttft_model)
 from dsv32ref.parallel import spawn
@@ -97,6 +98,10 @@ def cmd_ttft(args) -> int:
                           instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else ())
     if args.tp < 1:
         raise ValueError(f"--tp: expected an int >= 1, got {args.tp}")
+    try:
+        TensorParallel(0, args.tp).check(ModelConfig.preset(args.model))
+    except ValueError as e:
+        raise ValueError(f"--tp {args.tp}: {e}") from None
     if _needs_gpu("ttft", args.tp):
         return 2
     out = _out(args, f"ttft_{args.model}" + (f"_tp{args.tp}" if args.tp > 1 else "") + ".json")

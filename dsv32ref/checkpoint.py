@@ -59,13 +59,18 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) ->
 
 def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """float8 [out, in] * scale_inv [ceil(out/bo), ceil(in/bi)] broadcast over each block -> fp32 [out, in]. The
-    scales must be floats, finite and > 0 (a NaN poisons its block, a zero zeroes it, a negative one flips it)."""
+    scales must be floats, finite and > 0 (a NaN poisons its block, a zero zeroes it, a negative one flips it),
+    and every product finite (q holding NaN, or a scale that takes a value past fp32's range, is refused)."""
     check_tensor("weight_scale_inv", scale_inv, dtype=_FLOATS)
     bad = ~(torch.isfinite(scale_inv) & (scale_inv > 0))
     if bad.any():
         raise ValueError(f"weight_scale_inv: expected finite scales > 0, got {int(bad.sum())} others, e.g. "
                          f"{scale_inv[bad][:4].tolist()}")
-    return _dequantize(q, scale_inv, block)
+    out = _dequantize(q, scale_inv, block)
+    if problem := _nonfinite("q * weight_scale_inv", out):
+        raise ValueError(f"dequantize_fp8_blocks: {problem} (q holds NaN, or a scale takes a value past fp32's "
+                         f"range)")
+    return out
 
 
 def _dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:

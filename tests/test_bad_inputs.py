@@ -518,6 +518,10 @@ REFERENCE_CASES = [
      r"weight_scale_inv: expected dtype"),
     (lambda: dequantize_fp8_blocks(torch.ones(4, 4).to(torch.float8_e4m3fn), [[1.0]]),
      r"weight_scale_inv: expected a torch.Tensor, got list"),
+    (lambda: dequantize_fp8_blocks(torch.full((4, 4), 448.0).to(torch.float8_e4m3fn), torch.full((1, 1), 1e38)),
+     r"dequantize_fp8_blocks: non-finite: q \* weight_scale_inv \(0 NaN, 16 inf of 16\)"),
+    (lambda: dequantize_fp8_blocks(torch.full((4, 4), float("nan")).to(torch.float8_e4m3fn), torch.ones(1, 1)),
+     r"dequantize_fp8_blocks: non-finite: q \* weight_scale_inv \(16 NaN, 0 inf of 16\)"),
     (lambda: ue8m0_scale(torch.tensor([1.0, float("nan")])), r"amax: expected finite values >= 0, got \[nan\]"),
     (lambda: pow2_scale(torch.tensor([-2.0]), -13), r"amax: expected finite values >= 0, got \[-2.0\]"),
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(2, 1, dtype=torch.int64)),
@@ -1239,6 +1243,9 @@ def test_cli_rejects_bad_arguments(capsys):
     assert main(["ttft", "--fp8-kv", "nnone"]) == 2
     assert "TTFTProtocol.fp8_kv: unknown boundaries ['nnone']" in capsys.readouterr().err
     assert main(["ttft", "--tp", "0"]) == 2 and "--tp: expected an int >= 1, got 0" in capsys.readouterr().err
+    for tp in ("3", str(2 ** 40)):  # refused before asking for GPUs: heads, experts and MLP columns split evenly
+        assert main(["ttft", "--tp", tp]) == 2
+        assert f"--tp {tp}: num_attention_heads=64 is not divisible" in capsys.readouterr().err
     assert main(["ttft", "--skinny-gemm", "nnone"]) == 2
     assert "TTFTProtocol.skinny_gemm: unknown boundaries ['nnone']" in capsys.readouterr().err
     assert main(["regimes", "--max-prompt", "0"]) == 2

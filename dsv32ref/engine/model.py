@@ -46,6 +46,13 @@ class TensorParallel:
             raise ValueError(f"{name}={total} is not divisible by the tensor-parallel size {self.size}")
         return total // self.size
 
+    def check(self, config: ModelConfig) -> None:
+        """ValueError unless each of config's splits divides evenly (heads, experts, MLP columns)."""
+        self.split("num_attention_heads", config.num_attention_heads)
+        self.split("n_routed_experts", config.n_routed_experts)
+        self.split("moe_intermediate_size x n_shared_experts", config.moe_intermediate_size * config.n_shared_experts)
+        self.split("intermediate_size", config.intermediate_size)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             with region("all_reduce"):
