@@ -12,11 +12,17 @@ sm_90 sparse prefill uses (deepseek-ai/FlashMLA, csrc/sm90/prefill/sparse/phase1
     consumer 0    (the default partition) S0 = q K0^T, 64 x 64 over all 576 columns; the softmax of S0 under
                   the running max; its max to consumer 1; O[:, :256] += P0 V0[:, :256] with P0 from registers;
                   then, once consumer 1 has the pair's max, P0 rescaled to it into shared memory (over block 0's
-                  k_pe, which QK^T no longer needs) and O[:, :256] += P1 V1[:, :256] from consumer 1's P1
+                  k_pe, which QK^T no longer needs) and O[:, :256] += P1 V1[:, :256] from consumer 1's P1; the
+                  next pair's S0 is issued behind that MMA, before it is waited for, so that consumer 0 runs ahead
+                  and the tensor cores have work across the pair boundary
     consumer 1    S1 = q K1^T; the pair's max (consumer 0's and S1's); O[:, 256:] += P1 V1[:, 256:] with P1
-                  from registers, P1 into shared memory, O[:, 256:] += P0 V0[:, 256:]
+                  from registers, P1 into shared memory, O[:, 256:] += P0 V0[:, 256:]; block 1's R half freed
+                  as soon as its MMA is done, before P0's
     producer      q once, then per pair the halves V0L, V1R, V0R, V1L (cp.async gathers through the block table)
                   and each block's validity flags with its first half
+
+A token's head blocks are neighbours in the grid (program_id(0) = token x head blocks + head block), so that
+the second one's gathers find the rows the first one's brought into L2.
 
 Each warpgroup's QK^T is a 64 x 64 MMA over 576 columns (the warpgroups of sparse_mla_hopper each take 32 keys),
 each P meets half of V from registers and the other half from shared memory, and the row statistics cross the
@@ -145,53 +151,76 @@ def _write_half(acc, m_i, l_i, out, C0: gl.constexpr, WRITE_LSE: gl.constexpr, D
 
 
 @gluon.jit
-def _scores_even(q_lat, q_pe, k_lat, k_pe, ready, j, s_zero):
-    """Pair j's S0 = q K0^T (64 heads x 64 keys), raw: c_kv's first half issued once block 0's L half has landed,
-    the second half and k_pe once its R half has."""
-    qz, qz_pe, k0, k0_pe, k1, k1_pe = _pair_views(q_lat, q_pe, k_lat, k_pe, j)
+def _scores_even_l(q_lat, k_lat, ready, j, s_zero):
+    """Pair j's S0 = q K0^T, its first part issued (not waited): c_kv's first half, once block 0's L half has
+    landed."""
+    z = _opaque_zero(j)
     mbarrier.wait(ready.index(2 * 0 + L), j & 1)
     fence_async_shared()  # the copies' generic-proxy writes, visible to the wgmma's async proxy
-    s = warpgroup_mma(qz.slice(0, HALF, dim=1), k0.slice(0, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                      is_async=True)
+    return warpgroup_mma(q_lat.index(z).slice(0, HALF, dim=1), k_lat.index(z).slice(0, HALF, dim=1).permute((1, 0)),
+                         s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _scores_even_r(q_lat, q_pe, k_lat, k_pe, ready, j, s):
+    """Pair j's S0 finished: c_kv's second half and k_pe, once block 0's R half has landed; every MMA waited."""
+    z = _opaque_zero(j)
     mbarrier.wait(ready.index(2 * 0 + R), j & 1)
     fence_async_shared()
-    s = warpgroup_mma(qz.slice(HALF, HALF, dim=1), k0.slice(HALF, HALF, dim=1).permute((1, 0)), s, is_async=True)
-    s = warpgroup_mma(qz_pe, k0_pe.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_lat.index(z).slice(HALF, HALF, dim=1), k_lat.index(z).slice(HALF, HALF, dim=1).permute((1, 0)),
+                      s, is_async=True)
+    s = warpgroup_mma(q_pe.index(z), k_pe.index(z).permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
 
 @gluon.jit
-def _consume_even(smem, out, sm_scale_log2, n_pairs, D_LAT: gl.constexpr, NUM_SPLITS: gl.constexpr):
-    """Consumer 0: block 0 of each pair, O's columns 0-255 (the module docstring)."""
+def _even_pair(smem, sm_scale_log2, j, s, m_i, l_i, acc, s_zero, NEXT: gl.constexpr):
+    """Consumer 0's pair j, its S0 given (waited); with NEXT, pair j + 1's S0 issued behind P1 V1 (the tensor cores
+    get work across the pair boundary) and returned waited. -> (S0 of pair j + 1 or s, m_i, l_i, acc)."""
     q_lat, q_pe, k_lat, k_pe, p_odd, valid_smem, stats, q_bar, ready, free, hand = smem
-    m_i, l_i, acc, s_zero = _consumer_start(q_bar)
-    for j in range(n_pairs):
-        ph = j & 1
-        qz, qz_pe, k0, k0_pe, k1, k1_pe = _pair_views(q_lat, q_pe, k_lat, k_pe, j)
-        s = _masked_scores(_scores_even(q_lat, q_pe, k_lat, k_pe, ready, j, s_zero), valid_smem.index(0),
-                           sm_scale_log2, S_L)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[:, None])
-        alpha = _rescale(m_i, m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        _publish(stats.index(M_EVEN), m_new, hand.index(M_EVEN))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_L), k0.slice(0, HALF, dim=1), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        _release(free.index(2 * 0 + L))
-        mbarrier.wait(hand.index(M_PAIR), ph)  # the pair's max, from consumer 1
-        m_pair = stats.index(M_PAIR).load(gl.SliceLayout(1, S_L))
-        beta = _rescale(m_new, m_pair)
-        _publish(k0_pe, (p * beta[:, None]).to(gl.bfloat16), hand.index(P_EVEN), True)  # P0 over block 0's k_pe
-        l_i = l_i * beta
-        acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
-        mbarrier.wait(hand.index(P_ODD), ph)
-        acc = warpgroup_mma(p_odd, k1.slice(0, HALF, dim=1), acc, is_async=True)
+    ph = j & 1
+    qz, qz_pe, k0, k0_pe, k1, k1_pe = _pair_views(q_lat, q_pe, k_lat, k_pe, j)
+    s = _masked_scores(s, valid_smem.index(0), sm_scale_log2, S_L)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_safe[:, None])
+    alpha = _rescale(m_i, m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    _publish(stats.index(M_EVEN), m_new, hand.index(M_EVEN))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_L), k0.slice(0, HALF, dim=1), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _release(free.index(2 * 0 + L))
+    mbarrier.wait(hand.index(M_PAIR), ph)  # the pair's max, from consumer 1
+    m_pair = stats.index(M_PAIR).load(gl.SliceLayout(1, S_L))
+    beta = _rescale(m_new, m_pair)
+    _publish(k0_pe, (p * beta[:, None]).to(gl.bfloat16), hand.index(P_EVEN), True)  # P0 over block 0's k_pe
+    l_i = l_i * beta
+    acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
+    mbarrier.wait(hand.index(P_ODD), ph)
+    acc = warpgroup_mma(p_odd, k1.slice(0, HALF, dim=1), acc, is_async=True)
+    if NEXT:  # pair j + 1's first QK^T part behind P1 V1; then P1 V1 waited for (MMA groups retire in order)
+        s_next = _scores_even_l(q_lat, k_lat, ready, j + 1, s_zero)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        _release(free.index(2 * 1 + L))
+        s = _scores_even_r(q_lat, q_pe, k_lat, k_pe, ready, j + 1, s_next)
+    else:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _release(free.index(2 * 1 + L))
-        m_i = m_pair
+    return s, m_pair, l_i, acc
+
+
+@gluon.jit
+def _consume_even(smem, out, sm_scale_log2, n_pairs, D_LAT: gl.constexpr, NUM_SPLITS: gl.constexpr):
+    """Consumer 0: block 0 of each pair, O's columns 0-255 (the module docstring); the first pair's S0 before the
+    loop, each later one issued inside the pair before it (_even_pair)."""
+    q_lat, q_pe, k_lat, k_pe, p_odd, valid_smem, stats, q_bar, ready, free, hand = smem
+    m_i, l_i, acc, s_zero = _consumer_start(q_bar)
+    if n_pairs > 0:
+        s = _scores_even_r(q_lat, q_pe, k_lat, k_pe, ready, 0, _scores_even_l(q_lat, k_lat, ready, 0, s_zero))
+        for j in range(n_pairs - 1):
+            s, m_i, l_i, acc = _even_pair(smem, sm_scale_log2, j, s, m_i, l_i, acc, s_zero, True)
+        s, m_i, l_i, acc = _even_pair(smem, sm_scale_log2, n_pairs - 1, s, m_i, l_i, acc, s_zero, False)
     l_i = _row_sums(l_i, stats, L_EVEN, L_ODD, hand, S_L)
     _write_half(acc, m_i, l_i, out, 0, False, D_LAT, NUM_SPLITS)
 
@@ -227,9 +256,10 @@ def _consume_odd(smem, out, sm_scale_log2, n_pairs, D_LAT: gl.constexpr, NUM_SPL
         _publish(p_odd, pb, hand.index(P_ODD), True)
         mbarrier.wait(hand.index(P_EVEN), ph)
         acc = warpgroup_mma(k0_pe, k0.slice(HALF, HALF, dim=1), acc, is_async=True)  # P0, over block 0's k_pe
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # P1 V1 done: block 1's R half is free
         _release(free.index(2 * 1 + R))
-        mbarrier.arrive(free.index(2 * 0 + R))  # (after _release's barrier: every warp's MMAs on P0 V0 are done)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _release(free.index(2 * 0 + R))
         m_i = m_pair
     l_i = _row_sums(l_i, stats, L_ODD, L_EVEN, hand, S_L)
     _write_half(acc, m_i, l_i, out, HALF, True, D_LAT, NUM_SPLITS)
@@ -331,8 +361,9 @@ def _sparse_mla_pairs_kernel(
     num_warps: gl.constexpr,
 ):
     gl.static_assert(D_LAT == 2 * HALF, "each consumer owns half of c_kv's 512 columns")
-    t = gl.program_id(0)
-    h0 = gl.program_id(1) * BLOCK_H
+    n_hb = gl.cdiv(H, BLOCK_H)  # a token's head blocks are neighbours in the grid: their gathers share L2
+    t = gl.program_id(0) // n_hb
+    h0 = (gl.program_id(0) % n_hb) * BLOCK_H
     seq_len, k_end, split, it0, it1, idx_row_ptr, bt_row_ptr = _program_steps(
         req_ptr, seq_lens_ptr, idx_ptr, stride_it, block_table_ptr, stride_bt, t, K, B, max_blocks, block_size,
         VALID_FIRST, NUM_SPLITS)
@@ -356,7 +387,7 @@ def sparse_mla_pairs(q, latent_cache, block_table, req_indices, seq_lens, topk_i
     T, H = q.shape[:2]
     nb, bs = latent_cache.shape[:2]
     o_arg, o_s0, o_s1, l_arg, l_s0 = outputs
-    launch(_sparse_mla_pairs_kernel, (T, triton.cdiv(H, 64), splits),
+    launch(_sparse_mla_pairs_kernel, (T * triton.cdiv(H, 64), 1, splits),
         q, q.stride(0), q.stride(1), latent_cache, latent_cache.stride(1),
         block_table, block_table.stride(0), req_indices, seq_lens, topk_indices, topk_indices.stride(0),
         o_arg, o_s0, o_s1, l_arg, l_s0,
