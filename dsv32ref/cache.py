@@ -236,20 +236,25 @@ class BlockAllocator:
         self.held[seq_id] = max(self.held.get(seq_id, 0), num_tokens)
         return table
 
-    def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Grow sequence `seq_id` to hold num_tokens tokens; returns its block list."""
-        check_int("BlockAllocator.ensure: seq_id", seq_id, low=0)
-        check_int("BlockAllocator.ensure: num_tokens", num_tokens, low=0)
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+        """How many more blocks sequence `seq_id` needs to hold num_tokens tokens (0 if it has them)."""
+        check_int("BlockAllocator: seq_id", seq_id, low=0)
+        check_int("BlockAllocator: num_tokens", num_tokens, low=0)
         need = -(-num_tokens // self.block_size) - len(self.tables.get(seq_id, []))
         if need > MAX_BLOCKS:
-            raise ValueError(f"BlockAllocator.ensure: num_tokens: {num_tokens} tokens need more blocks of "
+            raise ValueError(f"BlockAllocator: num_tokens: {num_tokens} tokens need more blocks of "
                              f"{self.block_size} than a cache can have ({MAX_BLOCKS})")
+        return max(need, 0)
+
+    def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Grow sequence `seq_id` to hold num_tokens tokens; returns its block list."""
+        need = self.blocks_needed(seq_id, num_tokens)
         if need > len(self.free):  # (nothing changes: a sequence not yet known stays unknown)
             raise RuntimeError(
                 f"BlockAllocator: sequence {seq_id} needs {need} more blocks, {len(self.free)} free"
             )
         table = self.tables.setdefault(seq_id, [])
-        table.extend(self.free.pop() for _ in range(max(need, 0)))
+        table.extend(self.free.pop() for _ in range(need))
         return table
 
     def release(self, seq_id: int) -> None:

@@ -653,8 +653,8 @@ CACHE_CASES = [
     (lambda: PagedKVCache("glm-5.2", 4, 4), r"PagedKVCache: config: expected a ModelConfig, got str"),
     (lambda: BlockAllocator(0, 4), r"BlockAllocator: num_blocks: expected >= 1, got 0"),
     (lambda: BlockAllocator(4, True), r"BlockAllocator: block_size: expected an int, got bool True"),
-    (lambda: BlockAllocator(4, 4).ensure(0, -1), r"BlockAllocator.ensure: num_tokens: expected >= 0, got -1"),
-    (lambda: BlockAllocator(4, 4).ensure("a", 2), r"BlockAllocator.ensure: seq_id: expected an int, got str 'a'"),
+    (lambda: BlockAllocator(4, 4).ensure(0, -1), r"BlockAllocator: num_tokens: expected >= 0, got -1"),
+    (lambda: BlockAllocator(4, 4).ensure("a", 2), r"BlockAllocator: seq_id: expected an int, got str 'a'"),
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([8]), torch.zeros(1, 8)),
      r"slot_mapping: slots must lie in \[0, 8\), got \[8, 8\]"),
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([1]), torch.zeros(1, 9)), r"rows: expected shape \[1, 8\]"),
@@ -675,7 +675,7 @@ CACHE_CASES = [
     (lambda: token_bytes(TINY, torch.bfloat16, "fp8"), r"token_bytes: kv_cache_dtype: 'fp8' stores FlashMLA's rows"),
     (lambda: indexer_key_bytes(-4), r"indexer_key_bytes: head_dim: expected >= 1, got -4"),
     (lambda: indexer_key_bytes("128"), r"indexer_key_bytes: head_dim: expected an int, got str '128'"),
-    (lambda: BlockAllocator(4, 4).ensure(3, 2 ** 80), r"BlockAllocator.ensure: num_tokens: .* more blocks of 4 than"),
+    (lambda: BlockAllocator(4, 4).ensure(3, 2 ** 80), r"BlockAllocator: num_tokens: .* more blocks of 4 than"),
     (lambda: AttentionMetadata.build([0], [3], [[2 ** 31]], 8), r"block_tables\[0\]: block ids must be ints in "
                                                                 r"\[0, 2147483647\), got 2147483648"),
     (lambda: AttentionMetadata.build([2 ** 63], [1], [[0, 1]], 2 ** 63),
@@ -1207,6 +1207,27 @@ def test_engine_rejects_requests_it_cannot_run(cpu_engine):
     eng.allocator.release(6)
     toks, _ = eng.generate([1, 2, 3], 2)  # still usable afterwards, and no block leaked
     assert len(toks) == 2 and len(eng.allocator.free) == eng.runner.kv_cache.num_blocks
+
+
+@CPU
+def test_a_step_refused_for_blocks_changes_nothing():
+    """A step whose requests do not all fit the free blocks is refused before any block moves: no sequence holds
+    blocks or tokens afterwards, so a later step cannot attend over rows the refused one never wrote."""
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=16, max_num_seqs=2,
+                      max_num_batched_tokens=17, block_size=4, capture_sizes=[1, 2, 4], num_blocks=4)
+    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
+    with pytest.raises(ValueError, match=r"StepInput.requests: the step needs 5 more cache blocks of 4 tokens, 4 "
+                                         r"are free"):
+        eng.step(StepInput([(0, list(range(1, 17)), 0), (1, [1], 0)]))
+    assert eng.allocator.held == {} and eng.allocator.tables == {} and len(eng.allocator.free) == 4
+    with pytest.raises(ValueError, match=r"sequence 0 holds 0 cached tokens, got context_len 15"):
+        eng.step(StepInput([(0, [5], 15)]))
+    for call in (lambda: eng.step([(0, [1], 0)]), lambda: eng.step(None)):
+        with pytest.raises(ValueError, match=r"step: expected a StepInput, got (list|NoneType)"):
+            call()
+    toks, _ = eng.step(StepInput([(0, list(range(1, 17)), 0)]))  # the same prompt alone fits
+    assert len(toks) == 1 and eng.allocator.held == {0: 16}
 
 
 @CPU

@@ -87,6 +87,8 @@ class LLMEngine:
     def stage(self, step: StepInput) -> PreparedStep:
         """Check a step against the engine's limits, grow each sequence's blocks and write its metadata into
         the pinned staging buffers: host work only."""
+        if not isinstance(step, StepInput):
+            raise ValueError(f"step: expected a StepInput, got {type(step).__name__}")
         ec, V = self.ec, self.config.vocab_size
         if len(step.requests) > ec.max_num_seqs:
             raise ValueError(f"StepInput.requests: {len(step.requests)} requests in one step, max_num_seqs is "
@@ -106,6 +108,10 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"StepInput.requests[{b}].token_ids: ids must lie in [0, {V}) (vocab_size), "
                                  f"got {bad[:4]}")
+        need = sum(self.allocator.blocks_needed(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests)
+        if need > len(self.allocator.free):  # refused before any block moves: the engine is as it was
+            raise ValueError(f"StepInput.requests: the step needs {need} more cache blocks of {ec.block_size} tokens, "
+                             f"{len(self.allocator.free)} are free (release finished sequences)")
         tables = [self.allocator.assume(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
         return self.runner.batch.stage(step, tables, self.runner.kv_cache.num_blocks)
 
