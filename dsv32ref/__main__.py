@@ -175,14 +175,15 @@ def cmd_fp8_accuracy(args) -> int:
 
 def cmd_ledger(args) -> int:
     if not args.predict:
-        print("the measured ledger comes with `dsv32ref ttft` (GPU); use --predict for the CPU prediction")
+        print("the measured ledger comes with `dsv32ref ttft` (GPU); use --predict for the CPU prediction",
+              file=sys.stderr)
         return 2
     out = _out(args, f"ledger_predicted_{args.model}.json")
     measured = args.measured or os.path.join(DATA_DIR, f"ttft_{args.model}.json")
     if args.measured and not os.path.isfile(measured):
         raise ValueError(f"--measured: {'a directory, not a TTFT result' if os.path.isdir(measured) else 'no such file'} "
                          f"{measured!r}")
-    run = ttft_model.load_ttft_result(measured) if os.path.exists(measured) else None  # before the minutes below
+    run = ttft_model.load_ttft_result(measured, args.model) if os.path.exists(measured) else None  # before the minutes below
     predicted = ledger.predict_all(args.model)
     if run is not None:
         ttft_model.attach(predicted, measured, run)

@@ -5,6 +5,7 @@ would be an out-of-bounds access)."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -1303,6 +1304,31 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "not a TTFT result (`dsv32ref ttft`'s file): it has no host_costs, variants" in capsys.readouterr().err
     assert main(["ledger", "--predict", "--record", "--out", "x.json"]) == 2
     assert "dsv32ref: error: --record and --out 'x.json': give one" in capsys.readouterr().err
+    assert main(["ledger"]) == 2 and "use --predict" in capsys.readouterr().err
+
+
+def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
+    """--measured: another model's run, or a run whose fields are of the wrong kind, refused before the
+    prediction's minutes with the file and the field named (they were tracebacks, or a model of the wrong run)."""
+    from dsv32ref.__main__ import main
+    data = os.path.join(os.path.dirname(__file__), "..", "data")
+    assert main(["ledger", "--predict", "--model", "deepseek-v3.2", "--measured",
+                 os.path.join(data, "ttft_glm-5.2.json")]) == 2
+    assert "a TTFT run of 'glm-5.2', the prediction is of 'deepseek-v3.2'" in capsys.readouterr().err
+    with open(os.path.join(data, "ttft_glm-5.2.json")) as f:
+        run = json.load(f)
+    broken = [
+        ({"variants": []}, "variants: expected an object, got list"),
+        ({"provenance": None}, "provenance: expected an object, got NoneType"),
+        ({"host_costs": {"sync_us": "1"}}, "host_costs: expected numbers .* for aten_launch_us"),
+        ({"variants": {"narrow": {}}}, r"variants\['narrow'\]: expected mean_ms, median_ms and ledger.gpu_busy_ms"),
+        ({"variants": {"narrow": dict(run["variants"]["narrow"], mean_ms=True)}}, r"variants\['narrow'\]"),
+    ]
+    for i, (change, match) in enumerate(broken):
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps(dict(run, **change)))
+        assert main(["ledger", "--predict", "--measured", str(path)]) == 2
+        assert re.search(match, capsys.readouterr().err), match
 
 
 def test_the_recorded_runs_are_found_from_any_directory(tmp_path, monkeypatch):

@@ -106,9 +106,18 @@ def compare(predicted_ledger: dict, ttft_result: dict, costs: dict | None = None
     return out
 
 
-def load_ttft_result(path: str) -> dict:
-    """A TTFT run's file (`dsv32ref ttft`'s JSON), checked for what the model reads: ValueError naming the file and
-    what it lacks (a wrong file fails here, before the prediction's minutes)."""
+_COSTS_US = ("aten_launch_us", "eager_region_us", "gemm_launch_us", "graph_launch_us", "graph_node_us",
+             "in_graph_gap_us", "memcpy_us", "stage_us", "sync_us")  # the host costs the model prices launches with
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def load_ttft_result(path: str, preset: str | None = None) -> dict:
+    """A TTFT run's file (`dsv32ref ttft`'s JSON), checked for what the model reads, and (preset) that it measured
+    that model: ValueError naming the file and what is wrong (a wrong file fails here, before the prediction's
+    minutes)."""
     try:
         with open(path) as f:
             run = json.load(f)
@@ -117,6 +126,21 @@ def load_ttft_result(path: str) -> dict:
     missing = [k for k in ("provenance", "host_costs", "variants") if not isinstance(run, dict) or k not in run]
     if missing:
         raise ValueError(f"{path!r}: not a TTFT result (`dsv32ref ttft`'s file): it has no {', '.join(missing)}")
+    if preset is not None and run.get("preset") != preset:
+        raise ValueError(f"{path!r}: a TTFT run of {run.get('preset')!r}, the prediction is of {preset!r}")
+    for key in ("provenance", "host_costs", "variants"):
+        if not isinstance(run[key], dict):
+            raise ValueError(f"{path!r}: {key}: expected an object, got {type(run[key]).__name__}")
+    costs = run["host_costs"]
+    bad = [k for k in _COSTS_US if not _is_number(costs.get(k))] + (
+        [] if isinstance(costs.get("wrapper_us"), dict) else ["wrapper_us"])
+    if bad:
+        raise ValueError(f"{path!r}: host_costs: expected numbers (wrapper_us: an object) for {', '.join(bad)}")
+    for v, meas in run["variants"].items():
+        ledger_ = meas.get("ledger") if isinstance(meas, dict) else None
+        if not (isinstance(ledger_, dict) and _is_number(ledger_.get("gpu_busy_ms"))
+                and all(_is_number(meas.get(k)) for k in ("mean_ms", "median_ms"))):
+            raise ValueError(f"{path!r}: variants[{v!r}]: expected mean_ms, median_ms and ledger.gpu_busy_ms")
     return run
 
 
