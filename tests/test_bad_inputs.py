@@ -23,7 +23,7 @@ from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, rms_norm, sparse_mla,
                                 topk_indices)
-from dsv32ref.reference.fp8_cache import indexer_scores_fp8, sparse_mla_fp8, write_latent
+from dsv32ref.reference.fp8_cache import indexer_scores_fp8, latent_scale, quantize_latent, sparse_mla_fp8, write_latent
 from dsv32ref.reference.numerics import fp8_dequantize, pow2_scale, ue8m0_scale
 from dsv32ref.reference.rope import RotaryEmbedding, rope_inv_freq
 from dsv32ref.reference.sparse_attention import dense_mla
@@ -523,8 +523,15 @@ REFERENCE_CASES = [
      r"dequantize_fp8_blocks: non-finite: q \* weight_scale_inv \(0 NaN, 16 inf of 16\)"),
     (lambda: dequantize_fp8_blocks(torch.full((4, 4), float("nan")).to(torch.float8_e4m3fn), torch.ones(1, 1)),
      r"dequantize_fp8_blocks: non-finite: q \* weight_scale_inv \(16 NaN, 0 inf of 16\)"),
-    (lambda: ue8m0_scale(torch.tensor([1.0, float("nan")])), r"amax: expected finite values >= 0, got \[nan\]"),
-    (lambda: pow2_scale(torch.tensor([-2.0]), -13), r"amax: expected finite values >= 0, got \[-2.0\]"),
+    (lambda: ue8m0_scale(torch.tensor([1.0, float("nan")])), r"amax: expected finite values >= 0 \(in float32\), got \[nan\]"),
+    (lambda: pow2_scale(torch.tensor([-2.0]), -13), r"amax: expected finite values >= 0 \(in float32\), got \[-2.0\]"),
+    # float64 past fp32's range (where the scales are computed): refused, not a scale read off fp32's inf
+    (lambda: ue8m0_scale(torch.tensor([1e300], dtype=torch.float64)), r"amax: expected finite .*\(in float32\), got \[1e\+300\]"),
+    (lambda: latent_scale(torch.tensor([1e39], dtype=torch.float64)), r"amax: expected finite .*got \[1e\+39\]"),
+    (lambda: fp8_dequantize(torch.full((1, 128), 448.0).to(torch.float8_e4m3fn), torch.full((1, 1), 1e38)),
+     r"fp8_dequantize: 128 values times their scales are past float32's range \(first at \(0, 0\)\)"),
+    (lambda: quantize_latent(torch.cat([torch.randn(1, 512), torch.full((1, 64), 3.4e38)], -1)),
+     r"latent: k_pe \(stored in bfloat16\): expected finite values, got 64 NaN or inf"),
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(2, 1, dtype=torch.int64)),
      r"fp8_quantize: scale: expected dtype torch.float32 or torch.float64, got torch.int64"),
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(2, 1, dtype=torch.bool)),

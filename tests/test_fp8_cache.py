@@ -122,6 +122,8 @@ def test_scales_are_exact_powers_of_two_at_the_boundaries(seed):
     want = torch.exp2(torch.ceil(torch.log2(x.double().clamp(min=1e-4) / 448)))
     assert torch.equal(ue8m0_scale(x).double(), want)
     assert latent_scale(torch.tensor([0.0, 1e-45])).tolist() == [2.0 ** -13] * 2
+    tiny = torch.tensor([1e-300, 1e-46, 0.0], dtype=torch.float64)  # float64 below fp32's subnormals: the floor too
+    assert ue8m0_scale(tiny).tolist() == [2.0 ** -22] * 3 and latent_scale(tiny).tolist() == [2.0 ** -13] * 3
 
 
 def test_the_fp8_reference_is_the_bf16_one_up_to_fp8_rounding(seed):

@@ -89,7 +89,9 @@ def quantize_latent(latent: torch.Tensor, scale: torch.Tensor | None = None) -> 
         _powers_of_two("scale", scale)
     values = _to_fp8(c_kv, scale[..., None]).reshape(*lead, D_LAT)
     scales = scale.contiguous().view(torch.uint8).reshape(*lead, 4 * (D_LAT // GROUP))
-    k_pe = latent[..., D_LAT:].to(torch.bfloat16).contiguous().view(torch.uint8)  # (..., 128)
+    k_pe = latent[..., D_LAT:].to(torch.bfloat16)
+    _finite("latent: k_pe (stored in bfloat16)", k_pe)  # a finite fp32 past bf16's range rounds to inf
+    k_pe = k_pe.contiguous().view(torch.uint8)  # (..., 128)
     return torch.cat((values, scales, k_pe), dim=-1)
 
 

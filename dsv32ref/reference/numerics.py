@@ -53,11 +53,12 @@ def pow2_scale(amax: torch.Tensor, min_exp: int) -> torch.Tensor:
     quotient just above a power of two down to it, and that value would then saturate. amax: finite, >= 0."""
     check_tensor("amax", amax, dtype=_FLOATS)
     check_int("pow2_scale: min_exp", min_exp, -126, 127)  # fp32's normal exponents: 2^min_exp a normal scale
-    bad = ~(torch.isfinite(amax) & (amax >= 0))
+    a32 = amax.float()  # where it computes: a float64 past fp32's range is inf there, one below it 0
+    bad = ~(torch.isfinite(a32) & (amax >= 0))
     if bad.any():  # a NaN, inf or negative amax would get the smallest scale, silently
-        raise ValueError(f"amax: expected finite values >= 0, got {amax[bad][:4].tolist()}")
-    mant, exp = torch.frexp(amax.float())  # amax = mant x 2^exp, mant in [0.5, 1)
-    k = torch.where(amax > 0, exp - 9 + (mant > 0.875).to(exp.dtype), min_exp).clamp(min=min_exp)
+        raise ValueError(f"amax: expected finite values >= 0 (in float32), got {amax[bad][:4].tolist()}")
+    mant, exp = torch.frexp(a32)  # amax = mant x 2^exp, mant in [0.5, 1)
+    k = torch.where(a32 > 0, exp - 9 + (mant > 0.875).to(exp.dtype), min_exp).clamp(min=min_exp)
     return torch.exp2(k.float())
 
 
@@ -97,7 +98,8 @@ def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
-    """fp8 values [..., n] and their scales [..., n/block] -> fp32 [..., n]."""
+    """fp8 values [..., n] and their scales [..., n/block] -> fp32 [..., n]. A NaN value stays NaN (what a kernel
+    reading it computes); a product past fp32's range is refused."""
     check_tensor("q", q, shape=(..., None), dtype=torch.float8_e4m3fn)
     check_int("fp8_dequantize: block", block)
     n = q.shape[-1]
@@ -108,7 +110,12 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOC
         raise ValueError(f"fp8_dequantize: scale: expected finite values > 0, got "
                          f"{scale[~(torch.isfinite(scale) & (scale > 0))][:4].tolist()}")
     qb = q.float().reshape(*q.shape[:-1], n // block, block)
-    return (qb * scale[..., None]).reshape(q.shape)
+    out = (qb * scale[..., None]).reshape(q.shape)
+    past = torch.isinf(out)  # (fp8 e4m3 has no inf: a finite value times a finite scale overflowed)
+    if past.any():
+        raise ValueError(f"fp8_dequantize: {int(past.sum())} values times their scales are past float32's range "
+                         f"(first at {tuple(int(i) for i in past.nonzero()[0])})")
+    return out
 
 
 def fp8_round_trip(x: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
