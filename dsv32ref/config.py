@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv32ref.checks import check_scale, is_int
-from dsv32ref.hf_config import indexer_types_from_schedule, parse
+from dsv32ref.hf_config import MAX_LAYERS, indexer_types_from_schedule, parse
 
 __all__ = ["ModelConfig", "PRESETS", "REDUCED_MOE", "indexer_types_from_schedule", "reduced_moe"]
 
@@ -217,6 +217,8 @@ def _check_sizes(c: ModelConfig) -> None:
             raise ValueError(f"ModelConfig.{name}: expected a positive int, got {value!r}")
         if value > MAX_SIZE:
             raise ValueError(f"ModelConfig.{name}: expected at most {MAX_SIZE} (int32 indices), got {value}")
+    if c.num_hidden_layers > MAX_LAYERS:
+        raise ValueError(f"ModelConfig.num_hidden_layers: expected at most {MAX_LAYERS}, got {c.num_hidden_layers}")
     if not is_int(c.first_k_dense_replace) or not 0 <= c.first_k_dense_replace <= c.num_hidden_layers:
         raise ValueError(f"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers={c.num_hidden_layers}, "
                          f"got {c.first_k_dense_replace!r}")

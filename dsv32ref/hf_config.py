@@ -49,6 +49,9 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
               "mscale_all_dim")
 
 
+MAX_LAYERS = 2 ** 16  # decoder layers a config may declare (DeepSeek-V3.2 has 61, GLM-5.2 78): a schedule is a tuple
+
+
 def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
     """IndexShare schedule (GLM-5.2, config.json's index_topk_freq and index_skip_topk_offset): layer i runs its own indexer iff max(i - offset + 1, 0) % freq == 0.
 
@@ -58,6 +61,8 @@ def indexer_types_from_schedule(num_layers: int, freq: int, offset: int) -> tupl
                          ("index_skip_topk_offset", offset, 0)):
         if not is_int(v) or v < low:
             raise ValueError(f"config: {name} must be an int >= {low}, got {v!r}")
+    if num_layers > MAX_LAYERS:
+        raise ValueError(f"config: num_hidden_layers must be at most {MAX_LAYERS}, got {num_layers}")
     return tuple(
         "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)
     )

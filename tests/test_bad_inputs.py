@@ -43,6 +43,7 @@ CONFIG_CASES = [
     (dict(vocab_size=128.0), r"ModelConfig.vocab_size: expected a positive int, got 128.0"),
     (dict(hidden_size=True), r"ModelConfig.hidden_size: expected a positive int, got True"),
     (dict(num_hidden_layers=0), r"ModelConfig.num_hidden_layers: expected a positive int, got 0"),
+    (dict(num_hidden_layers=2 ** 17), r"ModelConfig.num_hidden_layers: expected at most 65536, got 131072"),
     (dict(num_attention_heads=-1), r"ModelConfig.num_attention_heads: expected a positive int"),
     (dict(index_topk=0), r"ModelConfig.index_topk: expected a positive int, got 0"),
     (dict(first_k_dense_replace=-1), r"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers"),
@@ -169,6 +170,9 @@ def _hf_dir(tmp_path, **edits):
     (dict(indexer_types=None, index_topk_pattern="FSFSFSFS", index_topk_freq=4),
      r"config.json: index_topk_pattern disagrees with index_topk_freq/index_skip_topk_offset"),
     (dict(layer_types=["full_attention"] * 99), r"config.json: layer_types: expected 8 entries \(num_hidden_layers\), got 99"),
+    # a schedule of 2^40 layers was built (memory) before any size was checked
+    (dict(num_hidden_layers=2 ** 40, index_topk_freq=4, mlp_layer_types=None, indexer_types=None),
+     r"config: num_hidden_layers must be at most 65536, got 1099511627776"),
 ], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
         "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
         "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "yarn-beside-parameters",
@@ -176,7 +180,7 @@ def _hf_dir(tmp_path, **edits):
         "mlp-types-int",
         "quant-config-str", "pattern-disagrees", "rope-type-list", "layer-types-lists", "mlp-types-lists",
         "indexer-types-lists", "nope-str", "layers-str-with-freq", "pattern-int-beside-types", "theta-huge",
-        "pattern-disagrees-with-freq", "layer-types-99"])
+        "pattern-disagrees-with-freq", "layer-types-99", "layers-2**40"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
@@ -1103,6 +1107,18 @@ ENGINE_CONFIG_CASES = [
 def test_engine_config(kw, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kw)
+
+
+def test_an_engine_config_cannot_change_under_its_checks():
+    """Frozen: a field set after the checks (block_size 0 divided by zero deep in the engine) is refused; a
+    changed copy (dataclasses.replace) is checked again."""
+    import dataclasses
+    ec = EngineConfig(max_model_len=64, block_size=16, capture_sizes=[4, 1, 4])
+    assert ec.capture_sizes == (1, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ec.block_size = 0
+    with pytest.raises(ValueError, match=r"EngineConfig.block_size: expected an int in \[1, 65536\], got 0"):
+        dataclasses.replace(ec, block_size=0)
 
 
 STEP_CASES = [

@@ -17,7 +17,7 @@ GEMM_IMPLS = ("torch", "skinny")  # EngineConfig.gemm
 MAX_BLOCK_SIZE = 2 ** 16  # tokens a cache block (FlashMLA's are 64; a larger one is a whole cache in a block)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     boundary: str = "narrow"  # one of dsv32ref.engine.boundary.BOUNDARIES
     mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -26,7 +26,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     block_size: int = 64
     gpu_memory_utilization: float = 0.9
-    capture_sizes: list[int] | None = None  # default: the engine's sizes up to max_num_batched_tokens
+    capture_sizes: tuple[int, ...] | None = None  # (a list is taken too) default: the engine's sizes up to max_num_batched_tokens
     num_blocks: int | None = None  # None: sized from the memory budget (capped at what max_num_seqs can use)
     estimate_graph_memory: bool = True  # subtract the serving engine's graph-memory estimate from the KV budget
     seed: int = 0
@@ -41,8 +41,8 @@ class EngineConfig:
     skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's
     # scoring and selection (their result is known: every key); eager regions and graph-less steps only
 
-    def __post_init__(self):
-        self.spec: Boundary = get_boundary(self.boundary)
+    def __post_init__(self):  # (frozen: what was checked here stays as checked; dataclasses.replace re-checks)
+        object.__setattr__(self, "spec", get_boundary(self.boundary))
         if not isinstance(self.mode, CUDAGraphMode):
             raise ValueError(f"EngineConfig.mode: expected a CUDAGraphMode (e.g. CUDAGraphMode("
                              f"'full_and_piecewise')), got {type(self.mode).__name__} {self.mode!r}")
@@ -66,7 +66,7 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {u!r}")
-        self.capture_sizes = _check_sizes(self.capture_sizes, self.max_num_batched_tokens)
+        object.__setattr__(self, "capture_sizes", _check_sizes(self.capture_sizes, self.max_num_batched_tokens))
         if self.num_blocks is not None and self.num_blocks < self.max_blocks_per_seq:
             raise ValueError(f"EngineConfig.num_blocks: {self.num_blocks} blocks of {self.block_size} tokens cannot hold "
                              f"one sequence of max_model_len {self.max_model_len} ({self.max_blocks_per_seq} blocks)")
@@ -78,7 +78,7 @@ class EngineConfig:
     @property
     def max_step_tokens(self) -> int:
         """Rows of the static buffers: the largest step, or the largest captured size if that is larger."""
-        return max(self.capture_sizes + [self.max_num_batched_tokens])
+        return max((*self.capture_sizes, self.max_num_batched_tokens))
 
     @property
     def scores_rows(self) -> int:
@@ -98,12 +98,12 @@ class EngineConfig:
         return -(-self.max_model_len // self.block_size)
 
 
-def _check_sizes(sizes, max_num_batched_tokens: int) -> list[int]:
+def _check_sizes(sizes, max_num_batched_tokens: int) -> tuple[int, ...]:
     if sizes is None:
-        return default_capture_sizes(max_num_batched_tokens)
+        return tuple(default_capture_sizes(max_num_batched_tokens))
     if not isinstance(sizes, (list, tuple)):
         raise ValueError(f"EngineConfig.capture_sizes: expected a list of ints, got {sizes!r}")
     for s in sizes:
         if not is_int(s) or s < 1:
             raise ValueError(f"EngineConfig.capture_sizes: every size must be an int >= 1, got {s!r} in {list(sizes)}")
-    return sorted(set(sizes))
+    return tuple(sorted(set(sizes)))
