@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv32ref.cache import gather_tokens
-from dsv32ref.checks import check_tensor
+from dsv32ref.checks import check_bool, check_int, check_scale, check_tensor
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_latent, indexer_scores_fp8,
                                           quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
 from dsv32ref.reference.numerics import fp8_quantize
@@ -184,6 +184,27 @@ def _topk_row(p: int, seq_len: int, cap: int, topk: int, valid_first: bool, g: t
     return row
 
 
+_MAX_GENERATED = 2 ** 24  # tokens (and top-k entries, heads, widths) a generator draws: a test's inputs, on the CPU
+
+
+def _check_lens(who: str, context_lens, query_lens) -> tuple[list[int], list[int]]:
+    """Per-request lengths: two equal, non-empty lists of ints, context >= 0, query >= 1."""
+    lens = []
+    for name, v, low in (("context_lens", context_lens, 0), ("query_lens", query_lens, 1)):
+        if not isinstance(v, (list, tuple)) or not v:
+            raise ValueError(f"{who}: {name}: expected a non-empty list of ints, got {v!r:.60}")
+        lens.append([check_int(f"{who}: {name}[{i}]", n, low, _MAX_GENERATED) for i, n in enumerate(v)])
+    if len(lens[0]) != len(lens[1]):
+        raise ValueError(f"{who}: context_lens ({len(lens[0])}) and query_lens ({len(lens[1])}) must have one length")
+    return lens[0], lens[1]
+
+
+def _check_sizes(who: str, **sizes) -> None:
+    """Each size an int in [its floor, _MAX_GENERATED]: name=(value, floor)."""
+    for name, (v, low) in sizes.items():
+        check_int(f"{who}: {name}", v, low, _MAX_GENERATED)
+
+
 def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int = 64, topk: int = 64,
                             context_lens=(0, 40, 7), query_lens=(5, 1, 30), block_size: int = 16,
                             dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0,
@@ -198,14 +219,19 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
     NaN slots) unless valid_first. Block ids are a random permutation over num_blocks = sum of blocks needed +
     extra_blocks. kv_cache_dtype "auto": the cache in `dtype`; "fp8": FlashMLA's rows, uint8 [num_blocks, block_size,
     656] (fp8_latent_rows: visible rows quantised, every other row NaN when read; d_lat 512, d_rope 64)."""
+    who = "paged_sparse_mla_inputs"
     if kv_cache_dtype not in ("auto", "fp8"):
-        raise ValueError(f"paged_sparse_mla_inputs: kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
-    if len(context_lens) != len(query_lens) or not query_lens:
-        raise ValueError(f"paged_sparse_mla_inputs: context_lens ({len(context_lens)}) and query_lens "
-                         f"({len(query_lens)}) must have one equal, non-zero length")
-    if any(c < 0 for c in context_lens) or any(n < 1 for n in query_lens):
-        raise ValueError(f"paged_sparse_mla_inputs: context_lens must be >= 0 and query_lens >= 1, got "
-                         f"{list(context_lens)}, {list(query_lens)}")
+        raise ValueError(f"{who}: kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    context_lens, query_lens = _check_lens(who, context_lens, query_lens)
+    _check_sizes(who, num_heads=(num_heads, 1), d_lat=(d_lat, 1), d_rope=(d_rope, 0), topk=(topk, 1),
+                 block_size=(block_size, 1), extra_blocks=(extra_blocks, 0))
+    check_int(f"{who}: seed", seed, 0, 2 ** 63 - 1)
+    floats = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    if dtype not in floats:
+        raise ValueError(f"{who}: dtype: expected one of {', '.join(map(str, floats))}, got {dtype}")
+    if sm_scale is not None:
+        check_scale(f"{who}: sm_scale", sm_scale)
+    check_bool(f"{who}: valid_first", valid_first)
     g = torch.Generator().manual_seed(seed)
     B = len(query_lens)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
@@ -343,6 +369,10 @@ def fp8_indexer_inputs(num_heads: int = 32, head_dim: int = 128, context_lens=(0
                        block_kv: int = 64, device="cpu", seed: int = 0) -> FP8IndexerInputs:
     """Requests of different lengths on scrambled blocks of an FP8 key cache (fp8_cache.quantize_indexer_keys),
     extra blocks of keys that belong to no request, and fp8 queries with their per-head scales in the weights."""
+    who = "fp8_indexer_inputs"
+    context_lens, query_lens = _check_lens(who, context_lens, query_lens)
+    _check_sizes(who, num_heads=(num_heads, 1), head_dim=(head_dim, 1), block_kv=(block_kv, 1))
+    check_int(f"{who}: seed", seed, 0, 2 ** 63 - 1)
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
     need = [-(-s // block_kv) for s in seq_lens]

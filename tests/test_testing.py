@@ -96,10 +96,42 @@ def test_generator_corners(seed):
             if (r >= 0).any() and not bool((r[: len(v)] == v).all()):
                 forms.add("shuffled")
     assert forms >= {"empty", "padded", "out of range", "shuffled"}
-    with pytest.raises(ValueError, match="context_lens .* and query_lens .* must have one equal"):
+    with pytest.raises(ValueError, match=r"context_lens \(1\) and query_lens \(2\) must have one length"):
         paged_sparse_mla_inputs(context_lens=[0], query_lens=[1, 2])
-    with pytest.raises(ValueError, match="query_lens >= 1"):
+    with pytest.raises(ValueError, match=r"query_lens\[0\]: expected an int in \[1, 16777216\], got 0"):
         paged_sparse_mla_inputs(context_lens=[0], query_lens=[0])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(d_rope=-2), r"paged_sparse_mla_inputs: d_rope: expected an int in \[0, 16777216\], got -2"),
+    (dict(d_lat=0), r"paged_sparse_mla_inputs: d_lat: expected an int in \[1, "),
+    (dict(block_size=0), r"block_size: expected an int in \[1, "),
+    (dict(block_size=-4), r"block_size: expected an int in \[1, "),
+    (dict(topk=-1), r"topk: expected an int in \[1, "),
+    (dict(num_heads=2.0), r"num_heads: expected an int, got float 2.0"),
+    (dict(dtype=torch.int32), r"dtype: expected one of torch.bfloat16, .*got torch.int32"),
+    (dict(sm_scale=0.0), r"sm_scale: expected a finite number > 0, got 0.0"),
+    (dict(sm_scale=float("nan")), r"sm_scale: expected a finite number > 0, got nan"),
+    (dict(valid_first=1), r"valid_first: expected a bool"),
+    (dict(context_lens=[-1], query_lens=[1]), r"context_lens\[0\]: expected an int in \[0, "),
+    (dict(context_lens=(0, 2 ** 40), query_lens=(1, 1)), r"context_lens\[1\]: expected an int in \[0, 16777216\]"),
+    (dict(context_lens=5, query_lens=[1]), r"context_lens: expected a non-empty list of ints, got 5"),
+])
+def test_the_generators_refuse_what_they_cannot_draw(kw, match):
+    """Sizes, lengths, dtypes and scales no kernel input could have are refused, naming the argument (they were a
+    ZeroDivisionError, a torch error deep in the draw, or inputs quietly built from a negative width)."""
+    with pytest.raises(ValueError, match=match):
+        paged_sparse_mla_inputs(**kw)
+
+
+def test_the_fp8_indexer_generator_refuses_mismatched_lengths():
+    from dsv32ref.testing import fp8_indexer_inputs
+    with pytest.raises(ValueError, match=r"fp8_indexer_inputs: context_lens \(2\) and query_lens \(3\) must"):
+        fp8_indexer_inputs(context_lens=(0, 200), query_lens=(5, 1, 2))  # zip() kept two requests
+    with pytest.raises(ValueError, match=r"fp8_indexer_inputs: context_lens\[0\]: expected an int in \[0, "):
+        fp8_indexer_inputs(context_lens=(-3,), query_lens=(1,))
+    with pytest.raises(ValueError, match=r"fp8_indexer_inputs: block_kv: expected an int in \[1, "):
+        fp8_indexer_inputs(block_kv=0)
 
 
 def test_unselected_non_finite_keys_never_reach_the_oracle(seed):
