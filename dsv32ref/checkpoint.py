@@ -105,11 +105,24 @@ def _open_shards(path: str) -> dict[str, str]:
         missing_files = sorted({fn for fn in weight_map.values() if not os.path.exists(os.path.join(path, fn))})
         if missing_files:
             raise ValueError(f"{INDEX_FILE}: shards listed but absent: {missing_files}")
+        _check_index(path, weight_map)
         return {name: os.path.join(path, fn) for name, fn in weight_map.items()}
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.exists(single):
         raise ValueError(f"checkpoint {path!r}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
     return {name: single for name in _safe_keys(single)}
+
+
+def _check_index(path: str, weight_map: dict[str, str]) -> None:
+    """Each shard holds exactly the tensors the index maps to it (their headers only): a tensor the index does not
+    list would be ignored, one it lists in the wrong shard not found."""
+    problems = []
+    for fn in sorted(set(weight_map.values())):
+        keys, listed = set(_safe_keys(os.path.join(path, fn))), {k for k, v in weight_map.items() if v == fn}
+        problems += [f"{fn} holds {k}, which {INDEX_FILE} does not map to it" for k in sorted(keys - listed)[:4]]
+        problems += [f"{INDEX_FILE} maps {k} to {fn}, which does not hold it" for k in sorted(listed - keys)[:4]]
+    if problems:
+        raise ValueError(f"checkpoint {path!r}: its shards and {INDEX_FILE} disagree:\n  " + "\n  ".join(problems))
 
 
 def _safe_keys(file: str) -> list[str]:

@@ -334,7 +334,7 @@ def test_checkpoint_files(tmp_path):
     good = json.loads(index.read_text())
     shard = next(iter(good["weight_map"].values()))
     (sharded / shard).write_bytes(b"garbage" * 10)
-    with pytest.raises(ValueError, match=rf"{shard}: cannot read tensor"):
+    with pytest.raises(ValueError, match=rf"{shard}: not a readable safetensors file"):
         load_pretrained(sharded)
     for bad, match in (({"weight_map": ["a"]}, "weight_map must map tensor names"),
                        ({"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}, "weight_map must map tensor"),
@@ -1352,6 +1352,30 @@ def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
         path.write_text(json.dumps(dict(run, **change)))
         assert main(["ledger", "--predict", "--measured", str(path)]) == 2
         assert re.search(match, capsys.readouterr().err), match
+
+
+def test_shards_and_their_index_must_agree(tmp_path):
+    """A tensor in a shard that the index does not map there (it was ignored), and one the index maps to a shard
+    that lacks it, are refused, naming shard and tensor."""
+    model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    save_pretrained(model, tmp_path, max_shard_bytes=100_000)
+    index = tmp_path / "model.safetensors.index.json"
+    good = json.loads(index.read_text())
+    name, shard = next(iter(good["weight_map"].items()))
+    other = next(fn for fn in sorted(set(good["weight_map"].values())) if fn != shard)
+    tensors = load_file(tmp_path / shard)
+    save_file(dict(tensors, **{"bogus.weight": torch.ones(3)}), tmp_path / shard)
+    with pytest.raises(ValueError, match=rf"its shards and .*disagree:\n  {shard} holds bogus.weight, which "):
+        load_pretrained(tmp_path)
+    save_file(tensors, tmp_path / shard)
+    index.write_text(json.dumps({"weight_map": {k: v for k, v in good["weight_map"].items() if k != name}}))
+    with pytest.raises(ValueError, match=rf"{shard} holds {re.escape(name)}, which model.safetensors.index.json"):
+        load_pretrained(tmp_path)
+    index.write_text(json.dumps({"weight_map": dict(good["weight_map"], **{name: other})}))
+    with pytest.raises(ValueError, match=rf"maps {re.escape(name)} to {other}, which does not hold it"):
+        load_pretrained(tmp_path)
+    index.write_text(json.dumps(good))
+    load_pretrained(tmp_path, dtype=torch.float32)
 
 
 def test_the_recorded_runs_are_found_from_any_directory(tmp_path, monkeypatch):
