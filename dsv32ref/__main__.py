@@ -114,8 +114,13 @@ def cmd_ttft(args) -> int:
 
 
 def cmd_capture(args) -> int:
-    if args.heads_per_rank is not None and args.heads_per_rank < 1:
-        raise ValueError(f"--heads-per-rank: expected an int >= 1, got {args.heads_per_rank}")
+    if args.heads_per_rank is not None:
+        if args.heads_per_rank < 1:
+            raise ValueError(f"--heads-per-rank: expected an int >= 1, got {args.heads_per_rank}")
+        heads = ModelConfig.preset(args.model).num_attention_heads
+        if heads % args.heads_per_rank:
+            raise ValueError(f"--heads-per-rank {args.heads_per_rank}: expected a divisor of {args.model}'s {heads} "
+                             f"heads (one rank's share under tensor parallelism)")
     if _needs_gpu("capture"):
         return 2
     tag = (f"_h{args.heads_per_rank}" if args.heads_per_rank else "") + \

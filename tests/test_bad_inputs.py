@@ -1306,6 +1306,9 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "dsv32ref: error: --out: cannot make the folder '/proc/nope'" in capsys.readouterr().err
     assert main(["capture", "--heads-per-rank", "-5"]) == 2
     assert "--heads-per-rank: expected an int >= 1, got -5" in capsys.readouterr().err
+    for h in ("7", "1000"):  # not a rank's share of the model's heads
+        assert main(["capture", "--heads-per-rank", h]) == 2
+        assert f"--heads-per-rank {h}: expected a divisor of glm-5.2's 64 heads" in capsys.readouterr().err
     assert main(["ledger", "--predict", "--measured", "/nonexistent/ttft.json"]) == 2
     assert "dsv32ref: error: --measured: no such file '/nonexistent/ttft.json'" in capsys.readouterr().err
     assert main(["ledger", "--predict", "--measured", os.path.dirname(__file__)]) == 2
