@@ -302,6 +302,19 @@ def _write_files(stage: str, shards: list[dict], config_json: dict) -> list[str]
     return order + ["config.json"]
 
 
+def _check_against_config(model: DeepseekV32ForCausalLM) -> None:
+    """The model's tensors are those its config describes (a resized or added one would be written into a
+    checkpoint that load_pretrained refuses)."""
+    with torch.device("meta"):
+        want = {k: v.shape for k, v in DeepseekV32ForCausalLM(model.config).state_dict().items()}
+    have = model.state_dict()
+    wrong = [f"{k}: shape {list(t.shape)}, its config gives {list(want[k])}" for k, t in have.items()
+             if k in want and t.shape != want[k]]
+    wrong += [f"unexpected: {k}" for k in have if k not in want] + [f"missing: {k}" for k in want if k not in have]
+    if wrong:
+        raise ValueError("save_pretrained: the model's tensors are not those of its config:\n  " + "\n  ".join(wrong[:8]))
+
+
 def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, fp8: bool = False,
                     max_shard_bytes: int | None = None, config_form: str = "released") -> None:
     """Write config.json and safetensors (fp8 128x128 blocks if fp8; several shards past max_shard_bytes).
@@ -321,6 +334,7 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     check_bool("fp8", fp8)
     if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")
+    _check_against_config(model)
     bad = [b for name, t in model.state_dict().items() if (b := _nonfinite(name, t))]
     if bad:  # load_pretrained would refuse the checkpoint
         raise ValueError("save_pretrained: the model holds non-finite weights:\n  " + "\n  ".join(bad))

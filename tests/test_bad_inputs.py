@@ -1357,6 +1357,16 @@ def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
         assert re.search(match, capsys.readouterr().err), match
 
 
+def test_save_pretrained_refuses_tensors_its_config_does_not_describe(tmp_path):
+    """A resized lm_head was written, and the checkpoint then refused by load_pretrained."""
+    model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match=r"not those of its config:\n  lm_head.weight: shape \[3, 3\], its config "
+                                         r"gives \[\d+, \d+\]"):
+        save_pretrained(model, tmp_path / "resized")
+    assert not (tmp_path / "resized").exists()
+
+
 def test_shards_and_their_index_must_agree(tmp_path):
     """A tensor in a shard that the index does not map there (it was ignored), and one the index maps to a shard
     that lacks it, are refused, naming shard and tensor."""
