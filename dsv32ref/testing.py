@@ -26,12 +26,13 @@ selection shows up as a NaN at a position the reference has none).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from dsv32ref.cache import gather_tokens
-from dsv32ref.checks import check_bool, check_int, check_scale, check_tensor
+from dsv32ref.checks import check_bool, check_int, check_scale, check_tensor, is_int
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_latent, indexer_scores_fp8,
                                           quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
 from dsv32ref.reference.numerics import fp8_quantize
@@ -83,8 +84,11 @@ def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torc
     want_dtype = expected.dtype if dtype is None else dtype
     unit_dtype = want_dtype if precision is None else precision
     unit = eps(unit_dtype)
-    if not 0 <= row_dims <= got.dim():
-        raise ValueError(f"compare({name!r}): row_dims must lie in [0, {got.dim()}], got {row_dims}")
+    if not is_int(row_dims) or not 0 <= row_dims <= got.dim():
+        raise ValueError(f"compare({name!r}): row_dims must lie in [0, {got.dim()}], got {row_dims!r}")
+    for n, v in (("rtol", rtol), ("atol", atol)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"compare({name!r}): {n}: expected a finite number >= 0 (units of eps), got {v!r}")
 
     def fail(msg: str, **kw) -> Comparison:
         return Comparison(name, False, f"{name}: {msg}", kw.get("err", float("inf")), kw.get("elems", -1),
@@ -96,11 +100,8 @@ def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torc
         return fail(f"dtype {got.dtype}, expected {want_dtype}")
     g = got.detach().to(device="cpu", dtype=torch.float64)
     e = expected.detach().to(device="cpu", dtype=torch.float64)
-    row_shape = tuple(g.shape[:row_dims])
-    nrows = 1
-    for s in row_shape:
-        nrows *= s
-    g2, e2 = g.reshape(nrows, -1), e.reshape(nrows, -1)  # (rows, elements per row)
+    nrows, per_row = math.prod(g.shape[:row_dims]), math.prod(g.shape[row_dims:])
+    g2, e2 = g.reshape(nrows, per_row), e.reshape(nrows, per_row)  # (rows, elements per row)
     for kind, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
         diff = test(g2) != test(e2)
         if diff.any():

@@ -1407,6 +1407,17 @@ def test_comparator_arguments():
         compare("x", a, a, row_dims=-1)
     with pytest.raises(ValueError, match=r"compare\('x'\): expected: expected a torch.Tensor, got ndarray"):
         compare("x", a, a.numpy())
+    for kw, match in ((dict(row_dims=1.0), r"row_dims must lie in \[0, 2\], got 1.0"),
+                      (dict(row_dims=True), r"row_dims must lie in \[0, 2\], got True"),
+                      (dict(rtol="2"), r"rtol: expected a finite number >= 0 \(units of eps\), got '2'"),
+                      (dict(rtol=-1), r"rtol: expected a finite number >= 0"),
+                      (dict(atol=float("nan")), r"atol: expected a finite number >= 0 .*got nan")):
+        with pytest.raises(ValueError, match=rf"compare\('x'\): {match}"):
+            compare("x", a, a, **kw)
+    for empty in (torch.zeros(0, 4), torch.zeros(3, 0), torch.zeros(0)):  # nothing to compare: agreement
+        for row_dims in range(empty.dim() + 1):
+            assert compare("x", empty, empty.clone(), row_dims=row_dims)
+    assert not compare("x", torch.zeros(0, 4), torch.zeros(0, 5))  # though the shapes must still agree
 
 
 @pytest.mark.parametrize("kw,match", [
