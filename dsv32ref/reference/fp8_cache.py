@@ -126,7 +126,7 @@ def quantize_indexer_keys(keys: torch.Tensor, scale: torch.Tensor | None = None)
     if scale is None:
         scale = ue8m0_scale(k.abs().amax(-1))  # (NB, BK)
     else:
-        check_tensor("scale", scale, shape=(nb, bk), dtype=torch.float32)
+        check_tensor("scale", scale, shape=(nb, bk), dtype=torch.float32, device=keys.device)
         _powers_of_two("scale", scale)
     values = _to_fp8(k, scale[..., None]).reshape(nb, bk * d)
     scales = scale.contiguous().view(torch.uint8).reshape(nb, 4 * bk)
@@ -253,7 +253,8 @@ def gather_indexer_keys(cache: torch.Tensor, block_table_row: torch.Tensor, seq_
     """The first seq_len keys of one sequence, dequantised -> fp32 [seq_len, D] (only their bytes are read)."""
     nb, bs, w = _block_shape(cache, None)
     d = w - 4
-    slots = token_slots(block_table_row, seq_len, nb, bs)
+    check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
+    slots = token_slots(block_table_row.to(cache.device), seq_len, nb, bs)
     flat = cache.view(nb, bs * w)
     block, off = slots[:, None] // bs, slots[:, None] % bs
     values = flat[block, off * d + torch.arange(d, device=cache.device)]  # (S, D) fp8 bytes
