@@ -307,11 +307,15 @@ class PagedKVCache:
         check_int("PagedKVCache: num_blocks", num_blocks)
         check_int("PagedKVCache: block_size", block_size)
         _check_block_ids("PagedKVCache: num_blocks", num_blocks)
+        if num_blocks * block_size > 2 ** 31 - 1:  # slot ids are int32 in the kernels
+            raise ValueError(f"PagedKVCache: num_blocks x block_size: at most 2^31 - 1 slots (int32 slot ids), got "
+                             f"{num_blocks} x {block_size}")
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"PagedKVCache: dtype: expected one of {CACHE_DTYPES}, got {dtype}")
         device = check_device("PagedKVCache: device", device)
         check_kv_cache_dtype("PagedKVCache: kv_cache_dtype", kv_cache_dtype, config)
-        if not isinstance(fp8_parts, tuple) or not fp8_parts or not set(fp8_parts) <= set(FP8_PARTS):
+        if (not isinstance(fp8_parts, tuple) or not fp8_parts or not all(isinstance(p, str) for p in fp8_parts)
+                or not set(fp8_parts) <= set(FP8_PARTS)):
             raise ValueError(f"PagedKVCache: fp8_parts: expected a non-empty tuple of {FP8_PARTS}, got {fp8_parts!r}")
         if kv_cache_dtype != "fp8" and fp8_parts != FP8_PARTS:
             raise ValueError(f"PagedKVCache: fp8_parts {fp8_parts!r} needs kv_cache_dtype 'fp8', got {kv_cache_dtype!r}")
