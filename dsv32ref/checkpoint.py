@@ -334,11 +334,11 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     check_bool("fp8", fp8)
     if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")
+    config_json = to_hf(model.config, form=config_form, who="save_pretrained: config_form")
     _check_against_config(model)
     bad = [b for name, t in model.state_dict().items() if (b := _nonfinite(name, t))]
     if bad:  # load_pretrained would refuse the checkpoint
         raise ValueError("save_pretrained: the model holds non-finite weights:\n  " + "\n  ".join(bad))
-    config_json = to_hf(model.config, form=config_form)
     if fp8:
         config_json["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
                                               "quant_method": "fp8", "weight_block_size": [128, 128]}

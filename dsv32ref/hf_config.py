@@ -238,13 +238,14 @@ def _check_mlp_layer_types(raw: dict, kw: dict) -> None:
     kw["first_k_dense_replace"] = k
 
 
-def to_hf(config, form: str = "released") -> dict[str, Any]:
+def to_hf(config, form: str = "released", who: str = "to_hf: form") -> dict[str, Any]:
     """ModelConfig -> config.json dict. form "released": rope_theta + rope_scaling; form "current":
-    transformers' rope_parameters and mlp_layer_types. IndexShare is written as an explicit indexer_types list."""
+    transformers' rope_parameters and mlp_layer_types. IndexShare is written as an explicit indexer_types list.
+    `who` names `form` in an error (the caller's argument)."""
     if not hasattr(config, "model_type") or not hasattr(config, "rope_scaling"):
         raise ValueError(f"to_hf: config: expected a ModelConfig, got {type(config).__name__}")
     if form not in ("released", "current"):
-        raise ValueError(f"form: expected 'released' or 'current', got {form!r}")
+        raise ValueError(f"{who}: expected 'released' or 'current', got {form!r}")
     raw: dict[str, Any] = {"model_type": config.model_type, "architectures": [
         "DeepseekV32ForCausalLM" if config.model_type == "deepseek_v32" else "GlmMoeDsaForCausalLM"]}
     for key in _DIRECT:

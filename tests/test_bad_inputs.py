@@ -1370,6 +1370,22 @@ def test_save_pretrained_refuses_tensors_its_config_does_not_describe(tmp_path):
     assert not (tmp_path / "resized").exists()
 
 
+def test_arguments_refused_at_construction_with_their_names(tmp_path):
+    """An odd rope width, a config_form that is not one, an indexer width the deployed numerics cannot rotate:
+    refused where they are given, naming them (they were a width mismatch, a non-finite-weights error about
+    an uninitialised model, and an error at the first forward)."""
+    from dsv32ref import DeepseekV32ForCausalLM
+    with pytest.raises(ValueError, match=r"apply_rope: x: the rope dims \(its last\) must be even, got 7"):
+        apply_rope(torch.randn(3, 7), torch.randn(3, 3), torch.randn(3, 3), True)
+    with pytest.raises(ValueError, match=r"save_pretrained: config_form: expected 'released' or 'current', got 'x'"):
+        save_pretrained(tiny_model("tiny-glm-5.2"), tmp_path, config_form="x")
+    cfg = ModelConfig.preset("tiny-deepseek-v3.2").replace(index_head_dim=24)
+    with pytest.raises(ValueError, match=r"Indexer: deployed_numerics .* index_head_dim must be a power of two "
+                                         r"<= 4096, got 24"):
+        DeepseekV32ForCausalLM(cfg, deployed_numerics=True)
+    DeepseekV32ForCausalLM(cfg)  # exact numerics need no rotation
+
+
 def test_shards_and_their_index_must_agree(tmp_path):
     """A tensor in a shard that the index does not map there (it was ignored), and one the index maps to a shard
     that lacks it, are refused, naming shard and tensor."""

@@ -17,7 +17,7 @@ from torch import nn
 from dsv32ref.checks import check_scale, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.reference.norms import LayerNorm
-from dsv32ref.reference.numerics import QUANT_BLOCK, fp8_round_trip, hadamard_transform
+from dsv32ref.reference.numerics import MAX_HADAMARD, QUANT_BLOCK, fp8_round_trip, hadamard_transform
 from dsv32ref.reference.rope import apply_rope
 
 
@@ -30,6 +30,10 @@ class Indexer(nn.Module):
         self.rope_dim = config.qk_rope_head_dim
         self.interleaved = config.indexer_rope_interleave
         self.deployed_numerics = deployed_numerics
+        d = self.head_dim
+        if deployed_numerics and (d & (d - 1) or d > MAX_HADAMARD):  # refused here, not at the first forward
+            raise ValueError(f"Indexer: deployed_numerics rotates q and k by a Hadamard transform: index_head_dim "
+                             f"must be a power of two <= {MAX_HADAMARD}, got {d}")
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)

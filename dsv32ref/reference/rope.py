@@ -89,6 +89,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     if check_tensor("x", x, dtype=floats).dim() < 2:
         raise ValueError(f"apply_rope: x: expected [T, ..., d], got shape {list(x.shape)}")
     d = x.shape[-1]
+    if d % 2:  # the rotation pairs dims
+        raise ValueError(f"apply_rope: x: the rope dims (its last) must be even, got {d}")
     check_tensor("cos", cos, dtype=(torch.float32, torch.float64), device=x.device)
     check_bool("apply_rope: interleaved", interleaved)
     if cos.dim() != 2:
