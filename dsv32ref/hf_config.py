@@ -96,7 +96,7 @@ def parse(raw: dict) -> dict[str, Any]:
     heads = raw.get("num_key_value_heads", kw["num_attention_heads"])
     if heads != kw["num_attention_heads"]:
         raise ValueError(
-            f"config.json: num_key_value_heads={heads} != num_attention_heads={kw['num_attention_heads']}"
+            f"config.json: num_key_value_heads={heads!r} != num_attention_heads={kw['num_attention_heads']!r}"
         )
     _check_attention(raw, kw)
     kw["rope_theta"], kw["rope_scaling"] = _rope(raw)

@@ -173,6 +173,7 @@ def _hf_dir(tmp_path, **edits):
     # a schedule of 2^40 layers was built (memory) before any size was checked
     (dict(num_hidden_layers=2 ** 40, index_topk_freq=4, mlp_layer_types=None, indexer_types=None),
      r"config: num_hidden_layers must be at most 65536, got 1099511627776"),
+    (dict(num_key_value_heads="4"), r"config.json: num_key_value_heads='4' != num_attention_heads=4"),
 ], ids=["freq0", "freq-4", "offset-1", "rope-dynamic", "hidden-str", "eps0", "partial-rotary", "sliding", "layer-types",
         "qk-head-dim", "head-dim", "rope-interleave", "theta-str", "theta-bool", "default-with-factor",
         "type-none-with-yarn", "yarn-attention-factor", "types-disagree", "theta-none", "yarn-beside-parameters",
@@ -180,7 +181,7 @@ def _hf_dir(tmp_path, **edits):
         "mlp-types-int",
         "quant-config-str", "pattern-disagrees", "rope-type-list", "layer-types-lists", "mlp-types-lists",
         "indexer-types-lists", "nope-str", "layers-str-with-freq", "pattern-int-beside-types", "theta-huge",
-        "pattern-disagrees-with-freq", "layer-types-99", "layers-2**40"])
+        "pattern-disagrees-with-freq", "layer-types-99", "layers-2**40", "kv-heads-str"])
 def test_config_json(tmp_path, edits, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(_hf_dir(tmp_path, **edits))
