@@ -137,8 +137,9 @@ def _safe_keys(file: str) -> list[str]:
 
 def _weight_block(config: ModelConfig) -> tuple[int, int]:
     block = (config.extra.get("quantization_config") or {}).get("weight_block_size", (128, 128))
-    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(is_int(b) and b > 0 for b in block):
-        raise ValueError(f"config.json: quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(is_int(b) and 0 < b < 2 ** 31 for b in block):
+        raise ValueError(f"config.json: quantization_config.weight_block_size must be two ints in [1, 2^31), got "
+                         f"{block!r}")
     return tuple(block)
 
 
@@ -182,6 +183,8 @@ def _load_one(name: str, read, where: dict, block, want: torch.Size, dtype: torc
     if t.dtype != torch.float8_e4m3fn and scale_name in where:
         return f"unexpected: {scale_name} beside a {t.dtype} weight (scales belong to fp8 weights)"
     if t.dtype == torch.float8_e4m3fn:
+        if t.dim() != 2:
+            return f"mis-shaped: {name}: fp8 weights are 2-D (their scales cover blocks of rows and columns), got {list(t.shape)}"
         if scale_name not in where:
             return f"missing: {scale_name} (for fp8 tensor {name})"
         scale = read(scale_name)

@@ -362,9 +362,10 @@ def test_checkpoint_files(tmp_path):
         load_pretrained(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("block,match", [([128], "weight_block_size must be two positive ints"),
-                                         ("128", "weight_block_size must be two positive ints"),
-                                         ([0, 128], "weight_block_size must be two positive ints")])
+@pytest.mark.parametrize("block,match", [([128], r"weight_block_size must be two ints in \[1, 2\^31\)"),
+                                         ("128", r"weight_block_size must be two ints in \[1, 2\^31\)"),
+                                         ([0, 128], r"weight_block_size must be two ints in \[1, 2\^31\), got \[0, 128\]"),
+                                         ([2 ** 70, 128], r"weight_block_size must be two ints in \[1, 2\^31\)")])
 def test_checkpoint_block_size(tmp_path, block, match):
     model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
     save_pretrained(model, tmp_path, fp8=True)
@@ -372,6 +373,17 @@ def test_checkpoint_block_size(tmp_path, block, match):
     cfg["quantization_config"]["weight_block_size"] = block
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=match):
+        load_pretrained(tmp_path)
+
+
+def test_a_one_dimensional_fp8_weight_is_named_as_such(tmp_path):
+    """An fp8 norm weight (1-D) with a scale beside it: named as a 1-D fp8 weight (the message spoke of 'q')."""
+    save_pretrained(tiny_model("tiny-glm-5.2", dtype=torch.float32), tmp_path, fp8=True)
+    t = load_file(tmp_path / "model.safetensors")
+    t["model.norm.weight"] = t["model.norm.weight"].to(torch.float8_e4m3fn)
+    t["model.norm.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(t, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"mis-shaped: model.norm.weight: fp8 weights are 2-D .*got \[\d+\]"):
         load_pretrained(tmp_path)
 
 
