@@ -338,6 +338,9 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")
     config_json = to_hf(model.config, form=config_form, who="save_pretrained: config_form")
+    meta = [name for name, t in model.state_dict().items() if t.is_meta]
+    if meta:
+        raise ValueError(f"save_pretrained: model: {len(meta)} tensors on the meta device hold no values, e.g. {meta[0]}")
     _check_against_config(model)
     bad = [b for name, t in model.state_dict().items() if (b := _nonfinite(name, t))]
     if bad:  # load_pretrained would refuse the checkpoint

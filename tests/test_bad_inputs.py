@@ -1397,6 +1397,10 @@ def test_arguments_refused_at_construction_with_their_names(tmp_path):
                                          r"<= 4096, got 24"):
         DeepseekV32ForCausalLM(cfg, deployed_numerics=True)
     DeepseekV32ForCausalLM(cfg)  # exact numerics need no rotation
+    with torch.device("meta"):
+        meta = DeepseekV32ForCausalLM(cfg)
+    with pytest.raises(ValueError, match=r"save_pretrained: model: \d+ tensors on the meta device hold no values"):
+        save_pretrained(meta, tmp_path / "meta")
 
 
 def test_shards_and_their_index_must_agree(tmp_path):
