@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv32ref.cache import gather_tokens
+from dsv32ref.cache import CACHE_DTYPES, gather_tokens
 from dsv32ref.checks import check_bool, check_int, check_scale, check_tensor, is_int
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_latent, indexer_scores_fp8,
                                           quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
@@ -200,10 +200,21 @@ def _check_lens(who: str, context_lens, query_lens) -> tuple[list[int], list[int
     return lens[0], lens[1]
 
 
-def _check_sizes(who: str, **sizes) -> None:
-    """Each size an int in [its floor, _MAX_GENERATED]: name=(value, floor)."""
+def _check_sizes(who: str, seed, **sizes) -> None:
+    """The seed a torch.Generator takes, and each size an int in [its floor, _MAX_GENERATED]: name=(value, floor)."""
+    check_int(f"{who}: seed", seed, 0, 2 ** 63 - 1)
     for name, (v, low) in sizes.items():
         check_int(f"{who}: {name}", v, low, _MAX_GENERATED)
+
+
+def _check_paged_options(who: str, dtype, sm_scale, valid_first, kv_cache_dtype) -> None:
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"{who}: kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"{who}: dtype: expected one of {', '.join(map(str, CACHE_DTYPES))}, got {dtype}")
+    if sm_scale is not None:
+        check_scale(f"{who}: sm_scale", sm_scale)
+    check_bool(f"{who}: valid_first", valid_first)
 
 
 def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int = 64, topk: int = 64,
@@ -221,18 +232,10 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
     extra_blocks. kv_cache_dtype "auto": the cache in `dtype`; "fp8": FlashMLA's rows, uint8 [num_blocks, block_size,
     656] (fp8_latent_rows: visible rows quantised, every other row NaN when read; d_lat 512, d_rope 64)."""
     who = "paged_sparse_mla_inputs"
-    if kv_cache_dtype not in ("auto", "fp8"):
-        raise ValueError(f"{who}: kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    _check_paged_options(who, dtype, sm_scale, valid_first, kv_cache_dtype)
     context_lens, query_lens = _check_lens(who, context_lens, query_lens)
-    _check_sizes(who, num_heads=(num_heads, 1), d_lat=(d_lat, 1), d_rope=(d_rope, 0), topk=(topk, 1),
+    _check_sizes(who, seed, num_heads=(num_heads, 1), d_lat=(d_lat, 1), d_rope=(d_rope, 0), topk=(topk, 1),
                  block_size=(block_size, 1), extra_blocks=(extra_blocks, 0))
-    check_int(f"{who}: seed", seed, 0, 2 ** 63 - 1)
-    floats = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-    if dtype not in floats:
-        raise ValueError(f"{who}: dtype: expected one of {', '.join(map(str, floats))}, got {dtype}")
-    if sm_scale is not None:
-        check_scale(f"{who}: sm_scale", sm_scale)
-    check_bool(f"{who}: valid_first", valid_first)
     g = torch.Generator().manual_seed(seed)
     B = len(query_lens)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
@@ -372,8 +375,7 @@ def fp8_indexer_inputs(num_heads: int = 32, head_dim: int = 128, context_lens=(0
     extra blocks of keys that belong to no request, and fp8 queries with their per-head scales in the weights."""
     who = "fp8_indexer_inputs"
     context_lens, query_lens = _check_lens(who, context_lens, query_lens)
-    _check_sizes(who, num_heads=(num_heads, 1), head_dim=(head_dim, 1), block_kv=(block_kv, 1))
-    check_int(f"{who}: seed", seed, 0, 2 ** 63 - 1)
+    _check_sizes(who, seed, num_heads=(num_heads, 1), head_dim=(head_dim, 1), block_kv=(block_kv, 1))
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
     need = [-(-s // block_kv) for s in seq_lens]
