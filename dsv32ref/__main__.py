@@ -188,7 +188,8 @@ def cmd_ledger(args) -> int:
     if args.measured and not os.path.isfile(measured):
         raise ValueError(f"--measured: {'a directory, not a TTFT result' if os.path.isdir(measured) else 'no such file'} "
                          f"{measured!r}")
-    run = ttft_model.load_ttft_result(measured, args.model) if os.path.exists(measured) else None  # before the minutes below
+    # checked before the prediction's minutes
+    run = ttft_model.load_ttft_result(measured, args.model) if os.path.exists(measured) else None
     predicted = ledger.predict_all(args.model)
     if run is not None:
         ttft_model.attach(predicted, measured, run)

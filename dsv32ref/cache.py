@@ -307,7 +307,7 @@ class PagedKVCache:
         check_int("PagedKVCache: num_blocks", num_blocks)
         check_int("PagedKVCache: block_size", block_size)
         _check_block_ids("PagedKVCache: num_blocks", num_blocks)
-        if num_blocks * block_size > 2 ** 31 - 1:  # slot ids are int32 in the kernels
+        if num_blocks * block_size > MAX_BLOCKS:  # slot ids are int32 in the kernels, as block ids are
             raise ValueError(f"PagedKVCache: num_blocks x block_size: at most 2^31 - 1 slots (int32 slot ids), got "
                              f"{num_blocks} x {block_size}")
         if dtype not in CACHE_DTYPES:

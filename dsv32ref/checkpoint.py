@@ -184,7 +184,8 @@ def _load_one(name: str, read, where: dict, block, want: torch.Size, dtype: torc
         return f"unexpected: {scale_name} beside a {t.dtype} weight (scales belong to fp8 weights)"
     if t.dtype == torch.float8_e4m3fn:
         if t.dim() != 2:
-            return f"mis-shaped: {name}: fp8 weights are 2-D (their scales cover blocks of rows and columns), got {list(t.shape)}"
+            return (f"mis-shaped: {name}: fp8 weights are 2-D (their scales cover blocks of rows and columns), got "
+                    f"{list(t.shape)}")
         if scale_name not in where:
             return f"missing: {scale_name} (for fp8 tensor {name})"
         scale = read(scale_name)
@@ -307,15 +308,20 @@ def _write_files(stage: str, shards: list[dict], config_json: dict) -> list[str]
 
 def _check_against_config(model: DeepseekV32ForCausalLM) -> None:
     """The model's tensors are those its config describes (a resized or added one would be written into a
-    checkpoint that load_pretrained refuses)."""
+    checkpoint that load_pretrained refuses), and hold values (not on the meta device)."""
+    have = model.state_dict()
+    meta = [name for name, t in have.items() if t.is_meta]
+    if meta:
+        raise ValueError(f"save_pretrained: model: {len(meta)} tensors on the meta device hold no values, e.g. "
+                         f"{meta[0]}")
     with torch.device("meta"):
         want = {k: v.shape for k, v in DeepseekV32ForCausalLM(model.config).state_dict().items()}
-    have = model.state_dict()
     wrong = [f"{k}: shape {list(t.shape)}, its config gives {list(want[k])}" for k, t in have.items()
              if k in want and t.shape != want[k]]
     wrong += [f"unexpected: {k}" for k in have if k not in want] + [f"missing: {k}" for k in want if k not in have]
     if wrong:
-        raise ValueError("save_pretrained: the model's tensors are not those of its config:\n  " + "\n  ".join(wrong[:8]))
+        raise ValueError("save_pretrained: the model's tensors are not those of its config:\n  "
+                         + "\n  ".join(wrong[:8]))
 
 
 def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, fp8: bool = False,
@@ -338,9 +344,6 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
     if max_shard_bytes is not None and (not is_int(max_shard_bytes) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")
     config_json = to_hf(model.config, form=config_form, who="save_pretrained: config_form")
-    meta = [name for name, t in model.state_dict().items() if t.is_meta]
-    if meta:
-        raise ValueError(f"save_pretrained: model: {len(meta)} tensors on the meta device hold no values, e.g. {meta[0]}")
     _check_against_config(model)
     bad = [b for name, t in model.state_dict().items() if (b := _nonfinite(name, t))]
     if bad:  # load_pretrained would refuse the checkpoint

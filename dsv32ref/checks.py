@@ -11,7 +11,7 @@ import torch
 
 __all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_int", "check_keys", "check_range",
            "check_rope_table", "check_scale", "checking_device_values", "device_value_checks_on", "is_int",
-           "rel_err"]
+           "is_number", "rel_err"]
 
 
 def check_tensor(
@@ -65,6 +65,11 @@ def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_number(v) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def check_int(name: str, v, low: int = 1, high: int | None = None) -> int:
     """An int >= low (and <= high): else ValueError naming `name` and what it got."""
     if not is_int(v):
@@ -85,7 +90,7 @@ def check_bool(name: str, v) -> bool:
 def check_scale(name: str, v) -> float:
     """A finite, positive float (a softmax or norm scale): else ValueError naming it."""
     try:
-        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+        ok = is_number(v) and math.isfinite(v) and v > 0
     except OverflowError:  # an int past float's range
         ok = False
     if not ok:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv32ref.cache import CACHE_DTYPES, gather_tokens
-from dsv32ref.checks import check_bool, check_int, check_scale, check_tensor, is_int
+from dsv32ref.checks import check_bool, check_int, check_scale, check_tensor, is_int, is_number
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_latent, indexer_scores_fp8,
                                           quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
 from dsv32ref.reference.numerics import fp8_quantize
@@ -87,7 +87,7 @@ def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torc
     if not is_int(row_dims) or not 0 <= row_dims <= got.dim():
         raise ValueError(f"compare({name!r}): row_dims must lie in [0, {got.dim()}], got {row_dims!r}")
     for n, v in (("rtol", rtol), ("atol", atol)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        if not is_number(v) or not math.isfinite(v) or v < 0:
             raise ValueError(f"compare({name!r}): {n}: expected a finite number >= 0 (units of eps), got {v!r}")
 
     def fail(msg: str, **kw) -> Comparison:

@@ -26,7 +26,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     block_size: int = 64
     gpu_memory_utilization: float = 0.9
-    capture_sizes: tuple[int, ...] | None = None  # (a list is taken too) default: the engine's sizes up to max_num_batched_tokens
+    capture_sizes: tuple[int, ...] | None = None  # (a list is taken) default: the engine's up to max_num_batched_tokens
     num_blocks: int | None = None  # None: sized from the memory budget (capped at what max_num_seqs can use)
     estimate_graph_memory: bool = True  # subtract the serving engine's graph-memory estimate from the KV budget
     seed: int = 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 
+from dsv32ref.checks import is_number
 from dsv32ref.experiments.host_costs import WRAPPER_KERNELS
 
 _CHARGED = {kernels[0]: name for name, kernels in WRAPPER_KERNELS.items()}
@@ -110,10 +111,6 @@ _COSTS_US = ("aten_launch_us", "eager_region_us", "gemm_launch_us", "graph_launc
              "in_graph_gap_us", "memcpy_us", "stage_us", "sync_us")  # the host costs the model prices launches with
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def load_ttft_result(path: str, preset: str | None = None) -> dict:
     """A TTFT run's file (`dsv32ref ttft`'s JSON), checked for what the model reads, and (preset) that it measured
     that model: ValueError naming the file and what is wrong (a wrong file fails here, before the prediction's
@@ -132,14 +129,14 @@ def load_ttft_result(path: str, preset: str | None = None) -> dict:
         if not isinstance(run[key], dict):
             raise ValueError(f"{path!r}: {key}: expected an object, got {type(run[key]).__name__}")
     costs = run["host_costs"]
-    bad = [k for k in _COSTS_US if not _is_number(costs.get(k))] + (
+    bad = [k for k in _COSTS_US if not is_number(costs.get(k))] + (
         [] if isinstance(costs.get("wrapper_us"), dict) else ["wrapper_us"])
     if bad:
         raise ValueError(f"{path!r}: host_costs: expected numbers (wrapper_us: an object) for {', '.join(bad)}")
     for v, meas in run["variants"].items():
-        ledger_ = meas.get("ledger") if isinstance(meas, dict) else None
-        if not (isinstance(ledger_, dict) and _is_number(ledger_.get("gpu_busy_ms"))
-                and all(_is_number(meas.get(k)) for k in ("mean_ms", "median_ms"))):
+        led = meas.get("ledger") if isinstance(meas, dict) else None
+        if not (isinstance(led, dict) and is_number(led.get("gpu_busy_ms"))
+                and all(is_number(meas.get(k)) for k in ("mean_ms", "median_ms"))):
             raise ValueError(f"{path!r}: variants[{v!r}]: expected mean_ms, median_ms and ledger.gpu_busy_ms")
     return run
 
