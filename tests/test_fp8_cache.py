@@ -363,7 +363,7 @@ def test_sparse_mla_paged_reads_fp8_rows(device, dtype, tol, splits, valid_first
 @pytest.mark.parametrize("query_lens", [(150, 1, 2, 1), (1, 1, 1, 1)], ids=["no-splits", "decode-splits"])
 def test_sm90_dequantises_fp8_rows_in_its_producer(heads, valid_first, query_lens, seed):
     """bf16 q, no config: on sm_90 a warp-specialized kernel runs over FlashMLA's rows (its producer dequantises
-    them into shared memory; up to 32 heads the one with the heads as the MMA's N, three steps of rows in flight),
+    them into shared memory; up to 32 heads the one with the heads as the MMA's N, two steps of rows in flight),
     with enough tokens to fill the GPU and with four decode tokens (top-k splits), and equals the float64 reference per
     element: scrambled blocks, -1 and out-of-range entries, empty rows, unselected rows NaN, outputs poisoned."""
     from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan

@@ -17,9 +17,7 @@ thread at HB = 16), which leaves the producers registers to hold rows in flight.
                cp.async into a free stage, their validity flags beside it). FlashMLA's FP8 rows: two warpgroups,
                each 32 of every step's 64 rows (the first also loads q): register loads of the fp8 values (int32
                words) and scales, dequantised into the stage's bf16 by one inline-asm conversion a word; each
-               issues the loads of the step after next before it waits for this step's, so that three steps are
-               in flight (a register load's latency is paid once per iteration: with two in flight it set the
-               step's time)
+               issues the next step's loads before it waits for this step's, so that two steps are in flight
     consumer   one warpgroup: per step wait for the stage, S^T, online softmax along the keys, P^T to shared
                memory, O^T += V^T P^T, free the stage
     shared     q HB x 576 + 2 stages of 64 x 576 + P^T 64 x HB, bf16: 164 KiB at HB = 16, 185 KiB at 32
@@ -58,7 +56,7 @@ __all__ = ["MAX_HEADS", "heads_per_program", "sparse_mla_heads_n"]
 
 MAX_HEADS = 32  # heads per token up to which sparse_mla_paged runs this kernel (past it: 64 heads on M)
 LOAD_REGS = gl.constexpr(64)  # the producer over bf16 rows: it resolves rows and issues copies
-LOAD_REGS_FP8 = gl.constexpr(152)  # each of two producers over FP8 rows: half of three steps in flight
+LOAD_REGS_FP8 = gl.constexpr(152)  # each of two producers over FP8 rows: half of two steps in flight (80 registers)
 
 
 def heads_per_program(H: int) -> int:
@@ -148,9 +146,9 @@ def _rows_slice_indices(idx_row_ptr, i, R0: gl.constexpr, ROWS: gl.constexpr, k_
 def _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
                        rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, R0: gl.constexpr,
                        ROWS: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
-    """FlashMLA's FP8 rows R0 .. R0 + ROWS of every step, three steps in flight: step i + 2's fp8 values and scales
-    are loaded into registers before step i's (loaded two iterations earlier) are waited on, dequantised and
-    stored, and step i + 3's rows are resolved meanwhile. Nothing past the program's own steps is read."""
+    """FlashMLA's FP8 rows R0 .. R0 + ROWS of every step, two steps in flight: step i + 1's fp8 values and scales
+    are loaded into registers before step i's (loaded one iteration earlier) are waited on, dequantised and
+    stored, and step i + 2's rows are resolved meanwhile. Nothing past the program's own steps is read."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
     rows_l: gl.constexpr = gl.SliceLayout(1, ld)
     offs_pe = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))
@@ -158,17 +156,14 @@ def _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0
     row = _rows_of(_rows_slice_indices(idx_row_ptr, it0, R0, ROWS, k_stop, rows_l), bt_row_ptr, seq_len, block_size,
                    rows_per_block, num_blocks)
     v0, s0, v1, s1, v2, s2, v3, s3 = _load_fp8_words(cache_ptr, row, stride_cs, D_LAT)
-    row1 = _rows_of(_rows_slice_indices(idx_row_ptr, it0 + 1, R0, ROWS, k_stop, rows_l), bt_row_ptr, seq_len,
-                    block_size, rows_per_block, num_blocks)
-    n0, t0, n1, t1, n2, t2, n3, t3 = _load_fp8_words(cache_ptr, row1, stride_cs, D_LAT)
-    row2 = _rows_of(_rows_slice_indices(idx_row_ptr, it0 + 2, R0, ROWS, k_stop, rows_l), bt_row_ptr, seq_len,
-                    block_size, rows_per_block, num_blocks)
-    idx3 = _rows_slice_indices(idx_row_ptr, it0 + 3, R0, ROWS, k_stop, rows_l)
+    row_next = _rows_of(_rows_slice_indices(idx_row_ptr, it0 + 1, R0, ROWS, k_stop, rows_l), bt_row_ptr, seq_len,
+                        block_size, rows_per_block, num_blocks)
+    idx_after = _rows_slice_indices(idx_row_ptr, it0 + 2, R0, ROWS, k_stop, rows_l)
     for i in range(it0, it1):
         st = (i - it0) % 2
-        m0, u0, m1, u1, m2, u2, m3, u3 = _load_fp8_words(cache_ptr, row2, stride_cs, D_LAT)  # step i + 2's
-        row3 = _rows_of(idx3, bt_row_ptr, seq_len, block_size, rows_per_block, num_blocks)  # step i + 3's
-        idx3 = _rows_slice_indices(idx_row_ptr, i + 4, R0, ROWS, k_stop, rows_l)
+        n0, t0, n1, t1, n2, t2, n3, t3 = _load_fp8_words(cache_ptr, row_next, stride_cs, D_LAT)  # step i + 1's
+        row_after = _rows_of(idx_after, bt_row_ptr, seq_len, block_size, rows_per_block, num_blocks)  # i + 2's
+        idx_after = _rows_slice_indices(idx_row_ptr, i + 3, R0, ROWS, k_stop, rows_l)
         mbarrier.wait(free.index(st), (((i - it0) // 2) & 1) ^ 1)  # step i - 2's consumer is done
         ok = row >= 0  # an invalid row is not read: its stage rows are zero-filled, its flag is 0
         valid_smem.index(st).slice(R0, ROWS).store(ok.to(gl.int8))
@@ -178,9 +173,8 @@ def _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0
         _store_dequantized_words(k_lat.index(st).slice(R0, ROWS, dim=0), v0, s0, v1, s1, v2, s2, v3, s3)
         fence_async_shared()  # the stage's plain stores, visible to the consumer's wgmma (async proxy)
         _release_stage(ready.index(st))
-        row, row1, row2 = row1, row2, row3
+        row, row_next = row_next, row_after
         v0, s0, v1, s1, v2, s2, v3, s3 = n0, t0, n1, t1, n2, t2, n3, t3
-        n0, t0, n1, t1, n2, t2, n3, t3 = m0, u0, m1, u1, m2, u2, m3, u3
 
 
 @gluon.jit
