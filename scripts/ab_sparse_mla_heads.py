@@ -1,18 +1,27 @@
 """sm_90's two sparse-MLA decode schedules side by side, in one process, on bench.fp8's decode inputs (GPU).
 
-    python scripts/ab_sparse_mla_heads.py [--heads 16 32] [--batches 1 16 64 128] [--context 32768] [--out F.json]
+    python scripts/ab_sparse_mla_heads.py [--heads 16 32] [--batches 1 16 64 128] [--context 32768 ...] [--out F.json]
+                                          [--schedules heads_n hopper] [--against FILE ...]
 
 At a few heads per token sparse_mla_paged runs dsv32ref.kernels.sparse_mla_heads_n (the keys as the MMA's M, the
 heads as its N); dsv32ref.kernels.sparse_mla_hopper (64 heads a program on M) runs any head count too. Each is
 launched here over the bf16 and the FP8 cache, with the top-k splits sparse_mla_paged would use and its merge of
 them; every arm first runs on poisoned outputs and is checked against the float64 reference of a few tokens, then
-the four arms are timed interleaved (CUDA-graph replays, medians, caches rotated so that each call reads HBM).
+the arms are timed interleaved (CUDA-graph replays, medians, caches rotated so that each call reads HBM).
+
+`--against FILE` adds an arm per file: a copy of dsv32ref/kernels/sparse_mla_heads_n.py from another revision
+(`git show REV:dsv32ref/kernels/sparse_mla_heads_n.py > FILE`), named by the file's stem, its sha256 in the output's
+provenance, so that a change to the kernel is timed against what it changes in one process, from a clean commit.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.util
+import itertools
 import json
+import pathlib
 
 import torch
 
@@ -23,7 +32,22 @@ from dsv32ref.kernels import sparse_mla, sparse_mla_heads_n, sparse_mla_hopper
 from dsv32ref.kernels.launch import launch
 from dsv32ref.provenance import provenance
 
-KERNELS = {"heads as N": sparse_mla_heads_n.sparse_mla_heads_n, "64 heads on M": sparse_mla_hopper.sparse_mla_hopper}
+SCHEDULES = {"heads_n": sparse_mla_heads_n.sparse_mla_heads_n,  # the keys as the MMA's M, the heads as its N
+             "hopper": sparse_mla_hopper.sparse_mla_hopper}  # 64 heads a program on M
+
+
+def load_copy(path: str):
+    """FILE, a copy of sparse_mla_heads_n.py -> (its sparse_mla_heads_n, the file's sha256)."""
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ValueError(f"--against: expected a copy of sparse_mla_heads_n.py, got {path!r}, which is not a file")
+    spec = importlib.util.spec_from_file_location(f"against_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = getattr(module, "sparse_mla_heads_n", None)
+    if not callable(kernel):
+        raise ValueError(f"--against {path}: expected a module defining sparse_mla_heads_n, found none")
+    return kernel, hashlib.sha256(file.read_bytes()).hexdigest()
 
 
 def call(kernel, q, cache, r, topk, scale, splits, out, lse):
@@ -43,7 +67,23 @@ def reference(q, bf16_cache, r, topk, scale, d_lat, tokens=4):
     return torch.einsum("thk,tkd->thd", torch.softmax(s, -1), rows[..., :d_lat]), torch.logsumexp(s, -1)
 
 
-def case(z, B, H, ctx, ceil) -> list[dict]:
+def arms(schedules: list[str], against: list[str]) -> tuple[dict, dict]:
+    """The tree's schedules by name and each --against copy by its file's stem -> (name -> launcher, name ->
+    {file, sha256} of the copies)."""
+    kernels, copies = {name: SCHEDULES[name] for name in schedules}, {}
+    for path in against:
+        name = pathlib.Path(path).stem
+        if name in kernels:
+            raise ValueError(f"--against {path}: its arm's name {name!r} is taken; rename the file")
+        kernels[name], sha256 = load_copy(path)
+        copies[name] = {"file": path, "sha256": sha256}
+    if not kernels:
+        raise ValueError("--schedules and --against: expected at least one arm, got none")
+    return kernels, copies
+
+
+def case(z, B, H, ctx, ceil, kernels: dict) -> list[dict]:
+    """Each of `kernels` (name -> launcher) over both caches at B decode tokens of H heads, ctx keys: checked, timed."""
     r = decode_inputs(z, B, ctx)
     d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], z["k"]
     q = torch.randn(B, H, D, device=DEV, dtype=torch.bfloat16)
@@ -52,7 +92,7 @@ def case(z, B, H, ctx, ceil) -> list[dict]:
     splits = {f: sparse_mla.launch_plan(q, d_lat, k, None, sms, fp8=f == "fp8")[2] for f in ("bf16", "fp8")}
     ref, ref_lse = reference(q, r["caches"][0][0], r, r["topk"], scale, d_lat)
     arms, rows = {}, []
-    for name, kernel in KERNELS.items():
+    for name, kernel in kernels.items():
         for j, f in enumerate(("bf16", "fp8")):
             out = torch.full((B, H, d_lat), float("nan"), device=DEV, dtype=torch.bfloat16)
             lse = torch.full((B, H), float("nan"), device=DEV)
@@ -83,24 +123,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
-    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--context", type=int, nargs="+", default=[32768])
+    ap.add_argument("--schedules", nargs="*", choices=sorted(SCHEDULES), default=sorted(SCHEDULES))
+    ap.add_argument("--against", nargs="+", default=[], metavar="FILE")
     ap.add_argument("--out")
     args = ap.parse_args()
+    kernels, against = arms(args.schedules, args.against)
     torch.manual_seed(0)
     z = shapes("glm-5.2")
     ceil = measure_ceilings()
     print(f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
     results = []
-    for H in args.heads:
-        for B in args.batches:
-            for row in case(z, B, H, args.context, ceil):
-                results.append(row)
-                print(f"H={H:<3} B={B:<4} {row['kernel']:<14} {row['cache']:<5} splits {row['splits']:<2} "
-                      f"{row['us']:8.1f} us  {row['fraction_of_copy']:5.0%} of copy  {row['TFLOPs']:6.1f} TFLOP/s  "
-                      f"err {row['rel_err']:.1e} ok={row['ok']}", flush=True)
+    for H, ctx, B in itertools.product(args.heads, args.context, args.batches):
+        for row in case(z, B, H, ctx, ceil, kernels):
+            results.append(row)
+            print(f"H={H:<3} ctx={ctx:<6} B={B:<4} {row['kernel']:<10} {row['cache']:<5} splits {row['splits']:<2} "
+                  f"{row['us']:8.1f} us  {row['fraction_of_copy']:5.0%} of copy  {row['TFLOPs']:6.1f} TFLOP/s  "
+                  f"err {row['rel_err']:.1e} ok={row['ok']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"provenance": provenance(), "ceilings": ceil, "results": results}, f, indent=1)
+            json.dump({"provenance": provenance() | {"against": against}, "ceilings": ceil, "results": results}, f,
+                      indent=1)
     if not all(row["ok"] for row in results):
         raise SystemExit("an arm's result is wrong")
 

@@ -28,8 +28,9 @@ one warpgroup converting a whole step issued a third of the time and held the co
 carried across the loop took a register a byte (hence words); a quarter warp's 16-byte stores must span two rows
 to meet the stage's 128-byte swizzle without a two-way bank conflict (the load layout below). The stage's reads
 by the MMAs (K, then V: 136 KiB a step) and the dequantised stores (64 KiB) keep the shared-memory pipe busy, so
-the FP8 step costs about what the bf16 one does even though it reads 57 % of the bytes: scripts/ab_sparse_mla_heads.py
-times both caches and both kernels in one process.
+the FP8 step costs about what the bf16 one does even though it reads 57 % of the bytes, and a third step of loads
+in flight makes it slower, not faster (the loads are not waiting on latency): scripts/ab_sparse_mla_heads.py times
+both caches and both kernels in one process, and a copy of this module from another revision beside them.
 
 Top-k splits and the outputs (bf16 out and lse, or fp32 partials for sparse_mla_paged to merge) are the other
 kernel's, as are the semantics: invalid or unselected keys never count, a NaN or +inf score at a valid key makes
