@@ -67,7 +67,7 @@ def reference(q, bf16_cache, r, topk, scale, d_lat, tokens=4):
     return torch.einsum("thk,tkd->thd", torch.softmax(s, -1), rows[..., :d_lat]), torch.logsumexp(s, -1)
 
 
-def arms(schedules: list[str], against: list[str]) -> tuple[dict, dict]:
+def choose_arms(schedules: list[str], against: list[str]) -> tuple[dict, dict]:
     """The tree's schedules by name and each --against copy by its file's stem -> (name -> launcher, name ->
     {file, sha256} of the copies)."""
     kernels, copies = {name: SCHEDULES[name] for name in schedules}, {}
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--against", nargs="+", default=[], metavar="FILE")
     ap.add_argument("--out")
     args = ap.parse_args()
-    kernels, against = arms(args.schedules, args.against)
+    kernels, against = choose_arms(args.schedules, args.against)
     torch.manual_seed(0)
     z = shapes("glm-5.2")
     ceil = measure_ceilings()

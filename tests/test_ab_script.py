@@ -26,25 +26,25 @@ def ab():
 def test_a_copy_of_the_kernel_module_is_an_arm_beside_the_tree_schedules(ab, tmp_path):
     copy = tmp_path / "base.py"
     shutil.copy(sparse_mla_heads_n.__file__, copy)
-    kernels, copies = ab.arms(["heads_n"], [str(copy)])
+    kernels, copies = ab.choose_arms(["heads_n"], [str(copy)])
     assert list(kernels) == ["heads_n", "base"]
     assert kernels["heads_n"] is sparse_mla_heads_n.sparse_mla_heads_n
     assert callable(kernels["base"]) and kernels["base"] is not sparse_mla_heads_n.sparse_mla_heads_n
     assert copies == {"base": {"file": str(copy), "sha256": hashlib.sha256(copy.read_bytes()).hexdigest()}}
-    kernels, copies = ab.arms(["heads_n", "hopper"], [])
+    kernels, copies = ab.choose_arms(["heads_n", "hopper"], [])
     assert list(kernels) == ["heads_n", "hopper"] and copies == {}
 
 
 def test_what_is_not_a_copy_of_the_module_is_refused_by_name(ab, tmp_path):
     with pytest.raises(ValueError, match="--against: expected a copy of sparse_mla_heads_n.py, got .*not a file"):
-        ab.arms(["heads_n"], [str(tmp_path / "missing.py")])
+        ab.choose_arms(["heads_n"], [str(tmp_path / "missing.py")])
     other = tmp_path / "other.py"
     other.write_text("def sparse_mla_hopper():\n    pass\n")
     with pytest.raises(ValueError, match="other.py: expected a module defining sparse_mla_heads_n"):
-        ab.arms([], [str(other)])
+        ab.choose_arms([], [str(other)])
     clash = tmp_path / "heads_n.py"
     shutil.copy(sparse_mla_heads_n.__file__, clash)
     with pytest.raises(ValueError, match="arm's name 'heads_n' is taken"):
-        ab.arms(["heads_n"], [str(clash)])
+        ab.choose_arms(["heads_n"], [str(clash)])
     with pytest.raises(ValueError, match="expected at least one arm, got none"):
-        ab.arms([], [])
+        ab.choose_arms([], [])

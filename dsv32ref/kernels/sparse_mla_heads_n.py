@@ -29,10 +29,11 @@ carried across the loop took a register a byte (hence words); a quarter warp's 1
 to meet the stage's 128-byte swizzle without a two-way bank conflict (the load layout below). The stage's reads
 by the MMAs (K, then V: 136 KiB a step) and the dequantised stores (64 KiB) keep the shared-memory pipe busy, so
 the FP8 step costs about what the bf16 one does even though it reads 57 % of the bytes, and a third step of loads
-in flight makes it slower, not faster (the loads are not waiting on latency). At 128 decode tokens, 32k context,
-Nsight Compute puts L1/TEX at 73 % of its peak and DRAM at 46 %, and a quarter of the sectors the register loads
-fetch are excess: a warp's load spans 8 rows x 64 bytes, and a 656-byte row starts half a sector off on every other
-row; fewer rows a load (with a layout change before the stores) is the next thing to try.
+in flight makes it slower, not faster (the loads are not waiting on latency). A warp's load spans 8 rows x 64
+bytes, and a 656-byte row starts half a sector off on every other row, so those rows' 64 bytes take three 32-byte
+sectors: a quarter more sectors than the bytes need, and under Nsight Compute (scripts/gpu_experiments.sh's ncu
+step) the L1/TEX pipe is busier than DRAM. Fewer rows a load (with a layout change before the stores) is the next
+thing to try.
 scripts/ab_sparse_mla_heads.py times both caches and both kernels in one process, and a copy of this module from
 another revision beside them.
 
