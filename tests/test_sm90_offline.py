@@ -17,10 +17,11 @@ pytestmark = pytest.mark.skipif(
     reason="needs triton's ptxas and a triton the sm_90 kernels are built for")
 
 
-def _build(kernel: str, **const) -> dict:
+def _build(kernel: str, pointers: dict | None = None, **const) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "dsv32ref.kernels.sm90_offline", kernel, json.dumps(const),
-                           "--gluon"], capture_output=True, text=True, env=env)
+                           "--gluon", "--pointers", json.dumps(pointers or {})], capture_output=True, text=True,
+                          env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -38,3 +39,19 @@ def test_the_warp_specialized_kernel_builds_for_sm90_within_a_block_without_spil
     r = _build("dsv32ref.kernels.sparse_mla_hopper:_sparse_mla_ws_kernel", D_LAT=512, D_ROPE=64, VALID_FIRST=False,
                FP8=False, NUM_SPLITS=1, num_warps=8)
     assert r["shared_bytes"] <= MAX_SHARED_BYTES and r["spill_store_bytes"] == 0, r
+
+
+SPILLS = pytest.mark.xfail(strict=True, reason="known: the first FP8 producer spills a few registers at 32 heads "
+                           "with top-k splits (its register cap holds two steps of rows and the split's bounds)")
+
+
+@pytest.mark.parametrize("fp8,hb,splits", [
+    pytest.param(False, 16, 1, id="bf16-rows-16"), pytest.param(False, 32, 4, id="bf16-rows-32-splits"),
+    pytest.param(True, 16, 1, id="fp8-rows-16"), pytest.param(True, 16, 4, id="fp8-rows-16-splits"),
+    pytest.param(True, 32, 1, id="fp8-rows-32"), pytest.param(True, 32, 4, id="fp8-rows-32-splits", marks=SPILLS)])
+def test_the_heads_as_n_kernel_builds_for_sm90_within_a_block_without_spills(fp8, hb, splits):
+    """Its FP8 producers carry two steps of rows in registers under a register cap: a spill shows here first."""
+    r = _build("dsv32ref.kernels.sparse_mla_heads_n:_sparse_mla_heads_n_kernel", {"cache_ptr": "*u8"} if fp8 else {},
+               HB=hb, D_LAT=512, D_ROPE=64, VALID_FIRST=False, FP8=fp8, NUM_SPLITS=splits, num_warps=4)
+    assert r["shared_bytes"] <= MAX_SHARED_BYTES and r["spill_store_bytes"] == 0, r
+    assert r["opcodes"].get("HGMMA", 0) > 0

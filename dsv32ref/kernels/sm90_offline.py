@@ -10,7 +10,8 @@ not its interpreter: under TRITON_INTERPRET=1 (the CPU tests) run it in a proces
     python -m dsv32ref.kernels.sm90_offline dsv32ref.kernels.sparse_mla_pairs:_sparse_mla_pairs_kernel \
         '{"D_LAT": 512, "D_ROPE": 64, "VALID_FIRST": false, "NUM_SPLITS": 1, "num_warps": 4}' --gluon
 
-which prints the report (without the SASS: its instruction counts by opcode) as JSON.
+which prints the report (without the SASS: its instruction counts by opcode) as JSON; `--pointers` retypes
+pointer arguments (`'{"cache_ptr": "*u8"}'` for FlashMLA's FP8 rows).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("kernel", help="module:function, e.g. dsv32ref.kernels.sparse_mla_pairs:_sparse_mla_pairs_kernel")
     ap.add_argument("constexprs", help="JSON object: the kernel's constexpr arguments (num_warps among them)")
     ap.add_argument("--gluon", action="store_true", help="a @gluon.jit kernel")
+    ap.add_argument("--pointers", type=json.loads, default={},
+                    help="JSON object: pointer arguments' types over SPARSE_MLA_POINTERS', e.g. {\"cache_ptr\": \"*u8\"}")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("the offline build needs triton's compiler: unset TRITON_INTERPRET", file=sys.stderr)
@@ -90,7 +93,8 @@ def main(argv=None) -> int:
     module, _, name = args.kernel.partition(":")
     fn = getattr(importlib.import_module(module), name)
     const = json.loads(args.constexprs)
-    report = ptxas_report(compile_sm90(fn, const, SPARSE_MLA_POINTERS, const.get("num_warps", 4), gluon=args.gluon))
+    pointers = dict(SPARSE_MLA_POINTERS, **args.pointers)
+    report = ptxas_report(compile_sm90(fn, const, pointers, const.get("num_warps", 4), gluon=args.gluon))
     ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", report.pop("sass"), re.M)
     print(json.dumps(dict(report, opcodes=dict(collections.Counter(ops)))))
     return 0
