@@ -84,16 +84,19 @@ def main(argv=None) -> int:
     ap.add_argument("kernel", help="module:function, e.g. dsv32ref.kernels.sparse_mla_pairs:_sparse_mla_pairs_kernel")
     ap.add_argument("constexprs", help="JSON object: the kernel's constexpr arguments (num_warps among them)")
     ap.add_argument("--gluon", action="store_true", help="a @gluon.jit kernel")
-    ap.add_argument("--pointers", type=json.loads, default={},
-                    help="JSON object: pointer arguments' types over SPARSE_MLA_POINTERS', e.g. {\"cache_ptr\": \"*u8\"}")
+    ap.add_argument("--pointers", default="{}",
+                    help="JSON object: pointer arguments' types over SPARSE_MLA_POINTERS, e.g. {\"cache_ptr\": \"*u8\"}")
     args = ap.parse_args(argv)
+    retyped = json.loads(args.pointers)
+    if not isinstance(retyped, dict) or not all(isinstance(t, str) and t.startswith("*") for t in retyped.values()):
+        raise ValueError(f"--pointers: expected a JSON object of pointer types like \"*u8\", got {args.pointers!r}")
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("the offline build needs triton's compiler: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
     module, _, name = args.kernel.partition(":")
     fn = getattr(importlib.import_module(module), name)
     const = json.loads(args.constexprs)
-    pointers = dict(SPARSE_MLA_POINTERS, **args.pointers)
+    pointers = dict(SPARSE_MLA_POINTERS, **retyped)
     report = ptxas_report(compile_sm90(fn, const, pointers, const.get("num_warps", 4), gluon=args.gluon))
     ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", report.pop("sass"), re.M)
     print(json.dumps(dict(report, opcodes=dict(collections.Counter(ops)))))
