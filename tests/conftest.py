@@ -40,3 +40,22 @@ def seed(request):
     request.node.user_properties.append(("seed", s))
     print(f"seed={s}")
     return s
+
+
+@pytest.fixture
+def poisoned_partials(monkeypatch):
+    """sparse_mla_paged's top-k split partials (the fp32 out and lse every split writes, which the combine merges)
+    filled with NaN before the kernel runs: a partial that the combine reads and no kernel wrote turns its token's
+    output NaN."""
+    from dsv32ref.kernels import sparse_mla as module
+
+    plain = module._kernel_outputs
+
+    def poisoned(out, lse_arg, splits):
+        outputs = plain(out, lse_arg, splits)
+        if splits > 1:
+            outputs[0].fill_(float("nan"))
+            outputs[3].fill_(float("nan"))
+        return outputs
+
+    monkeypatch.setattr(module, "_kernel_outputs", poisoned)

@@ -1,6 +1,7 @@
 """Triton kernels against the PyTorch reference: interpreted on CPU (small shapes), compiled on a GPU.
 
-Outputs are poisoned (NaN / sentinel) before each launch, so an element the kernel fails to write fails.
+Outputs are poisoned (NaN / sentinel) before each launch, so an element the kernel fails to write fails; so are
+sparse_mla_paged's top-k split partials, so that a partial merged but never written fails.
 """
 
 import pytest
@@ -16,6 +17,8 @@ from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, in
                                 sparse_mla, topk_indices)
 from dsv32ref.reference.rope import RotaryEmbedding
 from dsv32ref.testing import assert_close, eps, paged_sparse_mla_inputs, reference_sparse_mla_paged
+
+pytestmark = pytest.mark.usefixtures("poisoned_partials")
 
 # (device, dtype, tolerance in units of the dtype's precision, per element: dsv32ref.testing)
 # Interpreted cases need TRITON_INTERPRET=1, which conftest sets only where there is no GPU (triton reads

@@ -182,9 +182,9 @@ def _finish(acc, m_i, l_i, t, offs_h, h_mask, split, H, out_ptr, stride_ot, stri
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     lse = (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453
     offs_d = tl.arange(0, D_LAT)
-    if NUM_SPLITS > 1:  # partials in fp32; an empty split has lse -inf (weight 0 in the combine)
+    if NUM_SPLITS > 1:  # partials in fp32; a head without a valid key here: lse -inf, its out not written
         o_ptrs = out_ptr + ((t * H + offs_h[:, None]) * NUM_SPLITS + split) * D_LAT + offs_d[None, :]
-        tl.store(o_ptrs, out, mask=h_mask[:, None])
+        tl.store(o_ptrs, out, mask=(h_mask & has_key)[:, None])
         tl.store(lse_ptr + (t * H + offs_h) * NUM_SPLITS + split, tl.where(has_key, lse, float("-inf")), mask=h_mask)
     else:
         o_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
@@ -240,7 +240,10 @@ def _sparse_mla_kernel(
 @triton.jit
 def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, H,
                            NUM_SPLITS: tl.constexpr, D_LAT: tl.constexpr):
-    """out[t, h] = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log(sum w)."""
+    """out[t, h] = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log(sum w). A split whose
+    lse is -inf saw no valid key (weight 0) and its out partial is not read: the kernels may leave it unwritten (the
+    Triton kernel and sparse_mla_hopper's epilogue do). A short prompt's token has most splits empty (8 keys: one
+    split of 16 holds them), so this drops most of the merge's reads."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -250,7 +253,8 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
     m = tl.max(tl.where(nan_s, float("-inf"), lse_s), axis=0)
     any_key = (m > float("-inf")) | (tl.max(nan_s.to(tl.int32), axis=0) > 0)
     w = tl.exp(lse_s - tl.where(m > float("-inf"), m, 0.0))  # (S,); 0 for empty splits, NaN for NaN ones
-    o_s = tl.load(part_o_ptr + ((t * H + h) * NUM_SPLITS + offs_s[:, None]) * D_LAT + offs_d[None, :])  # (S, D_LAT)
+    o_s = tl.load(part_o_ptr + ((t * H + h) * NUM_SPLITS + offs_s[:, None]) * D_LAT + offs_d[None, :],
+                  mask=(lse_s != float("-inf"))[:, None], other=0.0)  # (S, D_LAT); NaN splits read
     total = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o_s, axis=0) / tl.where(any_key, total, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))

@@ -214,7 +214,7 @@ def _finish(acc, m_i, l_acc, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, 
             D_LAT: gl.constexpr, NUM_SPLITS: gl.constexpr, o_l: gl.constexpr):
     """O^T / l and the natural-log logsumexp per head (+inf where no key was valid, NaN where a score was NaN or
     +inf), stored for the program's heads; with top-k splits, fp32 partials [T, H, NUM_SPLITS, D_LAT] and
-    [T, H, NUM_SPLITS] (an empty split's lse -inf)."""
+    [T, H, NUM_SPLITS] (an empty split's lse -inf; the combine does not read its out partial)."""
     l_i = gl.sum(l_acc, axis=0)  # (HB,)
     has_key = l_i != 0
     lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453

@@ -154,8 +154,8 @@ def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t,
             o_l: gl.constexpr):
     """O / l (acc: O's columns C0 to C0 + acc.shape[1]) and, with WRITE_LSE, the natural-log logsumexp (+inf where
     no key was valid; NaN where a score was NaN or +inf, as in the reference), stored for the program's heads; with
-    top-k splits, fp32 partials [T, H, NUM_SPLITS, D_LAT] and [T, H, NUM_SPLITS] (an empty split's lse -inf:
-    weight 0 when sparse_mla merges them)."""
+    top-k splits, fp32 partials [T, H, NUM_SPLITS, D_LAT] and [T, H, NUM_SPLITS] (a head with no valid key in the
+    split: lse -inf, weight 0 when sparse_mla merges them, and its out partial not written)."""
     has_key = l_i != 0
     lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
     out = acc / gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))[:, None]
@@ -164,7 +164,8 @@ def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t,
     offs_hl = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
     if NUM_SPLITS > 1:
         o_ptrs = out_ptr + ((t * H + offs_ho[:, None]) * NUM_SPLITS + split) * D_LAT + offs_d[None, :]
-        gl.store(o_ptrs, out, mask=(offs_ho < H)[:, None])
+        has_o = gl.convert_layout(has_key, gl.SliceLayout(1, o_l))
+        gl.store(o_ptrs, out, mask=((offs_ho < H) & has_o)[:, None])
         if WRITE_LSE:
             gl.store(lse_ptr + (t * H + offs_hl) * NUM_SPLITS + split, gl.where(has_key, lse, float("-inf")),
                      mask=offs_hl < H)
