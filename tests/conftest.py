@@ -43,10 +43,10 @@ def seed(request):
 
 
 @pytest.fixture
-def poisoned_partials(monkeypatch):
-    """sparse_mla_paged's top-k split partials (the fp32 out and lse every split writes, which the combine merges)
-    filled with NaN before the kernel runs: a partial that the combine reads and no kernel wrote turns its token's
-    output NaN."""
+def poisoned_partials():
+    """sparse_mla_paged's top-k split partials (the fp32 out and lse that the combine merges) filled with NaN before
+    the kernel runs: a partial that the combine reads and no kernel wrote turns its token's output NaN. A patch of
+    its own, so that a test's monkeypatch.undo() leaves it in place."""
     from dsv32ref.kernels import sparse_mla as module
 
     plain = module._kernel_outputs
@@ -58,4 +58,6 @@ def poisoned_partials(monkeypatch):
             outputs[3].fill_(float("nan"))
         return outputs
 
-    monkeypatch.setattr(module, "_kernel_outputs", poisoned)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "_kernel_outputs", poisoned)
+        yield

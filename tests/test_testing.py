@@ -185,6 +185,7 @@ def test_non_finite_query_gives_nan_rows(seed):
 @pytest.mark.parametrize("device,dtype,tol", [pytest.param("cpu", torch.float32, 64, marks=CPU),
                                               pytest.param("cuda", torch.bfloat16, 1, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.usefixtures("poisoned_partials")
 def test_kernel_on_generated_inputs_with_poison_and_nan_queries(device, dtype, tol, splits, seed):
     """The Triton kernel against the oracle on the generator's inputs (NaN outside every selection), with
     one non-finite query row, and its outputs poisoned before the launch."""

@@ -242,8 +242,8 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
                            NUM_SPLITS: tl.constexpr, D_LAT: tl.constexpr):
     """out[t, h] = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log(sum w). A split whose
     lse is -inf saw no valid key (weight 0) and its out partial is not read: the kernels may leave it unwritten (the
-    Triton kernel and sparse_mla_hopper's epilogue do). A short prompt's token has most splits empty (8 keys: one
-    split of 16 holds them), so this drops most of the merge's reads."""
+    Triton kernel and sparse_mla_hopper's epilogue do). A short prompt's token has most splits empty (8 keys with the
+    valid indices first: one split of 16 holds them), so this drops most of the merge's reads."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)

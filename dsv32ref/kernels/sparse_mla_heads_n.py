@@ -224,6 +224,7 @@ def _finish(acc, m_i, l_acc, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, 
     offs_hl = h0 + gl.arange(0, HB, m_i.type.layout)
     if NUM_SPLITS > 1:
         o_ptrs = out_ptr + ((t * H + offs_ho[None, :]) * NUM_SPLITS + split) * D_LAT + offs_d[:, None]
+        # every head's partial, keys or not: a has_key mask here costs the FP8 producer registers (it spills)
         gl.store(o_ptrs, out, mask=(offs_ho < H)[None, :])
         gl.store(lse_ptr + (t * H + offs_hl) * NUM_SPLITS + split, gl.where(has_key, lse, float("-inf")),
                  mask=offs_hl < H)

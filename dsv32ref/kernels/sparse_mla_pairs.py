@@ -35,8 +35,9 @@ the partitions are mbarriers (one arrive after the warpgroup's barrier: a releas
 At a few keys a program is one latency chain, not bytes: an 8-token prompt of 8 keys gives 8 programs of one
 pair each, and on one H100 (ncu, 1 split) the kernel took 21.2-21.7 us, each consumer warp issuing about 1500
 instructions (a third to a half of them FMULs: O's rescales and the epilogue's division, 128 values a thread) at
-one per 20 cycles, 0.17 warps eligible per scheduler, DRAM 1 % busy; under CUDA-graph replay 13.2 us a launch,
-and with 16 top-k splits (the launch plan at 2048 top-k slots) 11.0 plus the merge.
+one per 20 cycles, 0.17 warps eligible per scheduler, DRAM 1 % busy; under CUDA-graph replay 13.2 us a launch.
+At 2048 top-k slots the launch plan takes 16 splits there: this kernel and the merge of the one split with keys
+then took 13.0 us together (sparse_mla_paged, replay, the indexer's valid-first top-k).
 
 Scope: bf16 q and bf16 rows, D_LAT 512, D_ROPE 64, top-k splits as sparse_mla_hopper's (fp32 partials merged by
 sparse_mla_paged). sparse_mla.kernel_choice says where it runs. Over FlashMLA's FP8 rows sparse_mla_hopper runs: a producer
