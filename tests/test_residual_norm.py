@@ -33,12 +33,15 @@ def _run(x, residual, weight, eps=1e-6):
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rms_norm_equals_the_reference(device, dtype, tol, with_residual, seed):
+@pytest.mark.parametrize("rows", ["many", "few"])
+def test_add_rms_norm_equals_the_reference(device, dtype, tol, with_residual, rows, seed):
     """residual_out is x + residual rounded as torch rounds it (bit for bit); out equals the reference's
     RMSNorm of it per element, and float64's within the dtype's rounding; rows strided, a token count that is
-    not a multiple of a program's rows."""
+    not a multiple of a program's rows ("many"), and a few wide rows, one a program ("few": on a GPU the
+    launcher's 16-warp programs)."""
     gen = torch.Generator().manual_seed(seed)
-    T, hidden = (5, 48) if device == "cpu" else (300, 6144)
+    shapes = {"many": ((5, 48), (300, 6144)), "few": ((1, 40), (8, 7168))}[rows]
+    T, hidden = shapes[0] if device == "cpu" else shapes[1]
     x, residual, weight = _inputs(T, hidden, dtype, device, gen, row_pad=16)
     out, residual_out = _run(x, residual if with_residual else None, weight)
     want_res = x + residual if with_residual else x
