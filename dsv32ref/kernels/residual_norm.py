@@ -48,19 +48,19 @@ def _add_rms_norm_kernel(x_ptr, stride_x, res_ptr, stride_r, w_ptr, out_ptr, str
              mask=ok)
 
 
-def _warps(block_h: int, T: int, device: torch.device) -> int:
+def _warps(block_h: int, T: int, sms: int) -> int:
     """Warps a program of block_h-wide rows. At most a token an SM, each program holds one row and is a latency
     chain: a wide row's reduction over 16 warps took 3.76-4.03 us a launch where 8 took 4.23-4.48 (hidden 6144 and
     7168, 1 and 8 tokens, one H100 run, CUDA-graph replay, medians); at 1024 and 8192 tokens 16 warps were 1-4 %
     slower."""
-    if block_h >= 8192 and T <= num_sms(device, None, "add_rms_norm"):
+    if block_h >= 8192 and T <= sms:
         return 16
     return 8 if block_h >= 4096 else 4
 
 
-def _rows_per_program(T: int, block_h: int, device: torch.device) -> int:
+def _rows_per_program(T: int, block_h: int, sms: int) -> int:
     """Enough programs to fill the SMs, each as many rows as that leaves (a power of two), within MAX_TILE."""
-    per = triton.cdiv(T, num_sms(device, None, "add_rms_norm"))
+    per = triton.cdiv(T, sms)
     return min(1 << (per.bit_length() - 1), max(1, MAX_TILE // block_h), 16)
 
 
@@ -88,8 +88,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if T == 0:
         return
     block_h = triton.next_power_of_2(hidden)
-    bt = _rows_per_program(T, block_h, x.device)
+    sms = num_sms(x.device, None, "add_rms_norm")
+    bt = _rows_per_program(T, block_h, sms)
     res = residual if residual is not None else x  # never read without HAS_RESIDUAL
     launch(_add_rms_norm_kernel, (triton.cdiv(T, bt),), x, x.stride(0), res, res.stride(0), weight, out,
            out.stride(0), residual_out, residual_out.stride(0), T, hidden, eps, HAS_RESIDUAL=residual is not None,
-           BLOCK_T=bt, BLOCK_H=block_h, num_warps=_warps(block_h, T, x.device))
+           BLOCK_T=bt, BLOCK_H=block_h, num_warps=_warps(block_h, T, sms))
