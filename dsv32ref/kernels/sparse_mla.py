@@ -179,7 +179,7 @@ def _finish(acc, m_i, l_i, t, offs_h, h_mask, split, H, out_ptr, stride_ot, stri
     # l_i is 0 exactly when no valid key scored above -inf; NaN when a score was NaN or +inf (a non-finite
     # query or key row), which then reaches out and lse as NaN, as in the reference.
     has_key = l_i != 0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    out = acc * (1.0 / tl.where(has_key, l_i, 1.0))[:, None]  # a division a head, then a multiply an element
     lse = (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453
     offs_d = tl.arange(0, D_LAT)
     if NUM_SPLITS > 1:  # partials in fp32; a head without a valid key here: lse -inf, its out not written

@@ -218,7 +218,8 @@ def _finish(acc, m_i, l_acc, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, 
     l_i = gl.sum(l_acc, axis=0)  # (HB,)
     has_key = l_i != 0
     lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
-    out = acc / gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(0, o_l))[None, :]  # (D_LAT, HB)
+    inv_l = 1.0 / gl.where(has_key, l_i, 1.0)  # a division a head, then a multiply an element
+    out = acc * gl.convert_layout(inv_l, gl.SliceLayout(0, o_l))[None, :]  # (D_LAT, HB)
     offs_d = gl.arange(0, D_LAT, gl.SliceLayout(1, o_l))
     offs_ho = h0 + gl.arange(0, HB, gl.SliceLayout(0, o_l))
     offs_hl = h0 + gl.arange(0, HB, m_i.type.layout)

@@ -158,7 +158,8 @@ def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t,
     split: lse -inf, weight 0 when sparse_mla merges them, and its out partial not written)."""
     has_key = l_i != 0
     lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
-    out = acc / gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))[:, None]
+    inv_l = 1.0 / gl.where(has_key, l_i, 1.0)  # a division a row, then a multiply an element
+    out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_l))[:, None]
     offs_ho = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_l))
     offs_d = C0 + gl.arange(0, acc.shape[1], gl.SliceLayout(0, o_l))
     offs_hl = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
