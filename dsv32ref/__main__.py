@@ -95,6 +95,7 @@ def cmd_ttft(args) -> int:
     p = ttft.TTFTProtocol(preset=args.model, requests=args.requests, warmup=args.warmup,
                           skip_topk=tuple(args.skip_topk), fp8_kv=tuple(args.fp8_kv),
                           fused_moe=tuple(args.fused_moe), skinny_gemm=tuple(args.skinny_gemm),
+                          fused_skinny=tuple(args.fused_skinny),
                           instrument_ab=("wide", "narrow", "narrow_out") if args.instrument_ab else ())
     if args.tp < 1:
         raise ValueError(f"--tp: expected an int >= 1, got {args.tp}")
@@ -255,6 +256,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="boundaries that also run their MoE layers fused (EngineConfig.moe fused)")
     t.add_argument("--skinny-gemm", nargs="*", default=[], metavar="BOUNDARY",
                    help="boundaries that also run their projections in skinny_gemm (EngineConfig.gemm skinny)")
+    t.add_argument("--fused-skinny", nargs="*", default=[], metavar="BOUNDARY",
+                   help="boundaries that also run with both the fused MoE and skinny_gemm")
     t.add_argument("--instrument-ab", action="store_true",
                    help="also time wide, narrow and narrow_out with every profiler range open, interleaved")
     cm = add("capture", cmd_capture, "start-up and capture memory of each boundary (GPU)")

@@ -1309,6 +1309,8 @@ def test_cli_rejects_bad_arguments(capsys):
         assert f"--tp {tp}: num_attention_heads=64 is not divisible" in capsys.readouterr().err
     assert main(["ttft", "--skinny-gemm", "nnone"]) == 2
     assert "TTFTProtocol.skinny_gemm: unknown boundaries ['nnone']" in capsys.readouterr().err
+    assert main(["ttft", "--fused-skinny", "fused"]) == 2
+    assert "TTFTProtocol.fused_skinny: unknown boundaries ['fused']" in capsys.readouterr().err
     assert main(["regimes", "--max-prompt", "0"]) == 2
     assert "dsv32ref: error: --max-prompt: expected an int >= 1, got 0" in capsys.readouterr().err
     assert main(["summary", "--seed", str(10 ** 22)]) == 2
@@ -1464,7 +1466,8 @@ def test_comparator_arguments():
     (dict(variants=()), r"TTFTProtocol.variants: unknown boundaries \[\]"),
     (dict(instrument_ab=("wide", "x")), r"TTFTProtocol.instrument_ab: unknown boundaries \['x'\]"),
     (dict(fused_moe=("fused",)), r"TTFTProtocol.fused_moe: unknown boundaries \['fused'\]"),
-    (dict(skinny_gemm=("skinny",)), r"TTFTProtocol.skinny_gemm: unknown boundaries \['skinny'\]")])
+    (dict(skinny_gemm=("skinny",)), r"TTFTProtocol.skinny_gemm: unknown boundaries \['skinny'\]"),
+    (dict(fused_skinny=("none+fused",)), r"TTFTProtocol.fused_skinny: unknown boundaries \['none\+fused'\]")])
 def test_ttft_experiment_arguments(kw, match):
     from dsv32ref.experiments.ttft import TTFTProtocol
 
@@ -1498,3 +1501,12 @@ def test_start_up_with_no_capture_size_in_a_phase():
     eng.capture()
     toks, how = eng.step(StepInput([(0, [1, 2, 3], 0)]))
     assert how == "PIECEWISE" and len(toks) == 1
+
+
+@pytest.mark.parametrize("name", ["none+", "none+fused+fused", "none+fast", "nnone+fused", "+fused", "none++fused"])
+def test_an_arm_name_is_a_boundary_and_known_switches_once(name):
+    """protocol.arm refuses an empty, repeated or unknown switch and an unknown boundary, naming the arm."""
+    from dsv32ref.experiments.protocol import arm
+
+    with pytest.raises(ValueError, match=rf"arm '{re.escape(name)}': expected <boundary> or <boundary>\+<arm>"):
+        arm(name)

@@ -336,20 +336,23 @@ def test_align_pairs_refuses_what_its_keys_cannot_hold():
 
 @CPU
 def test_the_ttft_run_keeps_the_fused_arms_tokens_beside_the_margins(tmp_path):
-    """The TTFT experiment with '+fused' arms and a '+skinny' one, on the CPU without graphs: each runs its engine
-    with moe "fused" (gemm "skinny"), each numerics' arms' tokens are compared among themselves
-    (`same_tokens_within`) and to the first arm's, and the first arm's margins are kept for the requests where they
-    differ."""
+    """The TTFT experiment with '+fused' arms, a '+skinny' one and a '+fused+skinny' one, on the CPU without graphs:
+    each runs its engine with moe "fused" (gemm "skinny", both), each numerics' arms' tokens are compared among
+    themselves (`same_tokens_within`) and to the first arm's, and the first arm's margins are kept for the requests
+    where they differ."""
     from dsv32ref.experiments.ttft import TTFTProtocol, run
     from helpers import tiny_model
     cfg = tiny_model("tiny-glm-5.2").config.replace(num_hidden_layers=2, indexer_types=("full", "shared"),
                                                     n_routed_experts=4, num_experts_per_tok=2)
-    p = TTFTProtocol(variants=("none",), fused_moe=("narrow", "none"), skinny_gemm=("none",), requests=2, warmup=0,
-                     mode="none", anatomy_requests=0)
+    p = TTFTProtocol(variants=("none",), fused_moe=("narrow", "none"), skinny_gemm=("none",), fused_skinny=("none",),
+                     requests=2, warmup=0, mode="none", anatomy_requests=0)
+    assert p.arms()[-1] == ("none+fused+skinny", "none", {"moe": "fused", "gemm": "skinny"})
     res = run(p, device="cpu", config=cfg, out=str(tmp_path / "t.json"))
-    assert set(res["variants"]) == {"none", "narrow+fused", "none+fused", "none+skinny"}
-    assert set(res["same_tokens_within"]) == {"+fused", "+skinny"} and res["same_tokens_within"]["+fused"]
+    assert set(res["variants"]) == {"none", "narrow+fused", "none+fused", "none+skinny", "none+fused+skinny"}
+    assert set(res["same_tokens_within"]) == {"+fused", "+skinny", "+fused+skinny"}
+    assert res["same_tokens_within"]["+fused"]
     assert set(res["skinny_first_tokens"]) == {"none+skinny"}
+    assert set(res["fused+skinny_first_tokens"]) == {"none+fused+skinny"}
     assert len(res["first_token_margins"]) == len(res["first_tokens"]) == 2
     assert set(res["tokens_equal_to_first_arm"]) == set(res["variants"]) and res["same_tokens_across_variants"]
     fused = res["fused_first_tokens"]

@@ -3,7 +3,8 @@ model (dsv32ref.config.reduced_moe), each boundary on its own engine over one co
 
 An arm is a boundary, or a boundary with an EngineConfig switch: "narrow+skip" is narrow with the short-prefill
 top-k skip on, "narrow+fp8" narrow with the FP8 KV cache (FlashMLA's latent rows, DeepGEMM's indexer keys),
-"none+fused" none with the fused MoE, "none+skinny" none with its projections in skinny_gemm.
+"none+fused" none with the fused MoE, "none+skinny" none with its projections in skinny_gemm; switches chain:
+"none+fused+skinny" is none with both.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from dsv32ref.engine import BOUNDARIES, EngineConfig
 from dsv32ref.graphs import CUDAGraphMode
 
-__all__ = ["ARMS", "arm", "engine_config", "prompts", "stats"]
+__all__ = ["ARMS", "arm", "engine_config", "numerics", "prompts", "stats"]
 
 # `<boundary>+<arm>`: EngineConfig switches
 ARMS = {"skip": {"skip_short_topk": True}, "fp8": {"kv_cache_dtype": "fp8"}, "fused": {"moe": "fused"},
@@ -30,12 +31,19 @@ def engine_config(boundary: str, capture_sizes=(1, 2, 4, 8, 16), mode: str = "fu
 
 
 def arm(name: str) -> tuple[str, str, dict]:
-    """"narrow" -> ("narrow", "narrow", {}); "narrow+skip" -> ("narrow+skip", "narrow", {"skip_short_topk": True})."""
-    boundary, _, kind = name.partition("+")
-    if boundary not in BOUNDARIES or (kind and kind not in ARMS):
-        raise ValueError(f"arm {name!r}: expected <boundary> or <boundary>+<arm>, boundary one of {BOUNDARIES}, arm "
-                         f"one of {sorted(ARMS)}")
-    return name, boundary, dict(ARMS[kind]) if kind else {}
+    """"narrow" -> ("narrow", "narrow", {}); "narrow+skip" -> ("narrow+skip", "narrow", {"skip_short_topk": True});
+    "none+fused+skinny" -> ("none+fused+skinny", "none", {"moe": "fused", "gemm": "skinny"}): each arm's switches."""
+    boundary, *kinds = name.split("+")
+    if boundary not in BOUNDARIES or any(k not in ARMS for k in kinds) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"arm {name!r}: expected <boundary> or <boundary>+<arm>[+<arm> ...], boundary one of "
+                         f"{BOUNDARIES}, each arm once, one of {sorted(ARMS)}")
+    return name, boundary, {key: v for k in kinds for key, v in ARMS[k].items()}
+
+
+def numerics(name: str) -> str:
+    """The arm's tail of switches that change how it rounds: "+fused+skinny" of "none+fused+skinny", "" of a
+    boundary and of its +skip arm (and +ranges: the instrument on), which round as the boundary does."""
+    return "".join(f"+{k}" for k in name.split("+")[1:] if k not in ("skip", "ranges"))
 
 
 def prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ from dsv32ref.config import REDUCED_MOE, ModelConfig, reduced_moe
 from dsv32ref.engine import BOUNDARIES, LLMEngine, StepInput, TensorParallel, build_model, shard
 from dsv32ref.engine.model import EngineMoE
 from dsv32ref.experiments import host_costs, ledger
-from dsv32ref.experiments.protocol import arm, engine_config, prompts, stats
+from dsv32ref.experiments.protocol import arm, engine_config, numerics, prompts, stats
 from dsv32ref.instrument import measuring
 from dsv32ref.provenance import provenance
 from dsv32ref.results import progress, write_partial, write_result
@@ -42,7 +42,8 @@ class TTFTProtocol:
     (EngineConfig.kv_cache_dtype "fp8"), their tokens beside the others'. `fused_moe`: boundaries that also run
     as `<boundary>+fused`, their MoE layers in dsv32ref.kernels.fused_moe (EngineConfig.moe "fused"). `skinny_gemm`:
     boundaries that also run as `<boundary>+skinny`, their projections in dsv32ref.kernels.skinny_gemm
-    (EngineConfig.gemm "skinny"). `instrument_ab`: boundaries that also
+    (EngineConfig.gemm "skinny"). `fused_skinny`: boundaries that also run as `<boundary>+fused+skinny`, with both
+    (the engine's fastest form at a few tokens). `instrument_ab`: boundaries that also
     run as `<boundary>+ranges`, every request with every named region and eager range open (what the instrument
     costs when it is on); TTFT of the plain arms is always timed with it off. Then the step's anatomy over `anatomy_requests` more requests, and on a GPU the
     host costs of the TTFT model (dsv32ref.experiments.host_costs) in the same process."""
@@ -59,6 +60,7 @@ class TTFTProtocol:
     fp8_kv: tuple[str, ...] = ()
     fused_moe: tuple[str, ...] = ()
     skinny_gemm: tuple[str, ...] = ()
+    fused_skinny: tuple[str, ...] = ()
     instrument_ab: tuple[str, ...] = ()
     anatomy_requests: int = 32
     host_costs: bool = True
@@ -68,17 +70,17 @@ class TTFTProtocol:
             v = getattr(self, name)
             if not is_int(v) or v < low:
                 raise ValueError(f"TTFTProtocol.{name}: expected an int >= {low}, got {v!r}")
-        for name in ("variants", "skip_topk", "fp8_kv", "fused_moe", "skinny_gemm", "instrument_ab"):
+        for name in ("variants", "skip_topk", "fp8_kv", "fused_moe", "skinny_gemm", "fused_skinny", "instrument_ab"):
             unknown = [v for v in getattr(self, name) if v not in BOUNDARIES]
             if unknown or (name == "variants" and not self.variants):
                 raise ValueError(f"TTFTProtocol.{name}: unknown boundaries {unknown}; expected some of {BOUNDARIES}")
 
     def arms(self) -> list[tuple[str, str, dict]]:
         """(name, boundary, EngineConfig switches) of every engine: the boundaries, then their +skip, +fp8,
-        +fused and +skinny arms."""
+        +fused, +skinny and +fused+skinny arms."""
         return ([arm(v) for v in self.variants] + [arm(f"{v}+skip") for v in self.skip_topk] +
                 [arm(f"{v}+fp8") for v in self.fp8_kv] + [arm(f"{v}+fused") for v in self.fused_moe] +
-                [arm(f"{v}+skinny") for v in self.skinny_gemm])
+                [arm(f"{v}+skinny") for v in self.skinny_gemm] + [arm(f"{v}+fused+skinny") for v in self.fused_skinny])
 
 
 def anatomy(engines: dict, prompts_: list[list[int]]) -> dict:
@@ -273,21 +275,20 @@ def _weights(config: ModelConfig, p: TTFTProtocol, device: str, tp_rank: int, tp
     return model
 
 
-def _token_summary(result: dict, timed: dict, p: TTFTProtocol) -> None:
+def _token_summary(result: dict, timed: dict) -> None:
     """Which arms produced the same first tokens: within each numerics, and each arm against the first."""
-    # the arms of one numerics: the FP8 cache, the fused MoE and skinny_gemm round differently from the bf16 cache's
-    # dense MoE over cuBLAS's GEMMs
-    tails = ("+fp8", "+fused", "+skinny")
-    tokens = [t["tokens"] for v, t in timed.items() if not v.endswith(tails)]
+    # the arms of one numerics (protocol.numerics): the FP8 cache, the fused MoE and skinny_gemm round differently
+    # from the bf16 cache's dense MoE over cuBLAS's GEMMs, and each combination of them differently again
+    groups = {}
+    for v, t in timed.items():
+        groups.setdefault(numerics(v), []).append(t["tokens"])
+    tokens = groups[""]
     result["same_tokens_across_variants"] = all(t == tokens[0] for t in tokens)
-    result["same_tokens_within"] = {  # the arms of each other numerics, among themselves
-        tail: all(t["tokens"] == group[0]["tokens"] for t in group)
-        for tail in tails if (group := [t for v, t in timed.items() if v.endswith(tail)])}
+    result["same_tokens_within"] = {tail: all(t == group[0] for t in group) for tail, group in groups.items() if tail}
     result["first_tokens"] = tokens[0]  # of every timed request: compares runs (one GPU vs TP) token by token
-    # each such arm's tokens, request by request, to set beside first_token_margins where they differ
-    for name, arms in (("fp8", p.fp8_kv), ("fused", p.fused_moe), ("skinny", p.skinny_gemm)):
-        if arms:
-            result[f"{name}_first_tokens"] = {v: t["tokens"] for v, t in timed.items() if v.endswith(f"+{name}")}
+    for tail in result["same_tokens_within"]:  # each such arm's tokens, request by request, to set beside
+        # first_token_margins where they differ: "fp8_first_tokens", "fused+skinny_first_tokens"
+        result[f"{tail[1:]}_first_tokens"] = {v: t["tokens"] for v, t in timed.items() if numerics(v) == tail}
     result["tokens_equal_to_first_arm"] = {  # per arm, the fraction of requests whose token is the first arm's
         v: sum(a == b for a, b in zip(t["tokens"], tokens[0])) / max(1, len(tokens[0])) for v, t in timed.items()}
 
@@ -327,7 +328,7 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
         result["host_costs"] = _host_costs(engines, p, requests[p.warmup])
     _attach_weight_read(result, weights, cuda, lead)
     del weights
-    if p.fp8_kv or p.fused_moe or p.skinny_gemm:  # why such an arm's token differs: how close the first arm's top
+    if p.fp8_kv or p.fused_moe or p.skinny_gemm or p.fused_skinny:  # why such an arm's token differs: how close the first arm's top
         # two were
         result["first_token_margins"] = first_token_margins(engines[p.variants[0]][0],
                                                             requests[p.warmup:p.warmup + p.requests])
@@ -340,7 +341,7 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
         torch.cuda.empty_cache()
     if p.instrument_ab:
         _instrument_ab(result, timed, p, lead)
-    _token_summary(result, timed, p)
+    _token_summary(result, timed)
     if "wide" in result["variants"] and "narrow" in result["variants"]:
         result["wide_over_narrow"] = result["variants"]["wide"]["mean_ms"] / result["variants"]["narrow"]["mean_ms"]
     if out:
