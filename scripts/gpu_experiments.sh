@@ -3,7 +3,7 @@
 #   DSV32REF_GIT_COMMIT=<sha> bash scripts/gpu_experiments.sh OUTDIR STEP [STEP ...]
 # Steps, in the order given (each writes OUTDIR/<file> and OUTDIR/<step>.log; data/README.md says which
 # files of data/ each one records):
-#   tests      every gpu-marked test (of TESTS_FILES, default tests/)           -> pytest_gpu.txt
+#   tests      every gpu-marked test (of TESTS_FILES, default tests/), 8 at once, failures again alone -> pytest_gpu.txt
 #   nanplant   the NaN indexer test against a planted bug (tl.maximum for the ReLU, which drops NaN compiled):
 #              it must fail; the tree is restored after                       -> nanplant.txt
 #   main       the main job, `python -m dsv32ref --quick`, timed; data/ must be unchanged afterwards -> main.log
@@ -33,8 +33,13 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     tests)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu ${TESTS_FILES:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
-        | tee "$OUT/pytest_gpu.txt" | tail -6 ;;
+      # 8 workers (compiling dominates: the whole suite in about 3 minutes on an H100); they share the GPU's memory,
+      # which one test's float64 reference nearly fills, so what failed then runs again alone
+      gpu_pytest() { timeout "$1" python3 -m pytest -q -o cache_dir=/tmp/pytest_gpu_cache -o addopts="" -m gpu \
+        ${TESTS_FILES:-tests} ${TESTS_K:+-k "$TESTS_K"} "${@:2}" 2>&1; }
+      gpu_pytest 400 -n 8 -rfE | tee "$OUT/pytest_gpu.txt" | tail -6
+      echo "failures, again one at a time:" | tee -a "$OUT/pytest_gpu.txt"
+      gpu_pytest 200 --last-failed --last-failed-no-failures none | tee -a "$OUT/pytest_gpu.txt" | tail -4 ;;
     nanplant)
       cp dsv32ref/kernels/indexer_topk.py /tmp/indexer_topk.py
       sed -i 's/part = tl.where(logits < 0.0, 0.0, logits) \* w\[None, :\]/part = tl.maximum(logits, 0.0) * w[None, :]/' \
