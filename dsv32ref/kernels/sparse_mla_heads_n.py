@@ -29,7 +29,10 @@ carried across the loop took a register a byte (hence words); a quarter warp's 1
 to meet the stage's 128-byte swizzle without a two-way bank conflict (the load layout below). The stage's reads
 by the MMAs (K, then V: 136 KiB a step) and the dequantised stores (64 KiB) keep the shared-memory pipe busy, so
 the FP8 step costs about what the bf16 one does even though it reads 57 % of the bytes, and a third step of loads
-in flight makes it slower, not faster (the loads are not waiting on latency). A warp's load spans 8 rows x 64
+in flight makes it slower, not faster (the loads are not waiting on latency). On an H100, whose HBM is slower
+(3.0 TB/s copied), the bf16 rows are bound by their bytes and the FP8 rows win: 16 heads, 16 to 128 requests,
+8k-128k contexts, 1.17-1.20x bf16's speed (bench.fp8, graph replay), yet at 63-64 % of the copy rate at 128
+requests against bf16's 92-94 %: there, too, the FP8 step is bound inside the SM, not by its bytes. A warp's load spans 8 rows x 64
 bytes, and a 656-byte row starts half a sector off on every other row, so those rows' 64 bytes take three 32-byte
 sectors: a quarter more sectors than the bytes need, and under Nsight Compute (scripts/gpu_experiments.sh's ncu
 step) the L1/TEX pipe is busier than DRAM. Fewer rows a load was tried on an H100: two rows of 128 bytes a load
