@@ -100,3 +100,16 @@ def test_every_data_file_named_in_the_repository_exists():
         missing += [("README.md", n) for n in re.findall(r"data/([A-Za-z0-9_.-]+\.json)", f.read())
                     if not os.path.exists(os.path.join(ROOT, "data", n))]
     assert not missing, missing
+
+
+def test_the_main_jobs_full_run_records_every_file_by_its_command():
+    """`python -m dsv32ref --record` (reproduce's full plan) writes each file data/README.md lists with a
+    `python -m dsv32ref` command, by that command (a ledger's --measured names the run it models)."""
+    from dsv32ref.experiments.reproduce import PRESETS
+
+    files, _ = _manifest()
+    recorded = {name: command.split("`")[1].split()[3:] for name, (command, _) in files.items()
+                if command.startswith("`python -m dsv32ref")}
+    plan = {name: [a for a in args if not a.startswith("{dir}") and a != "--measured"]
+            for name, args in PRESETS["full"].commands}
+    assert plan == recorded

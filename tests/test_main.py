@@ -72,7 +72,8 @@ def test_reproduce_runs_each_command_in_a_process_of_its_own(monkeypatch, tmp_pa
     assert "this machine" in capsys.readouterr().out
     calls.clear()
     reproduce.run("full", str(tmp_path))
-    assert [c[0] for c in calls] == ["ttft", "ttft", "capture", "regimes", "timeline", "ledger", "ledger"]
+    assert [c[0] for c in calls] == ["ttft", "ttft", "capture", "capture", "regimes", "timeline", "kernels",
+                                     "fp8-speed", "fp8-accuracy", "ledger", "ledger"]
     assert "--instrument-ab" in calls[0] and "--instrument-ab" not in calls[1]
     assert calls[-1][calls[-1].index("--measured") + 1] == os.path.join(str(tmp_path), "ttft_deepseek-v3.2.json")
     with pytest.raises(ValueError, match="preset must be one of"):

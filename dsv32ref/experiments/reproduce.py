@@ -8,8 +8,10 @@ at one TP4 rank's heads, and prints one table: the PR's figure, the recorded H20
 
     quick   64 TTFT requests of GLM-5.2, every boundary; three capture-memory start-ups (narrow with the
             graph-memory estimate off, then narrow_copy with it and without it): a few minutes
-    full    what data/ records: 256 TTFT requests with the top-k-skip arms for both models (the instrument A/B for
-            GLM-5.2), capture memory with the threshold runs, the regime map, the timeline, the predicted ledgers
+    full    every file data/ records but the offline compiles' (scripts/sm90_triton_versions.sh), by the command
+            that recorded it: 256 TTFT requests with the top-k-skip and fused-MoE arms for both models (the
+            instrument A/B and the FP8 arms for GLM-5.2), capture memory with both caches, the regime map, the
+            timeline, the kernel and FP8 benchmarks, FP8 accuracy (CPU), the predicted ledgers
 
 Each experiment runs in a process of its own, as the commands that recorded data/ ran: the capture-memory
 start-ups size the KV cache from what their process holds, so an experiment run before them in the same process
@@ -29,6 +31,7 @@ from dsv32ref.results import DATA_DIR
 __all__ = ["PRESETS", "Plan", "print_table", "run", "table"]
 
 CAPTURE = "capture_memory_glm-5.2_h16.json"
+BOUNDARIES_BUT_COPIES = ("wide", "narrow", "narrow_out", "none")  # the boundaries the fused MoE arms run
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,18 @@ PRESETS = {
         ("ttft_glm-5.2.json", ("ttft", "--model", "glm-5.2", "--requests", "64", "--skip-topk")),
         (CAPTURE, ("capture", "--model", "glm-5.2", "--heads-per-rank", "16", "--plan", "quick")),
     )),
-    "full": Plan("full", (
-        ("ttft_glm-5.2.json", ("ttft", "--model", "glm-5.2", "--instrument-ab")),
-        ("ttft_deepseek-v3.2.json", ("ttft", "--model", "deepseek-v3.2")),
-        (CAPTURE, ("capture", "--model", "glm-5.2", "--heads-per-rank", "16")),
+    "full": Plan("full", (  # data/README.md's commands, file by file (tests/test_data.py holds them equal)
+        ("ttft_glm-5.2.json", ("ttft", "--model", "glm-5.2", "--instrument-ab", "--fp8-kv", "narrow", "none",
+                               "--fused-moe", *BOUNDARIES_BUT_COPIES)),
+        ("ttft_deepseek-v3.2.json", ("ttft", "--model", "deepseek-v3.2", "--fused-moe", *BOUNDARIES_BUT_COPIES)),
+        (CAPTURE, ("capture", "--model", "glm-5.2", "--heads-per-rank", "16", "--no-threshold")),
+        ("capture_memory_glm-5.2_h16_fp8.json", ("capture", "--model", "glm-5.2", "--heads-per-rank", "16",
+                                                 "--kv-cache-dtype", "fp8", "--no-threshold")),
         ("regimes_glm-5.2.json", ("regimes", "--model", "glm-5.2")),
         ("timeline_glm-5.2.json", ("timeline", "--model", "glm-5.2")),
+        ("kernels.json", ("kernels",)),
+        ("fp8_speed.json", ("fp8-speed",)),
+        ("fp8_accuracy.json", ("fp8-accuracy",)),
         ("ledger_predicted_glm-5.2.json", ("ledger", "--predict", "--model", "glm-5.2", "--measured",
                                            "{dir}/ttft_glm-5.2.json")),
         ("ledger_predicted_deepseek-v3.2.json", ("ledger", "--predict", "--model", "deepseek-v3.2", "--measured",
