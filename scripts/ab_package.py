@@ -1,0 +1,245 @@
+"""The library of another revision beside this tree's, probe by probe, in alternating processes (GPU).
+
+    git archive REV dsv32ref | tar -x -C DIR        # a copy of the package at REV (echo REV > DIR/REVISION)
+    python scripts/ab_package.py --against DIR [DIR ...] [--probes sparse_mla route add_rms_norm] [--rounds 2]
+                                 [--out F.json]
+
+Each probe runs in a process of its own with one arm's package first on its path: this tree's, then each copy's,
+round after round (the order rotating), so that a change is timed against what it replaces under the same drift
+and no arm inherits another's compiled kernels or allocator. A probe times the library's public launchers at the
+engine's shapes by CUDA-graph replay (medians) and first checks what it times against a float64 reference: `ok`
+beside every time. The table gives each case's median over the rounds and each copy's time over the tree's.
+`python -m` and `python -c` would put the working directory first on the path, which is why the workers are this
+file run as a script (its own folder first: no package there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROBES = ("sparse_mla", "route", "add_rms_norm", "where")  # "where": which package an arm imports (no GPU)
+
+
+def arms(against: list[str]) -> dict[str, pathlib.Path]:
+    """name -> the folder holding its dsv32ref: "tree" for this checkout, then each copy by its folder's name."""
+    out = {"tree": ROOT}
+    for path in against:
+        folder = pathlib.Path(path).resolve()
+        if not (folder / "dsv32ref" / "__init__.py").is_file():
+            raise ValueError(f"--against {path}: expected a folder holding a copy of the package (dsv32ref/__init__.py)"
+                             f", found none")
+        if folder.name in out or folder == ROOT:
+            raise ValueError(f"--against {path}: the arm {folder.name!r} is taken; name the folder otherwise")
+        out[folder.name] = folder
+    return out
+
+
+def revision(folder: pathlib.Path) -> str:
+    """The copy's REVISION file, or "working tree" for this checkout."""
+    file = folder / "REVISION"
+    return file.read_text().strip() if file.is_file() else "working tree" if folder == ROOT else "unknown"
+
+
+def schedule(names: list[str], probes: list[str], rounds: int) -> list[tuple[str, str]]:
+    """(arm, probe) in running order: per round and probe every arm once, the arms' order rotating by round."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"--rounds: expected an int >= 1, got {rounds!r}")
+    unknown = sorted(set(probes) - set(PROBES))
+    if unknown or not probes:
+        raise ValueError(f"--probes: expected some of {list(PROBES)}, got {probes!r}")
+    return [(names[(i + r) % len(names)], p) for r in range(rounds) for p in probes for i in range(len(names))]
+
+
+def run_worker(folder: pathlib.Path, probe: str) -> dict:
+    """One probe in a process of its own, `folder`'s package first on its path -> its JSON line."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, __file__, "--worker", probe], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"probe {probe} under {folder}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def summarise(runs: list[dict]) -> dict:
+    """{probe: {case: {arm: {"us": median over rounds, "ok": every round's check, "over_tree": us / tree's}}}}."""
+    table: dict = {}
+    for r in runs:
+        for case, (us, ok) in r["cases"].items():
+            table.setdefault(r["probe"], {}).setdefault(case, {}).setdefault(r["arm"], []).append((us, ok))
+    for cases in table.values():
+        for case, by_arm in cases.items():
+            cases[case] = {arm: {"us": statistics.median(u for u, _ in xs), "ok": all(ok for _, ok in xs)}
+                           for arm, xs in by_arm.items()}
+            for row in cases[case].values():
+                row["over_tree"] = row["us"] / cases[case]["tree"]["us"] if "tree" in cases[case] else None
+    return table
+
+
+# ---- the probes (run in the workers, against whichever package comes first on the path) ----
+
+def _graph_us(calls, replays: int = 30) -> float:
+    """Median microseconds of one call, replayed from a CUDA graph of all `calls` in turn."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(replays + 5):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times[5:])
+
+
+def probe_sparse_mla() -> dict:
+    """sparse_mla_paged (valid-first top-k) at 8-token prompts of 8 and 2048 keys and decode batches, both models."""
+    import torch
+    from dsv32ref.bench.kernels import BLOCK_SIZE, decode_batch, gather_rows, one_request, shapes
+    from dsv32ref.checks import rel_err
+    from dsv32ref.kernels import sparse_mla_paged
+
+    cases = {}
+    for model in ("glm-5.2", "deepseek-v3.2"):
+        z = shapes(model)
+        for kind, T, ctx in (("prefill", 8, 8), ("prefill", 8, 2048), ("decode", 8, 4096), ("decode", 1, 32768)):
+            r = decode_batch(T, ctx) if kind == "decode" else one_request(ctx, T)
+            cache = torch.randn(r["nblocks"], BLOCK_SIZE, 576, device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(T, z["H"], 576, device="cuda", dtype=torch.bfloat16)
+            visible = r["positions"] + 1
+            slots = torch.arange(z["k"], device="cuda")[None, :]
+            topk = torch.where(slots < visible[:, None], (torch.rand(T, z["k"], device="cuda") * visible[:, None])
+                               .long(), -1).int()  # valid entries first, -1 after
+            out = torch.full((T, z["H"], 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+            lse = torch.full((T, z["H"]), float("nan"), device="cuda")
+            scale = z["config"].softmax_scale
+
+            def call(q=q, cache=cache, r=r, topk=topk, out=out, lse=lse, scale=scale):
+                sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse,
+                                 valid_first=True)
+
+            call()
+            rows = gather_rows(cache, r["block_table"], topk.long().clamp_min(0), r["req"]).double()  # (T, k, 576)
+            scores = torch.einsum("thd,tkd->thk", q.double(), rows).masked_fill((topk < 0)[:, None, :], -torch.inf)
+            ref = torch.einsum("thk,tkd->thd", torch.softmax(scores * scale, -1), rows[..., :512])
+            ok = rel_err(out, ref) <= 1e-2 and not out.isnan().any().item()
+            cases[f"{model} {kind} T{T} ctx{ctx}"] = (_graph_us([call] * 10), ok)
+    return cases
+
+
+def probe_route() -> dict:
+    """route_kernel at 1, 8 and 16 tokens, both models, over 16 copies of the router's fp32 weight (past the L2)."""
+    import torch
+    from dsv32ref.config import ModelConfig
+    from dsv32ref.kernels.fused_moe import route_kernel
+    from dsv32ref.reference.moe import route
+
+    cases = {}
+    for model in ("glm-5.2", "deepseek-v3.2"):
+        c = ModelConfig.preset(model)
+        E, hidden, k = c.n_routed_experts, c.hidden_size, c.num_experts_per_tok
+        weights = [torch.randn(E, hidden, device="cuda") * hidden ** -0.5 for _ in range(16)]
+        bias = torch.randn(E, device="cuda") * 0.01
+        for T in (1, 8, 16):
+            x = torch.randn(T, hidden, device="cuda").to(torch.bfloat16)
+            ids = torch.full((T, k), -7, dtype=torch.int32, device="cuda")
+            w = torch.full((T, k), float("nan"), device="cuda")
+            route_kernel(c, x, weights[0], bias, ids, w)
+            ok = torch.equal(ids.long(), route(c, x.double(), weights[0].double(), bias.double())[0])
+            calls = [lambda c=c, x=x, wt=wt, bias=bias, ids=ids, w=w: route_kernel(c, x, wt, bias, ids, w)
+                     for wt in weights]
+            cases[f"{model} T{T}"] = (_graph_us(calls), ok)
+    return cases
+
+
+def probe_add_rms_norm() -> dict:
+    """add_rms_norm at 1, 8, 1024 and 8192 tokens of hidden 6144 (GLM-5.2) and 7168 (DeepSeek-V3.2)."""
+    import torch
+    from dsv32ref.checks import rel_err
+    from dsv32ref.kernels import add_rms_norm
+
+    cases = {}
+    for hidden in (6144, 7168):
+        for T in (1, 8, 1024, 8192):
+            x, res = (torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+            out, res_out = (torch.full_like(x, float("nan")) for _ in range(2))
+
+            def call(x=x, res=res, weight=weight, out=out, res_out=res_out):
+                add_rms_norm(x, res, weight, 1e-6, out, res_out)
+
+            call()
+            h = x.double() + res.double()
+            ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+            ok = rel_err(out, ref) <= 1e-2 and rel_err(res_out, h) <= 1e-2
+            cases[f"hidden{hidden} T{T}"] = (_graph_us([call] * 20), ok)
+    return cases
+
+
+def probe_where() -> dict:
+    """No case: the worker's line names the package it imported (a dry run of the arms)."""
+    return {}
+
+
+def worker(probe: str) -> None:
+    import torch
+
+    import dsv32ref
+
+    if probe not in PROBES:
+        raise ValueError(f"--worker: expected one of {list(PROBES)}, got {probe!r}")
+    torch.manual_seed(0)
+    cases = globals()[f"probe_{probe}"]()
+    print(json.dumps({"probe": probe, "package": dsv32ref.__file__, "cases": cases}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--against", nargs="+", default=[], metavar="DIR")
+    ap.add_argument("--probes", nargs="+", default=list(PROBES[:3]))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker)
+    folders = arms(args.against)
+    runs = []
+    for arm, probe in schedule(list(folders), args.probes, args.rounds):
+        r = run_worker(folders[arm], probe)
+        runs.append(dict(r, arm=arm))
+        print(f"{arm:<12} {probe:<13} {r['package']}", flush=True)
+    table = summarise(runs)
+    for probe, cases in table.items():
+        for case, by_arm in cases.items():
+            print(f"{probe:<13} {case:<36} " + "  ".join(
+                f"{arm} {row['us']:8.2f} us{'' if row['ok'] else ' (WRONG)'}" +
+                (f" x{row['over_tree']:.3f}" if arm != "tree" else "") for arm, row in by_arm.items()))
+    if args.out:
+        sys.path.insert(0, str(ROOT))
+        from dsv32ref.provenance import provenance
+
+        with open(args.out, "w") as f:
+            json.dump({"provenance": provenance(), "arms": {a: revision(p) for a, p in folders.items()},
+                       "rounds": args.rounds, "runs": runs, "table": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
