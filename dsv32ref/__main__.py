@@ -210,6 +210,14 @@ def _add_model_commands(add) -> None:
             cmd.add_argument("--max-context", type=int, default=None, help="only the default contexts <= this")
 
 
+TTFT_ARM_FLAGS = (  # ttft's arms: flag, default boundaries, what they switch on
+    ("--skip-topk", ["narrow", "narrow_out"], "with EngineConfig.skip_short_topk on (default: narrow narrow_out)"),
+    ("--fp8-kv", [], "with the FP8 KV cache (EngineConfig.kv_cache_dtype fp8)"),
+    ("--fused-moe", [], "their MoE layers fused (EngineConfig.moe fused)"),
+    ("--skinny-gemm", [], "their projections in skinny_gemm (EngineConfig.gemm skinny)"),
+    ("--fused-skinny", [], "with both the fused MoE and skinny_gemm"))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv32ref", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd")
@@ -248,16 +256,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--requests", type=int, default=256)
     t.add_argument("--warmup", type=int, default=8)
     t.add_argument("--tp", type=int, default=1, help="ranks (GPUs): tensor parallel attention/MLP, expert parallel MoE")
-    t.add_argument("--skip-topk", nargs="*", default=["narrow", "narrow_out"], metavar="BOUNDARY",
-                   help="boundaries that also run with EngineConfig.skip_short_topk on (default: narrow narrow_out)")
-    t.add_argument("--fp8-kv", nargs="*", default=[], metavar="BOUNDARY",
-                   help="boundaries that also run with the FP8 KV cache (EngineConfig.kv_cache_dtype fp8)")
-    t.add_argument("--fused-moe", nargs="*", default=[], metavar="BOUNDARY",
-                   help="boundaries that also run their MoE layers fused (EngineConfig.moe fused)")
-    t.add_argument("--skinny-gemm", nargs="*", default=[], metavar="BOUNDARY",
-                   help="boundaries that also run their projections in skinny_gemm (EngineConfig.gemm skinny)")
-    t.add_argument("--fused-skinny", nargs="*", default=[], metavar="BOUNDARY",
-                   help="boundaries that also run with both the fused MoE and skinny_gemm")
+    for flag, default, what in TTFT_ARM_FLAGS:
+        t.add_argument(flag, nargs="*", default=default, metavar="BOUNDARY", help=f"boundaries that also run {what}")
     t.add_argument("--instrument-ab", action="store_true",
                    help="also time wide, narrow and narrow_out with every profiler range open, interleaved")
     cm = add("capture", cmd_capture, "start-up and capture memory of each boundary (GPU)")
