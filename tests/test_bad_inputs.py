@@ -1505,3 +1505,14 @@ def test_an_arm_name_is_a_boundary_and_known_switches_once(name):
 
     with pytest.raises(ValueError, match=rf"arm '{re.escape(name)}': expected <boundary> or <boundary>\+<arm>"):
         arm(name)
+
+
+@pytest.mark.parametrize("name,tail", [("none", ""), ("narrow+skip", ""), ("wide+ranges", ""), ("none+fused", "+fused"),
+                                       ("none+fused+skinny", "+fused+skinny"), ("none+skinny+fused", "+fused+skinny"),
+                                       ("narrow+skip+fp8", "+fp8")])
+def test_an_arm_rounds_as_the_switches_it_turns_on(name, tail):
+    """protocol.numerics: the switches that change the rounding, in one order whatever the name's (the TTFT run
+    compares the tokens of arms of one numerics); the top-k skip and the instrument change none."""
+    from dsv32ref.experiments.protocol import numerics
+
+    assert numerics(name) == tail

@@ -108,3 +108,22 @@ def test_runs_write_to_a_folder_of_their_own_unless_asked_to_record(monkeypatch,
     assert not (tmp_path / "data").exists()
     assert main(["ledger", "--predict", "--record"]) == 0
     assert (tmp_path / "data" / "ledger_predicted_glm-5.2.json").exists()
+
+
+def test_ttft_hands_every_arm_flag_to_its_protocol(monkeypatch, tmp_path):
+    """`dsv32ref ttft` with each arm flag: the protocol the run gets holds each flag's boundaries (a GPU assumed, the
+    run itself replaced)."""
+    from dsv32ref.experiments import ttft
+
+    got = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(ttft, "run", lambda p, out: got.append((p, out)))
+    out = str(tmp_path / "t.json")
+    assert main(["ttft", "--skip-topk", "none", "--fp8-kv", "narrow", "--fused-moe", "wide", "--skinny-gemm",
+                 "narrow_out", "--fused-skinny", "none", "narrow", "--instrument-ab", "--out", out]) == 0
+    p, where = got[0]
+    assert (p.skip_topk, p.fp8_kv, p.fused_moe, p.skinny_gemm, p.fused_skinny) == (
+        ("none",), ("narrow",), ("wide",), ("narrow_out",), ("none", "narrow"))
+    assert p.instrument_ab == ("wide", "narrow", "narrow_out") and where == out
+    assert [name for name, _, _ in p.arms()][-2:] == ["none+fused+skinny", "narrow+fused+skinny"]

@@ -41,9 +41,11 @@ def arm(name: str) -> tuple[str, str, dict]:
 
 
 def numerics(name: str) -> str:
-    """The arm's tail of switches that change how it rounds: "+fused+skinny" of "none+fused+skinny", "" of a
-    boundary and of its +skip arm (and +ranges: the instrument on), which round as the boundary does."""
-    return "".join(f"+{k}" for k in name.split("+")[1:] if k not in ("skip", "ranges"))
+    """The arm's tail of switches that change how it rounds, in ARMS' order: "+fused+skinny" of "none+fused+skinny"
+    and of "none+skinny+fused", "" of a boundary and of its +skip arm (and +ranges: the instrument on), which round
+    as the boundary does."""
+    kinds = set(name.split("+")[1:])
+    return "".join(f"+{k}" for k in ARMS if k in kinds and k != "skip")
 
 
 def prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:

@@ -8,10 +8,11 @@ at one TP4 rank's heads, and prints one table: the PR's figure, the recorded H20
 
     quick   64 TTFT requests of GLM-5.2, every boundary; three capture-memory start-ups (narrow with the
             graph-memory estimate off, then narrow_copy with it and without it): a few minutes
-    full    every file data/ records but the offline compiles' (scripts/sm90_triton_versions.sh), by the command
-            that recorded it: 256 TTFT requests with the top-k-skip and fused-MoE arms for both models (the
-            instrument A/B and the FP8 arms for GLM-5.2), capture memory with both caches, the regime map, the
-            timeline, the kernel and FP8 benchmarks, FP8 accuracy (CPU), the predicted ledgers
+    full    every file data/ holds by the command that recorded it, but the offline compiles'
+            (scripts/sm90_triton_versions.sh) and the PR's typed figures (seeds.json): 256 TTFT requests with
+            the top-k-skip and fused-MoE arms for both models (the instrument A/B and the FP8 arms for GLM-5.2),
+            capture memory with both caches, the regime map, the timeline, the kernel and FP8 benchmarks, FP8
+            accuracy (CPU), the predicted ledgers
 
 Each experiment runs in a process of its own, as the commands that recorded data/ ran: the capture-memory
 start-ups size the KV cache from what their process holds, so an experiment run before them in the same process

@@ -43,7 +43,7 @@ class TTFTProtocol:
     as `<boundary>+fused`, their MoE layers in dsv32ref.kernels.fused_moe (EngineConfig.moe "fused"). `skinny_gemm`:
     boundaries that also run as `<boundary>+skinny`, their projections in dsv32ref.kernels.skinny_gemm
     (EngineConfig.gemm "skinny"). `fused_skinny`: boundaries that also run as `<boundary>+fused+skinny`, with both
-    (the engine's fastest form at a few tokens). `instrument_ab`: boundaries that also
+    switches on. `instrument_ab`: boundaries that also
     run as `<boundary>+ranges`, every request with every named region and eager range open (what the instrument
     costs when it is on); TTFT of the plain arms is always timed with it off. Then the step's anatomy over `anatomy_requests` more requests, and on a GPU the
     host costs of the TTFT model (dsv32ref.experiments.host_costs) in the same process."""
@@ -328,8 +328,8 @@ def run(p: TTFTProtocol = TTFTProtocol(), out: str | None = None, device: str = 
         result["host_costs"] = _host_costs(engines, p, requests[p.warmup])
     _attach_weight_read(result, weights, cuda, lead)
     del weights
-    if p.fp8_kv or p.fused_moe or p.skinny_gemm or p.fused_skinny:  # why such an arm's token differs: how close the first arm's top
-        # two were
+    if p.fp8_kv or p.fused_moe or p.skinny_gemm or p.fused_skinny:  # why such an arm's token differs: how close
+        # the first arm's top two were
         result["first_token_margins"] = first_token_margins(engines[p.variants[0]][0],
                                                             requests[p.warmup:p.warmup + p.requests])
     for eng, _ in engines.values():

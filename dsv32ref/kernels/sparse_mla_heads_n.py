@@ -32,14 +32,14 @@ the FP8 step costs about what the bf16 one does even though it reads 57 % of the
 in flight makes it slower, not faster (the loads are not waiting on latency). On an H100, whose HBM is slower
 (3.0 TB/s copied), the bf16 rows are bound by their bytes and the FP8 rows win: 16 heads, 16 to 128 requests,
 8k-128k contexts, 1.17-1.20x bf16's speed (bench.fp8, graph replay), yet at 63-64 % of the copy rate at 128
-requests against bf16's 92-94 %: there, too, the FP8 step is bound inside the SM, not by its bytes. A warp's load spans 8 rows x 64
-bytes, and a 656-byte row starts half a sector off on every other row, so those rows' 64 bytes take three 32-byte
-sectors: a quarter more sectors than the bytes need, and under Nsight Compute (scripts/gpu_experiments.sh's ncu
-step) the L1/TEX pipe is busier than DRAM. Fewer rows a load was tried on an H100: two rows of 128 bytes a load
-(8 bytes a thread, so that a quarter warp's stores still fill one row's 128 bytes without conflicts; the scales
-loaded for the step being stored, which frees the registers the narrower loads take) was a few per cent slower at
-16 heads and a few per cent faster at 32, so it was not kept: the shared-memory pipe, more than the excess
-sectors, seems to bound the FP8 step.
+requests against bf16's 92-94 %: there, too, the FP8 step is bound inside the SM, not by its bytes.
+A warp's load spans 8 rows x 64 bytes, and a 656-byte row starts half a sector off on every other row, so those
+rows' 64 bytes take three 32-byte sectors: a quarter more sectors than the bytes need, and under Nsight Compute
+(scripts/gpu_experiments.sh's ncu step) the L1/TEX pipe is busier than DRAM. Fewer rows a load was tried on an
+H100: two rows of 128 bytes a load (8 bytes a thread, so that a quarter warp's stores still fill one row's 128
+bytes without conflicts; the scales loaded for the step being stored, which frees the registers the narrower loads
+take) was a few per cent slower at 16 heads and a few per cent faster at 32, so it was not kept: the shared-memory
+pipe, more than the excess sectors, seems to bound the FP8 step.
 scripts/ab_sparse_mla_heads.py times both caches and both kernels in one process, and a copy of this module from
 another revision beside them.
 

@@ -34,10 +34,10 @@ the partitions are mbarriers (one arrive after the warpgroup's barrier: a releas
 
 At a few keys a program is one latency chain, not bytes: an 8-token prompt of 8 keys gives 8 programs of one
 pair each, and on one H100 (ncu, 1 split) the kernel took 21.2-21.7 us, each consumer warp issuing about 1500
-instructions (a third to a half of them FMULs: O's rescales and the epilogue's division, 128 values a thread) at
-one per 20 cycles, 0.17 warps eligible per scheduler, DRAM 1 % busy; under CUDA-graph replay 13.2 us a launch.
-The epilogue now divides once a row and multiplies each value by that reciprocal (ptxas's sm_90a build: 4664
-instructions instead of 5416, FMUL 1084 instead of 1588, FSEL 128 instead of 380): 13.1 -> 12.7 us in replay.
+instructions at one per 20 cycles, 0.17 warps eligible per scheduler, DRAM 1 % busy (with an epilogue that
+divided each of its 128 values a thread by l; under CUDA-graph replay 13.1 us a launch). Hence the epilogue's one
+division a row and a multiply a value: ptxas's sm_90a build issues 4664 instructions, not 5416 (FMUL 1084, not
+1588; FSEL 128, not 380), and the launch replays in 12.7 us.
 At 2048 top-k slots the launch plan takes 16 splits there: this kernel and the merge of the one split with keys
 then took 13.0 us together (sparse_mla_paged, replay, the indexer's valid-first top-k).
 
