@@ -33,8 +33,9 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     tests)
-      # 8 workers (compiling dominates: the whole suite in about 3 minutes on an H100); they share the GPU's memory,
-      # which one test's float64 reference nearly fills, so what failed then runs again alone
+      # 8 workers (compiling dominates: the whole suite in about 3 minutes on an H100); they share the GPU's memory
+      # (test_indexer_topk's launch ran out of it beside the others once, and passed alone), so what failed then
+      # runs again alone
       gpu_pytest() { timeout "$1" python3 -m pytest -q -o cache_dir=/tmp/pytest_gpu_cache -o addopts="" -m gpu \
         ${TESTS_FILES:-tests} ${TESTS_K:+-k "$TESTS_K"} "${@:2}" 2>&1; }
       gpu_pytest 360 -n 8 -rfE --cache-clear | tee "$OUT/pytest_gpu.txt" | tail -6
