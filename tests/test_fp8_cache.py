@@ -386,6 +386,20 @@ def test_sm90_dequantises_fp8_rows_in_its_producer(heads, valid_first, query_len
     assert_close("lse", lse, ref_lse, dtype=torch.float32, rtol=64, atol=64)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_sparse_mla_paged_with_no_topk_column_writes_what_the_reference_does(kv_cache_dtype):
+    """A top-k of width 0 selects no key: every head's out 0 and lse +inf, as the reference's (no program ran, and
+    the poisoned outputs were handed back as they were)."""
+    x = paged_sparse_mla_inputs(num_heads=2, topk=4, context_lens=(3, 5), query_lens=(1, 2), block_size=4,
+                                dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)
+    none = x.topk_indices[:, :0]
+    out, lse = torch.full((3, 2, 512), 7.0), torch.full((3, 2), 7.0)
+    sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, none, x.sm_scale, out, lse)
+    ref_out, ref_lse = sparse_mla(x.q, torch.zeros(1, x.q.shape[-1]), none, x.sm_scale, 512)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse.float())
+    assert (out == 0).all() and (lse == float("inf")).all()
+
+
 def test_sparse_mla_paged_refuses_what_fp8_rows_cannot_be():
     """An fp8 cache of the wrong width, for other latent widths, with a float16 q (fp8 x scale can overflow it),
     or with rows not 16-byte aligned: a ValueError naming the tensor."""

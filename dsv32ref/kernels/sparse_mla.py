@@ -436,6 +436,11 @@ def sparse_mla_paged(
     if T == 0:
         return out, lse
     K = topk_indices.shape[1]
+    if K == 0:  # no key selected: every head's out 0 and lse +inf, as the reference (no program would run)
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("inf"))
+        return out, lse
     cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms, latent_cache.dtype == torch.uint8)
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
     outputs = _kernel_outputs(out, lse_arg, splits)
