@@ -62,9 +62,10 @@ def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     scales must be floats, finite and > 0 (a NaN poisons its block, a zero zeroes it, a negative one flips it),
     and every product finite (q holding NaN, or a scale that takes a value past fp32's range, is refused)."""
     check_tensor("weight_scale_inv", scale_inv, dtype=_FLOATS)
-    bad = ~(torch.isfinite(scale_inv) & (scale_inv > 0))
+    as_used = scale_inv.float()  # what multiplies the weights: a float64 scale below fp32's range becomes 0
+    bad = ~(torch.isfinite(as_used) & (as_used > 0))
     if bad.any():
-        raise ValueError(f"weight_scale_inv: expected finite scales > 0, got {int(bad.sum())} others, e.g. "
+        raise ValueError(f"weight_scale_inv: expected finite scales > 0 in fp32, got {int(bad.sum())} others, e.g. "
                          f"{scale_inv[bad][:4].tolist()}")
     out = _dequantize(q, scale_inv, block)
     if problem := _nonfinite("q * weight_scale_inv", out):
