@@ -113,7 +113,7 @@ def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torc
                         rows=int(diff.any(1).sum()), total=nrows)
     finite = torch.isfinite(e2)
     scale = torch.where(finite, e2.abs(), 0.0).amax(dim=1, keepdim=True) if e2.shape[1] else e2.new_zeros(nrows, 1)
-    allowed = unit * (rtol * e2.abs() + atol * scale)  # (rows, per row)
+    allowed = unit * rtol * e2.abs() + unit * atol * scale  # (rows, per row); scaled first: 2 x 1e308 is inf
     err = torch.where(finite, (g2 - e2).abs(), 0.0)
     ratio = torch.where(allowed > 0, err / allowed.clamp(min=1e-300), torch.where(err > 0, float("inf"), 0.0))
     worst = float(ratio.max()) if ratio.numel() else 0.0

@@ -1456,6 +1456,9 @@ def test_comparator_arguments():
         for row_dims in range(empty.dim() + 1):
             assert compare("x", empty, empty.clone(), row_dims=row_dims)
     assert not compare("x", torch.zeros(0, 4), torch.zeros(0, 5))  # though the shapes must still agree
+    # near float64's largest value the tolerance is still finite: a got of 0 is not within it
+    assert not compare("x", torch.tensor([0.0], dtype=torch.float64), torch.tensor([1e308], dtype=torch.float64))
+    assert compare("x", torch.tensor([1e308], dtype=torch.float64), torch.tensor([1e308], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("kw,match", [
