@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv32ref.checks import check_device, check_int, check_slots, check_tensor, is_int
+from dsv32ref.checks import check_device, check_disjoint, check_int, check_slots, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 
 __all__ = ["AttentionMetadata", "BlockAllocator", "KV_CACHE_DTYPES", "LATENT_ROW_BYTES", "PagedKVCache", "StepPlan",
@@ -354,13 +354,14 @@ def _check_float_cache(cache: torch.Tensor) -> None:
 
 
 def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache [NB, BS, D] (any strides) <- rows [T, D] (a float dtype, finite values in the cache's range or NaN /
-    inf as they are) at slot_mapping [T] (flattened slot ids)."""
+    """cache [NB, BS, D] (any strides whose elements are distinct) <- rows [T, D] (a float dtype, finite values in
+    the cache's range or NaN / inf as they are) at slot_mapping [T] (flattened slot ids)."""
     _check_float_cache(cache)
     nb, bs, d = check_tensor("cache", cache, shape=(None, None, None)).shape
     check_tensor("slot_mapping", slot_mapping, shape=(None,), dtype=(torch.int32, torch.int64), device=cache.device)
     check_tensor("rows", rows, shape=(slot_mapping.shape[0], d), dtype=CACHE_DTYPES, device=cache.device)
     check_slots("slot_mapping", slot_mapping, nb * bs)
+    check_disjoint("write_tokens", {"cache": cache}, {})  # an expanded view: two slots, one row of memory
     cast = rows.to(cache.dtype)
     overflow = torch.isfinite(rows) & ~torch.isfinite(cast)
     if overflow.any():

@@ -50,6 +50,9 @@ def test_write_then_gather_round_trip(seed):
         write_tokens(cache, torch.tensor([0, 1]), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="reads blocks outside \\[0, 5\\)"):
         gather_tokens(cache, torch.tensor([0, -1], dtype=torch.int32), 6)
+    shared = torch.zeros(1, 1, 3).expand(2, 2, 3)  # four slots, one row of memory: slot 0 would read slot 3's row
+    with pytest.raises(ValueError, match=r"write_tokens: cache has elements that share memory \(shape \[2, 2, 3\]"):
+        write_tokens(shared, torch.tensor([0, 3]), torch.randn(2, 3))
 
 
 def test_cache_layout_and_size():
