@@ -1524,3 +1524,14 @@ def test_an_arm_rounds_as_the_switches_it_turns_on(name, tail):
     from dsv32ref.experiments.protocol import numerics
 
     assert numerics(name) == tail
+
+
+def test_a_step_keeps_what_was_checked():
+    """StepInput holds its requests as tuples of ints: a token list changed after the check (a float appended,
+    which the engine would have truncated to a token) changes nothing in the step."""
+    from dsv32ref.engine import StepInput
+
+    toks = [1, 2]
+    step = StepInput([(0, toks, 0)])
+    toks.append(2.5)
+    assert step.requests == ((0, (1, 2), 0),) and step.num_tokens == 2
