@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_int", "check_keys", "check_range",
+__all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_eps", "check_int", "check_keys", "check_range",
            "check_rope_table", "check_scale", "checking_device_values", "device_value_checks_on", "is_int",
            "is_number", "rel_err"]
 
@@ -96,6 +96,15 @@ def check_scale(name: str, v) -> float:
     if not ok:
         raise ValueError(f"{name}: expected a finite number > 0, got {v!r:.40}")
     return float(v)
+
+
+def check_eps(name: str, v) -> float:
+    """A norm's epsilon: a finite number > 0 that stays > 0 in float32, where the norms compute (1e-50 is 0 there,
+    and a zero row would then be NaN): else ValueError naming it."""
+    eps = check_scale(name, v)
+    if eps < 2.0 ** -149:  # below float32's smallest subnormal: it rounds to 0
+        raise ValueError(f"{name}: expected a value > 0 in float32 (the norms compute in it), got {v!r}")
+    return eps
 
 
 def check_rope_table(launcher: str, cos: torch.Tensor, sin: torch.Tensor) -> int:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv32ref.checks import check_scale, is_int
+from dsv32ref.checks import check_eps, check_scale, is_int
 from dsv32ref.hf_config import MAX_LAYERS, indexer_types_from_schedule, parse
 
 __all__ = ["ModelConfig", "PRESETS", "REDUCED_MOE", "indexer_types_from_schedule", "reduced_moe"]
@@ -228,8 +228,8 @@ def _check_sizes(c: ModelConfig) -> None:
     if not is_int(c.num_nextn_predict_layers) or c.num_nextn_predict_layers < 0:
         raise ValueError(f"ModelConfig.num_nextn_predict_layers: expected an int >= 0, got "
                          f"{c.num_nextn_predict_layers!r}")
-    for name in ("rope_theta", "rms_norm_eps"):
-        check_scale(f"ModelConfig.{name}", getattr(c, name))
+    check_scale("ModelConfig.rope_theta", c.rope_theta)
+    check_eps("ModelConfig.rms_norm_eps", c.rms_norm_eps)
     if c.rope_theta <= 1:  # the frequencies theta^(-2i/d) fall with i only above 1 (and YaRN divides by log theta)
         raise ValueError(f"ModelConfig.rope_theta: expected a base > 1, got {c.rope_theta!r}")
     for name in ("indexer_rope_interleave", "norm_topk_prob"):

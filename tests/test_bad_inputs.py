@@ -27,6 +27,7 @@ from dsv32ref.reference.fp8_cache import indexer_scores_fp8, latent_scale, quant
 from dsv32ref.reference.numerics import fp8_dequantize, pow2_scale, ue8m0_scale
 from dsv32ref.reference.rope import RotaryEmbedding, rope_inv_freq
 from dsv32ref.reference.sparse_attention import dense_mla
+from dsv32ref.reference.norms import LayerNorm, RMSNorm, layer_norm
 from dsv32ref.testing import compare
 from helpers import tiny_model
 
@@ -62,6 +63,7 @@ CONFIG_CASES = [
     (dict(routed_scaling_factor=math.nan), r"ModelConfig.routed_scaling_factor: expected a finite number > 0"),
     (dict(rms_norm_eps=0.0), r"ModelConfig.rms_norm_eps: expected a finite number > 0, got 0.0"),
     (dict(rms_norm_eps=-1e-6), r"ModelConfig.rms_norm_eps: expected a finite number > 0"),
+    (dict(rms_norm_eps=1e-50), r"ModelConfig.rms_norm_eps: expected a value > 0 in float32 .*got 1e-50"),
     (dict(max_position_embeddings=0), r"ModelConfig.max_position_embeddings: expected a positive int, got 0"),
     (dict(num_nextn_predict_layers=-1), r"ModelConfig.num_nextn_predict_layers: expected an int >= 0, got -1"),
     (dict(norm_topk_prob="yes"), r"ModelConfig.norm_topk_prob: expected a bool, got 'yes'"),
@@ -506,6 +508,15 @@ REFERENCE_CASES = [
     (lambda: apply_rope(torch.randn(3, 8), torch.randn(3, 3), torch.randn(3, 3), True),
      r"apply_rope: x has 8 rope dims but cos has 3 \(expected 4\)"),
     (lambda: rms_norm(torch.randn(3, 8), torch.ones(7), 1e-6), r"weight: expected shape \[8\], got \[7\]"),
+    # eps: negative (NaN rows), zero in float32 (a zero row NaN), a string; x not a float tensor
+    (lambda: rms_norm(torch.zeros(3, 8), torch.ones(8), -1.0), r"eps: expected a finite number > 0, got -1.0"),
+    (lambda: rms_norm(torch.zeros(3, 8), torch.ones(8), 1e-50), r"eps: expected a value > 0 in float32 .*got 1e-50"),
+    (lambda: rms_norm(torch.zeros(3, 8), torch.ones(8), "1e-6"), r"eps: expected a finite number > 0, got '1e-6'"),
+    (lambda: rms_norm([[1.0] * 8], torch.ones(8), 1e-6), r"x: expected a torch.Tensor, got list"),
+    (lambda: rms_norm(torch.zeros(3, 8, dtype=torch.int64), torch.ones(8), 1e-6), r"x: expected dtype"),
+    (lambda: layer_norm(torch.zeros(3, 8), torch.ones(8), torch.zeros(8), 0.0), r"eps: expected a finite number > 0"),
+    (lambda: RMSNorm(8, -5), r"RMSNorm.eps: expected a finite number > 0, got -5"),
+    (lambda: LayerNorm(8, float("nan")), r"LayerNorm.eps: expected a finite number > 0, got nan"),
     (lambda: fp8_quantize(torch.randn(2, 100), block=64), r"fp8_quantize: last dim 100 is not a multiple of the block 64"),
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(3, 1)), r"fp8_quantize: scale: expected shape \[2, 1\]"),
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.zeros(2, 1)),
