@@ -1546,3 +1546,20 @@ def test_a_step_keeps_what_was_checked():
     step = StepInput([(0, toks, 0)])
     toks.append(2.5)
     assert step.requests == ((0, (1, 2), 0),) and step.num_tokens == 2
+
+
+@pytest.mark.parametrize("args,match", [
+    ((0, 0), r"TensorParallel.size: expected >= 1, got 0"),
+    ((0, "2"), r"TensorParallel.size: expected an int, got str '2'"),
+    ((2, 2), r"TensorParallel.rank: expected an int in \[0, 2\) \(size 2\), got 2"),
+    ((-1, 2), r"TensorParallel.rank: expected an int in \[0, 2\)"),
+])
+def test_a_tensor_parallel_rank_is_one_of_its_size(args, match):
+    """TensorParallel(rank, size): a size of 0 (a ZeroDivisionError in check) or a rank outside [0, size) (a size
+    mismatch deep in load_state_dict) refused by name; shard refuses what is not one."""
+    from dsv32ref.engine import TensorParallel, shard
+
+    with pytest.raises(ValueError, match=match):
+        TensorParallel(*args)
+    with pytest.raises(ValueError, match=r"shard: tp: expected a TensorParallel \(rank, size\), got int 2"):
+        shard(None, 2)

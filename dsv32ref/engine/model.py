@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dsv32ref.checks import check_int, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.boundary import FUSED_ATTENTION, SPARSE_INDEXER_AND_ATTN, Boundary, StaticOutputs, get_boundary
 from dsv32ref.engine.config import MOE_IMPLS
@@ -38,6 +39,9 @@ class TensorParallel:
     here), partial sums combined by an all-reduce over `group` (torch.distributed: NCCL or gloo)."""
 
     def __init__(self, rank: int = 0, size: int = 1, group=None):
+        check_int("TensorParallel.size", size, low=1)
+        if not is_int(rank) or not 0 <= rank < size:
+            raise ValueError(f"TensorParallel.rank: expected an int in [0, {size}) (size {size}), got {rank!r}")
         self.rank, self.size, self.group = rank, size, group
 
     def split(self, name: str, total: int) -> int:

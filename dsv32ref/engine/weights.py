@@ -96,6 +96,8 @@ def shard(model: EngineModel, tp: TensorParallel) -> EngineModel:
     split tp.size ways (expert parallel). The A-projections, norms, the indexer, the router, the embedding and
     lm_head stay replicated, as the serving engine keeps them; so does the latent cache (one [c_kv | k_pe] row
     per token, shared by all heads). `model` is the full model (one rank)."""
+    if not isinstance(tp, TensorParallel):
+        raise ValueError(f"shard: tp: expected a TensorParallel (rank, size), got {type(tp).__name__} {tp!r:.40}")
     if model.tp.size != 1:
         raise ValueError(f"shard: expected the full model (tensor-parallel size 1), got size {model.tp.size}")
     out = _on_meta(model.config, model.boundary, tp, model.moe)
