@@ -187,8 +187,9 @@ def cmd_ledger(args) -> int:
     out = _out(args, f"ledger_predicted_{args.model}.json")
     measured = args.measured or os.path.join(DATA_DIR, f"ttft_{args.model}.json")
     if args.measured and not os.path.isfile(measured):
-        raise ValueError(f"--measured: {'a directory, not a TTFT result' if os.path.isdir(measured) else 'no such file'} "
-                         f"{measured!r}")
+        what = ("a directory, not a TTFT result" if os.path.isdir(measured) else
+                "not a regular file" if os.path.exists(measured) else "no such file")
+        raise ValueError(f"--measured: {what} {measured!r}")
     # checked before the prediction's minutes
     run = ttft_model.load_ttft_result(measured, args.model) if os.path.exists(measured) else None
     predicted = ledger.predict_all(args.model)

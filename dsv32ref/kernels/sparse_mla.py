@@ -432,22 +432,16 @@ def sparse_mla_paged(
     check_bool("sparse_mla_paged: valid_first", valid_first)
     T, H, d_lat, d_rope, B = check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices,
                                           sm_scale, out, lse)
-    sms = _num_sms(q.device, num_sms, "sparse_mla_paged")
-    if T == 0:
-        return out, lse
-    K = topk_indices.shape[1]
-    if K == 0:  # no key selected: every head's out 0 and lse +inf, as the reference (no program would run)
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("inf"))
-        return out, lse
-    cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms, latent_cache.dtype == torch.uint8)
+    sms, K = _num_sms(q.device, num_sms, "sparse_mla_paged"), topk_indices.shape[1]
+    fp8 = latent_cache.dtype == torch.uint8
+    if T == 0 or K == 0:  # no key selected: every head's out 0 and lse +inf, as the reference (no program would run)
+        return out.zero_(), lse if lse is None else lse.fill_(float("inf"))
+    cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms, fp8)
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
     outputs = _kernel_outputs(out, lse_arg, splits)
     if hopper:
-        launcher = _sm90_launcher(H, latent_cache.dtype == torch.uint8)
-        launcher(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, splits,
-                 valid_first)
+        _sm90_launcher(H, fp8)(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs,
+                               splits, valid_first)
     else:
         _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
                        block_h, splits, valid_first)
