@@ -1564,3 +1564,17 @@ def test_a_tensor_parallel_rank_is_one_of_its_size(args, match):
         TensorParallel(*args)
     with pytest.raises(ValueError, match=r"shard: tp: expected a TensorParallel \(rank, size\), got int 2"):
         shard(None, 2)
+
+
+def test_an_empty_tensor_is_dense_whatever_its_strides():
+    """check_tensor(dense_dims=...) on a tensor without elements: nothing to lay out (a contiguous [2, 0] tensor
+    was refused for a stride of 1 at dim 0, the step past a dim of 0 being 0); a strided one with elements still is
+    refused."""
+    from dsv32ref.checks import check_tensor
+    from dsv32ref.kernels.fused_moe import align_pairs
+
+    for t in (torch.zeros(2, 0, dtype=torch.int32), torch.zeros(0, 3).t()):
+        assert check_tensor("t", t, dense_dims=2) is t
+    with pytest.raises(ValueError, match=r"t: the last 2 dims must be dense"):
+        check_tensor("t", torch.zeros(3, 4)[:, ::2], dense_dims=2)
+    align_pairs(torch.zeros(2, 0, dtype=torch.int32), 4)  # no pair to align: no error
