@@ -88,11 +88,12 @@ def topk_indices(scores: torch.Tensor, query_positions: torch.Tensor, topk: int)
     uses, breaks exact ties differently; they do happen (every indexer head's ReLU 0 for several keys gives
     them all the score 0), so compare selections with another implementation tie-aware.
     """
-    check_tensor("scores", scores, shape=(None, None))
+    check_tensor("scores", scores, shape=(None, None),
+                 dtype=(torch.float64, torch.float32, torch.bfloat16, torch.float16))  # -inf masks invisible keys
     check_tensor("query_positions", query_positions, shape=(scores.shape[0],), device=scores.device,
                  dtype=(torch.int64, torch.int32))
-    if not is_int(topk) or topk < 1:
-        raise ValueError(f"topk: expected an int >= 1, got {topk!r}")
+    if not is_int(topk) or not 1 <= topk < 2 ** 31:
+        raise ValueError(f"topk: expected an int in [1, 2^31) (int32 columns), got {topk!r}")
     n, s = scores.shape
     if query_positions.numel() and int(query_positions.min()) < 0:
         raise ValueError(f"query_positions: expected positions >= 0, got {int(query_positions.min())}")
