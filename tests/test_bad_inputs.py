@@ -1580,3 +1580,19 @@ def test_an_empty_tensor_is_dense_whatever_its_strides():
     with pytest.raises(ValueError, match=r"t: the last 2 dims must be dense"):
         check_tensor("t", torch.zeros(3, 4)[:, ::2], dense_dims=2)
     align_pairs(torch.zeros(2, 0, dtype=torch.int32), 4)  # no pair to align: no error
+
+
+def test_the_reference_router_names_what_it_was_given():
+    """reference.moe.route: x that is not a tensor (an AttributeError), of another hidden size (a matmul's shape
+    error), weights and bias of another shape, each refused by name."""
+    from dsv32ref.reference.moe import route
+
+    c = ModelConfig.preset("tiny-deepseek-v3.2")
+    E, hd = c.n_routed_experts, c.hidden_size
+    w, b = torch.randn(E, hd), torch.zeros(E)
+    for args, match in ((("x", w, b), r"x: expected a torch.Tensor, got str"),
+                        ((torch.randn(2, hd + 1), w, b), rf"x: expected shape \[\*, {hd}\], got \[2, {hd + 1}\]"),
+                        ((torch.randn(2, hd), w[1:], b), rf"weight: expected shape \[{E}, {hd}\]"),
+                        ((torch.randn(2, hd), w, b[1:]), rf"e_score_correction_bias: expected shape \[{E}\]")):
+        with pytest.raises(ValueError, match=match):
+            route(c, *args)

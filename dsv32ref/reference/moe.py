@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dsv32ref.checks import check_tensor
 from dsv32ref.config import ModelConfig
 
 
@@ -62,6 +63,11 @@ def route(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_score_co
     """The DeepSeek-V3 router (module docstring): x [T, hidden], weight [E, hidden], bias [E] -> (expert ids
     int64 [T, k], weights [T, k] in fp32 or wider). The one implementation, used by the engine's MoE too."""
     c = config
+    floats = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    check_tensor("x", x, shape=(None, c.hidden_size), dtype=floats)
+    check_tensor("weight", weight, shape=(c.n_routed_experts, c.hidden_size), dtype=floats, device=x.device)
+    check_tensor("e_score_correction_bias", e_score_correction_bias, shape=(c.n_routed_experts,), dtype=floats,
+                 device=x.device)
     dt = torch.promote_types(x.dtype, torch.float32)
     s = torch.sigmoid(F.linear(x.to(dt), weight.to(dt)))  # (T, E)
     choice = s + e_score_correction_bias.to(dt)
