@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv32ref.cache import CACHE_DTYPES, gather_tokens
-from dsv32ref.checks import check_bool, check_int, check_scale, check_tensor, is_int, is_number
+from dsv32ref.checks import check_bool, check_device, check_int, check_scale, check_tensor, is_int, is_number
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_latent, indexer_scores_fp8,
                                           quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
 from dsv32ref.reference.numerics import fp8_quantize
@@ -232,6 +232,7 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
     extra_blocks. kv_cache_dtype "auto": the cache in `dtype`; "fp8": FlashMLA's rows, uint8 [num_blocks, block_size,
     656] (fp8_latent_rows: visible rows quantised, every other row NaN when read; d_lat 512, d_rope 64)."""
     who = "paged_sparse_mla_inputs"
+    dev = check_device(f"{who}: device", device)  # before the inputs are drawn
     _check_paged_options(who, dtype, sm_scale, valid_first, kv_cache_dtype)
     context_lens, query_lens = _check_lens(who, context_lens, query_lens)
     _check_sizes(who, seed, num_heads=(num_heads, 1), d_lat=(d_lat, 1), d_rope=(d_rope, 0), topk=(topk, 1),
@@ -263,7 +264,6 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
     scale = sm_scale if sm_scale is not None else D ** -0.5
     q = torch.randn(T, num_heads, D, generator=g, dtype=torch.float64)
     qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
-    dev = torch.device(device)
     cache = cache.view(num_blocks, block_size, D)
     cache = fp8_latent_rows(cache) if kv_cache_dtype == "fp8" else cache.to(dtype)
     return PagedSparseMLAInputs(
@@ -330,6 +330,7 @@ def fp8_sparse_decode_inputs(num_heads: int = 64, topk: int = 128, context_lens=
     paged_sparse_mla_inputs (scrambled blocks, -1 padding, out-of-range entries, empty rows) in FlashMLA's
     FP8 format: visible rows quantised (fp8_cache.quantize_latent), every other row poisoned, positions turned
     into flat slots through the block table and out-of-range positions into slots past the cache."""
+    dev = check_device("fp8_sparse_decode_inputs: device", device)
     x = paged_sparse_mla_inputs(num_heads, 512, 64, topk, context_lens=list(context_lens),
                                 query_lens=[1] * len(context_lens), block_size=block_size, dtype=torch.float64,
                                 seed=seed, sm_scale=sm_scale)
@@ -340,7 +341,6 @@ def fp8_sparse_decode_inputs(num_heads: int = 64, topk: int = 128, context_lens=
         ok = (idx >= 0) & (idx < int(x.seq_lens[b]))
         blocks = x.block_table[b].long()[idx.clamp(0, int(x.seq_lens[b]) - 1) // bs] if int(x.seq_lens[b]) else idx
         slots[t] = torch.where(ok, blocks * bs + idx % bs, torch.where(idx >= 0, nb * bs + idx, -1)).to(torch.int32)
-    dev = torch.device(device)
     return FP8SparseDecodeInputs(q=x.q.to(device=dev, dtype=torch.bfloat16),
                                  kv_cache=fp8_latent_rows(x.latent_cache).view(nb, bs, 1, -1).to(dev),
                                  indices=slots.to(dev), sm_scale=x.sm_scale, paged=x)
@@ -374,6 +374,7 @@ def fp8_indexer_inputs(num_heads: int = 32, head_dim: int = 128, context_lens=(0
     """Requests of different lengths on scrambled blocks of an FP8 key cache (fp8_cache.quantize_indexer_keys),
     extra blocks of keys that belong to no request, and fp8 queries with their per-head scales in the weights."""
     who = "fp8_indexer_inputs"
+    dev = check_device(f"{who}: device", device)
     context_lens, query_lens = _check_lens(who, context_lens, query_lens)
     _check_sizes(who, seed, num_heads=(num_heads, 1), head_dim=(head_dim, 1), block_kv=(block_kv, 1))
     g = torch.Generator().manual_seed(seed)
@@ -390,7 +391,6 @@ def fp8_indexer_inputs(num_heads: int = 32, head_dim: int = 128, context_lens=(0
     w = torch.randn(T, num_heads, generator=g) * num_heads ** -0.5 * q_scale[..., 0]
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, query_lens)])
     req = torch.cat([torch.full((n,), b, dtype=torch.int32) for b, n in enumerate(query_lens)])
-    dev = torch.device(device)
     return FP8IndexerInputs(q=q.to(dev), weights=w.to(dev), k_cache=k_cache.to(dev), block_table=table.to(dev),
                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), req_indices=req.to(dev),
                             positions=positions.to(dev), softmax_scale=head_dim ** -0.5)

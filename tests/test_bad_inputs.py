@@ -1596,3 +1596,16 @@ def test_the_reference_router_names_what_it_was_given():
                         ((torch.randn(2, hd), w, b[1:]), rf"e_score_correction_bias: expected shape \[{E}\]")):
         with pytest.raises(ValueError, match=match):
             route(c, *args)
+
+
+@pytest.mark.parametrize("name", ["paged_sparse_mla_inputs", "fp8_sparse_decode_inputs", "fp8_indexer_inputs"])
+def test_the_input_generators_name_a_device_they_cannot_use(name):
+    """A device torch does not know ('gpu'), or CUDA where there is none: refused by name before any input is drawn
+    (torch's RuntimeError or AssertionError came after all of them were built)."""
+    import dsv32ref.testing as testing
+
+    with pytest.raises(ValueError, match=rf"{name}: device: expected a device such as 'cpu' or 'cuda:0', got 'gpu'"):
+        getattr(testing, name)(device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=rf"{name}: device: cuda is not available here \(0 CUDA devices\)"):
+            getattr(testing, name)(device="cuda")
