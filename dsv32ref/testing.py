@@ -81,8 +81,14 @@ def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torc
     for n, t in (("got", got), ("expected", expected)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"compare({name!r}): {n}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type == "meta":
+            raise ValueError(f"compare({name!r}): {n}: a meta tensor holds no values to compare")
     want_dtype = expected.dtype if dtype is None else dtype
     unit_dtype = want_dtype if precision is None else precision
+    if unit_dtype not in _EPS:
+        arg = "precision" if precision is not None else "dtype" if dtype is not None else "expected's dtype"
+        raise ValueError(f"compare({name!r}): {arg}: expected a float dtype ({', '.join(map(str, _EPS))}), got "
+                         f"{unit_dtype!r}")
     unit = eps(unit_dtype)
     if not is_int(row_dims) or not 0 <= row_dims <= got.dim():
         raise ValueError(f"compare({name!r}): row_dims must lie in [0, {got.dim()}], got {row_dims!r}")

@@ -1459,11 +1459,18 @@ def test_comparator_arguments():
         compare("x", a, a, row_dims=-1)
     with pytest.raises(ValueError, match=r"compare\('x'\): expected: expected a torch.Tensor, got ndarray"):
         compare("x", a, a.numpy())
+    with pytest.raises(ValueError, match=r"compare\('x'\): got: a meta tensor holds no values to compare"):
+        compare("x", a.to("meta"), a)
+    with pytest.raises(ValueError, match=r"compare\('x'\): expected's dtype: expected a float dtype .*torch.int64"):
+        compare("x", a.long(), a.long())
     for kw, match in ((dict(row_dims=1.0), r"row_dims must lie in \[0, 2\], got 1.0"),
                       (dict(row_dims=True), r"row_dims must lie in \[0, 2\], got True"),
                       (dict(rtol="2"), r"rtol: expected a finite number >= 0 \(units of eps\), got '2'"),
                       (dict(rtol=-1), r"rtol: expected a finite number >= 0"),
-                      (dict(atol=float("nan")), r"atol: expected a finite number >= 0 .*got nan")):
+                      (dict(atol=float("nan")), r"atol: expected a finite number >= 0 .*got nan"),
+                      (dict(dtype="float32"), r"dtype: expected a float dtype \(.*\), got 'float32'"),
+                      (dict(dtype=torch.int64), r"dtype: expected a float dtype .*got torch.int64"),
+                      (dict(precision=torch.int8), r"precision: expected a float dtype .*got torch.int8")):
         with pytest.raises(ValueError, match=rf"compare\('x'\): {match}"):
             compare("x", a, a, **kw)
     for empty in (torch.zeros(0, 4), torch.zeros(3, 0), torch.zeros(0)):  # nothing to compare: agreement
