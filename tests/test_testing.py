@@ -41,7 +41,7 @@ def test_comparator_checks_shape_dtype_and_non_finite_positions():
     b = a.clone()
     b[1, 0] = float("nan")
     assert not compare("x", b, a).ok  # a NaN where a finite value is expected
-    with pytest.raises(ValueError, match="eps: expected a float dtype"):
+    with pytest.raises(ValueError, match="expected.s dtype: expected a float dtype"):
         compare("x", a.int(), a.int())
     with pytest.raises(ValueError, match="got: expected a torch.Tensor, got list"):
         compare("x", [1.0], a)
