@@ -72,12 +72,8 @@ class Comparison:
         return self.message
 
 
-def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
-            rtol: float = 2.0, atol: float = 2.0, row_dims: int = 1, precision: torch.dtype | None = None
-            ) -> Comparison:
-    """Compare `got` with `expected` element by element (see the module docstring). `dtype`: the dtype `got`
-    must have (default: expected's). Tolerances are in units of eps(precision), precision defaulting to
-    dtype (e.g. fp32 logits of a bf16 model: dtype=torch.float32, precision=torch.bfloat16)."""
+def _compare_arguments(name, got, expected, dtype, rtol, atol, row_dims, precision) -> tuple[torch.dtype, torch.dtype]:
+    """compare's arguments checked, each refusal naming compare's argument -> (got's dtype, the tolerance's)."""
     for n, t in (("got", got), ("expected", expected)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"compare({name!r}): {n}: expected a torch.Tensor, got {type(t).__name__}")
@@ -89,12 +85,22 @@ def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torc
         arg = "precision" if precision is not None else "dtype" if dtype is not None else "expected's dtype"
         raise ValueError(f"compare({name!r}): {arg}: expected a float dtype ({', '.join(map(str, _EPS))}), got "
                          f"{unit_dtype!r}")
-    unit = eps(unit_dtype)
     if not is_int(row_dims) or not 0 <= row_dims <= got.dim():
         raise ValueError(f"compare({name!r}): row_dims must lie in [0, {got.dim()}], got {row_dims!r}")
     for n, v in (("rtol", rtol), ("atol", atol)):
         if not is_number(v) or not math.isfinite(v) or v < 0:
             raise ValueError(f"compare({name!r}): {n}: expected a finite number >= 0 (units of eps), got {v!r}")
+    return want_dtype, unit_dtype
+
+
+def compare(name: str, got: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
+            rtol: float = 2.0, atol: float = 2.0, row_dims: int = 1, precision: torch.dtype | None = None
+            ) -> Comparison:
+    """Compare `got` with `expected` element by element (see the module docstring). `dtype`: the dtype `got`
+    must have (default: expected's). Tolerances are in units of eps(precision), precision defaulting to
+    dtype (e.g. fp32 logits of a bf16 model: dtype=torch.float32, precision=torch.bfloat16)."""
+    want_dtype, unit_dtype = _compare_arguments(name, got, expected, dtype, rtol, atol, row_dims, precision)
+    unit = eps(unit_dtype)
 
     def fail(msg: str, **kw) -> Comparison:
         return Comparison(name, False, f"{name}: {msg}", kw.get("err", float("inf")), kw.get("elems", -1),
