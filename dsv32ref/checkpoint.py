@@ -41,10 +41,16 @@ def _block(block) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
+def _within(block: tuple[int, int], out_f: int, in_f: int) -> tuple[int, int]:
+    """A block no larger than the weight: one past a dim's size covers it once, as one of that size does (the same
+    scales), and pads or repeats nothing past it (a block of 2^28 rows asked for gigabytes)."""
+    return min(block[0], max(out_f, 1)), min(block[1], max(in_f, 1))
+
+
 def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (float8_e4m3fn [out, in], weight_scale_inv fp32 [ceil(out/bo), ceil(in/bi)])."""
-    bo, bi = _block(block)
     out_f, in_f = check_tensor("w", w, shape=(None, None), dtype=_FLOATS).shape
+    bo, bi = _within(_block(block), out_f, in_f)
     bad = _nonfinite("w", w)  # a NaN would set its block's scale, an inf (or a float64 past fp32's range) too
     if bad:
         raise ValueError(f"w: expected finite values in float32's range, got {bad}")
@@ -76,8 +82,8 @@ def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple
 
 def _dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
     """dequantize_fp8_blocks without the scales' value checks (the loader reports those its own way)."""
-    bo, bi = _block(block)
     out_f, in_f = check_tensor("q", q, shape=(None, None), dtype=torch.float8_e4m3fn).shape
+    bo, bi = _within(_block(block), out_f, in_f)
     expected = (-(-out_f // bo), -(-in_f // bi))
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"weight_scale_inv: expected shape {list(expected)} for a weight of {[out_f, in_f]}, "

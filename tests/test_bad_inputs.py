@@ -1616,3 +1616,18 @@ def test_the_input_generators_name_a_device_they_cannot_use(name):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=rf"{name}: device: cuda is not available here \(0 CUDA devices\)"):
             getattr(testing, name)(device="cuda")
+
+
+def test_a_scale_block_larger_than_the_weight_is_one_block():
+    """quantize / dequantize_fp8_blocks with a block past the weight's size (a checkpoint's weight_block_size of
+    2^28 asked for 68 GB, 2^20 x 2^20 for 4 TB): the scales of a block of the weight's size, nothing padded past it."""
+    from dsv32ref.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    w = torch.randn(4, 6)
+    q, s = quantize_fp8_blocks(w, (2 ** 20, 2 ** 20))
+    q4, s4 = quantize_fp8_blocks(w, (4, 6))
+    assert s.shape == (1, 1) and torch.equal(s, s4) and torch.equal(q.view(torch.uint8), q4.view(torch.uint8))
+    assert torch.equal(dequantize_fp8_blocks(q, s, (2 ** 28, 2 ** 28)), dequantize_fp8_blocks(q4, s4, (4, 6)))
+    q2, s2 = quantize_fp8_blocks(w, (2, 2 ** 30))  # past the weight in one dim only
+    assert s2.shape == (2, 1) and torch.equal(dequantize_fp8_blocks(q2, s2, (2, 2 ** 30)),
+                                              dequantize_fp8_blocks(*quantize_fp8_blocks(w, (2, 6)), (2, 6)))
