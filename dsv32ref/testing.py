@@ -249,6 +249,9 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
     context_lens, query_lens = _check_lens(who, context_lens, query_lens)
     _check_sizes(who, seed, num_heads=(num_heads, 1), d_lat=(d_lat, 1), d_rope=(d_rope, 0), topk=(topk, 1),
                  block_size=(block_size, 1), extra_blocks=(extra_blocks, 0))
+    if kv_cache_dtype == "fp8" and (d_lat, d_rope) != (512, 64):
+        raise ValueError(f"{who}: kv_cache_dtype 'fp8': FlashMLA's rows hold d_lat 512 and d_rope 64, got {d_lat} and "
+                         f"{d_rope}")
     g = torch.Generator().manual_seed(seed)
     B = len(query_lens)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]

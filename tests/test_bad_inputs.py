@@ -1631,3 +1631,13 @@ def test_a_scale_block_larger_than_the_weight_is_one_block():
     q2, s2 = quantize_fp8_blocks(w, (2, 2 ** 30))  # past the weight in one dim only
     assert s2.shape == (2, 1) and torch.equal(dequantize_fp8_blocks(q2, s2, (2, 2 ** 30)),
                                               dequantize_fp8_blocks(*quantize_fp8_blocks(w, (2, 6)), (2, 6)))
+
+
+def test_the_fp8_generator_names_the_widths_its_rows_hold():
+    """paged_sparse_mla_inputs(kv_cache_dtype="fp8") at other widths: refused naming d_lat and d_rope (it said the
+    latent rows' shape was wrong, after drawing them)."""
+    from dsv32ref.testing import paged_sparse_mla_inputs
+
+    with pytest.raises(ValueError, match=r"paged_sparse_mla_inputs: kv_cache_dtype 'fp8': FlashMLA's rows hold d_lat "
+                                         r"512 and d_rope 64, got 32 and 8"):
+        paged_sparse_mla_inputs(d_lat=32, d_rope=8, kv_cache_dtype="fp8")
