@@ -90,7 +90,8 @@ def summarise(runs: list[dict]) -> dict:
 # ---- the probes (run in the workers, against whichever package comes first on the path) ----
 
 def _graph_us(calls, replays: int = 30) -> float:
-    """Median microseconds of one call, replayed from a CUDA graph of all `calls` in turn."""
+    """Median microseconds of one call, replayed from a CUDA graph of all `calls` in turn. The script's own timer,
+    not an arm's bench.kernels.bench_graph: every arm is timed by the same instrument, whatever its revision holds."""
     import torch
 
     side = torch.cuda.Stream()
@@ -116,8 +117,9 @@ def _graph_us(calls, replays: int = 30) -> float:
 def probe_sparse_mla() -> dict:
     """sparse_mla_paged (valid-first top-k) at 8-token prompts of 8 and 2048 keys and decode batches, both models."""
     import torch
-    from dsv32ref.bench.kernels import BLOCK_SIZE, decode_batch, gather_rows, one_request, shapes
+    from dsv32ref.bench.kernels import BLOCK_SIZE, decode_batch, one_request, shapes, slots_of
     from dsv32ref.kernels import sparse_mla_paged
+    from dsv32ref.reference import sparse_mla
     from dsv32ref.testing import compare
 
     cases = {}
@@ -140,13 +142,12 @@ def probe_sparse_mla() -> dict:
                                  valid_first=True)
 
             call()
-            rows = gather_rows(cache, r["block_table"], topk.long().clamp_min(0), r["req"]).double()  # (T, k, 576)
-            scores = torch.einsum("thd,tkd->thk", q.double(), rows).masked_fill((topk < 0)[:, None, :], -torch.inf)
-            ref = torch.einsum("thk,tkd->thd", torch.softmax(scores * scale, -1), rows[..., :512])
+            slots = torch.where(topk >= 0, slots_of(r["block_table"], topk.long().clamp_min(0), r["req"]), -1)
+            ref, ref_lse = sparse_mla(q.double(), cache.view(-1, 576).double(), slots.int(), scale, 512)  # float64
             # per element (out: 2 units of bf16 of the element and of its row's largest; lse: fp32's sum of
             # exponentials, 1e-4 absolute, where one key of 2048 left out moves it by about 5e-4)
             ok = bool(compare("out", out, ref, dtype=torch.bfloat16, row_dims=2)) and \
-                (lse.double() - torch.logsumexp(scores * scale, -1)).abs().max().item() <= 1e-4
+                (lse.double() - ref_lse).abs().max().item() <= 1e-4
             cases[f"{model} {kind} T{T} ctx{ctx}"] = (_graph_us([call] * 10), ok)
     return cases
 
@@ -184,6 +185,7 @@ def probe_add_rms_norm() -> dict:
     import torch
     from dsv32ref.checks import rel_err
     from dsv32ref.kernels import add_rms_norm
+    from dsv32ref.reference import rms_norm
 
     cases = {}
     for hidden in (6144, 7168):
@@ -197,8 +199,7 @@ def probe_add_rms_norm() -> dict:
 
             call()
             h = x.double() + res.double()
-            ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
-            ok = rel_err(out, ref) <= 1e-2 and rel_err(res_out, h) <= 1e-2
+            ok = rel_err(out, rms_norm(h, weight.double(), 1e-6)) <= 1e-2 and rel_err(res_out, h) <= 1e-2
             cases[f"hidden{hidden} T{T}"] = (_graph_us([call] * 20), ok)
     return cases
 

@@ -24,7 +24,7 @@ __all__ = ["InputBatch", "PreparedStep", "StepInput"]
 @dataclass
 class StepInput:
     """Host-side description of one step: per request (seq id, new token ids, tokens already cached), checked and
-    kept as tuples of ints."""
+    kept as tuples."""
 
     requests: list[tuple[int, list[int], int]]
     uniform_decode: bool = field(init=False)
@@ -49,8 +49,8 @@ class StepInput:
                 if not is_int(t):
                     raise ValueError(f"StepInput.requests[{b}].token_ids: token ids must be ints, got "
                                      f"{type(t).__name__} {t!r}")
-        # held as checked, in tuples of ints: a caller's list changed afterwards changes nothing here
-        self.requests = tuple((int(s), tuple(int(t) for t in toks), int(c)) for s, toks, c in self.requests)
+        # held as checked, in tuples: a caller's list changed afterwards changes nothing here
+        self.requests = tuple((s, tuple(toks), c) for s, toks, c in self.requests)
         self.uniform_decode = all(len(toks) == 1 for _, toks, _ in self.requests)
 
     @property
