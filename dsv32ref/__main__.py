@@ -134,14 +134,17 @@ def cmd_capture(args) -> int:
 
 
 def cmd_regimes(args) -> int:
-    limits = {"prompt_lens": args.max_prompt, "contexts": args.max_context}
-    for flag, cap in (("--max-prompt", args.max_prompt), ("--max-context", args.max_context)):
-        if cap is not None and cap < 1:
-            raise ValueError(f"{flag}: expected an int >= 1, got {cap}")
+    kw = {}
+    for flag, name, cap in (("--max-prompt", "prompt_lens", args.max_prompt),
+                            ("--max-context", "contexts", args.max_context)):
+        if cap is None:
+            continue
+        kw[name] = tuple(v for v in getattr(regimes.RegimeProtocol, name) if v <= cap)
+        if not kw[name]:
+            raise ValueError(f"{flag}: expected an int >= {min(getattr(regimes.RegimeProtocol, name))} (the "
+                             f"shortest of the default {name}), got {cap}")
     if _needs_gpu("regimes"):
         return 2
-    kw = {name: tuple(v for v in getattr(regimes.RegimeProtocol, name) if v <= cap) for name, cap in limits.items()
-          if cap is not None}
     regimes.run(regimes.RegimeProtocol(preset=args.model, **kw), out=_out(args, f"regimes_{args.model}.json"))
     return 0
 

@@ -26,7 +26,7 @@ from dsv32ref.checks import check_device, check_disjoint, check_int, check_slots
 from dsv32ref.config import ModelConfig
 
 __all__ = ["AttentionMetadata", "BlockAllocator", "KV_CACHE_DTYPES", "LATENT_ROW_BYTES", "PagedKVCache", "StepPlan",
-           "check_kv_cache_dtype", "gather_tokens", "indexer_key_bytes", "token_bytes"]
+           "check_cache_fits", "check_kv_cache_dtype", "gather_tokens", "indexer_key_bytes", "token_bytes"]
 
 
 @dataclass
@@ -345,6 +345,23 @@ def check_kv_cache_dtype(name: str, kv_cache_dtype, config: ModelConfig) -> None
     if kv_cache_dtype == "fp8" and (config.kv_lora_rank, config.qk_rope_head_dim) != FP8_LATENT_DIMS:
         raise ValueError(f"{name}: 'fp8' stores FlashMLA's rows of kv_lora_rank 512 and qk_rope_head_dim 64, the "
                          f"model has {config.kv_lora_rank} and {config.qk_rope_head_dim}")
+
+
+def check_cache_fits(kv_cache, config: ModelConfig, device: torch.device) -> PagedKVCache:
+    """kv_cache is a PagedKVCache on `device` whose layers, rows and indexer layers are those of `config`."""
+    if not isinstance(kv_cache, PagedKVCache):
+        raise ValueError(f"kv_cache: expected a PagedKVCache, got {type(kv_cache).__name__}")
+    if kv_cache.latent[0].device.type != torch.device(device).type:
+        raise ValueError(f"kv_cache: expected it on {torch.device(device).type}, got {kv_cache.latent[0].device}")
+    c, k = config, kv_cache.config
+    fields = ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
+    if [getattr(k, f) for f in fields] != [getattr(c, f) for f in fields] or \
+            [k.runs_indexer(i) for i in range(k.num_hidden_layers)] != \
+            [c.runs_indexer(i) for i in range(c.num_hidden_layers)]:
+        raise ValueError(f"kv_cache: built for a model whose layers, rows or indexer layers differ from this one's "
+                         f"({', '.join(f'{f} {getattr(k, f)} vs {getattr(c, f)}' for f in fields)}; indexer "
+                         f"layers as given by indexer_types)")
+    return kv_cache
 
 
 def _check_float_cache(cache: torch.Tensor) -> None:

@@ -294,6 +294,9 @@ def reference_sparse_mla_paged(x: PagedSparseMLAInputs, dtype: torch.dtype = tor
     dequantised: fp8_cache.dequantize_latent), then dsv32ref.reference.sparse_mla in `dtype` (float64 by default)
     -> (out [T, H, d_lat], lse [T, H]), on the CPU."""
     check_tensor("x.q", x.q, shape=(None, None, None))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"reference_sparse_mla_paged: dtype: expected a float torch.dtype (torch.float64), got "
+                         f"{dtype!r}")
     q = x.q.detach().cpu().to(dtype)
     cache = x.latent_cache.detach().cpu()
     cache = (dequantize_latent(cache) if cache.dtype == torch.uint8 else cache).to(dtype)

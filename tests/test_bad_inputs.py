@@ -18,7 +18,7 @@ from dsv32ref import (AttentionMetadata, BlockAllocator, ModelConfig, PagedKVCac
                       save_pretrained)
 from dsv32ref.cache import gather_tokens, indexer_key_bytes, token_bytes, write_tokens
 from dsv32ref.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
-from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
+from dsv32ref.engine import EngineConfig, EngineModel, LLMEngine, StepInput, build_model, from_reference, share_weights
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, rms_norm, sparse_mla,
@@ -645,6 +645,14 @@ def test_reference_model_inputs():
          r"kv_cache: block_size 8, but attn_metadata was built for blocks of 4"),
         ((torch.tensor([1, 2]), model.new_cache(4, 4), AttentionMetadata.build([0], [2], [[9]], 4)),
          r"attn_metadata.block_table: block ids must lie in \[0, 4\) \(kv_cache.num_blocks\), got 9"),
+        # another model's cache, a cache or metadata of the wrong kind: named, not an AttributeError inside
+        ((torch.tensor([1, 2]), tiny_model("tiny-glm-5.2", dtype=torch.float32).new_cache(4, 4),
+          AttentionMetadata.build([0], [2], [[0]], 4)),
+         r"kv_cache: built for a model whose layers, rows or indexer layers differ"),
+        ((torch.tensor([1, 2]), {}, AttentionMetadata.build([0], [2], [[0]], 4)),
+         r"kv_cache: expected a PagedKVCache, got dict"),
+        ((torch.tensor([1, 2]), model.new_cache(4, 4), {"positions": None}),
+         r"attn_metadata: expected an AttentionMetadata, got dict"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -1155,6 +1163,26 @@ def test_an_engine_config_cannot_change_under_its_checks():
         dataclasses.replace(ec, block_size=0)
 
 
+WEIGHTS_CASES = [  # the engine's weight plumbing, given what it cannot build from
+    (lambda: build_model(TINY, "narrow", "cpu", None, 0), r"build_model: dtype: expected one of torch.bfloat16, .*got None"),
+    (lambda: build_model(TINY, "narrow", "cpu", torch.int32, 0), r"build_model: dtype: .*got torch.int32"),
+    (lambda: build_model(TINY, "narrow", "cpu", "bf16", 0), r"build_model: dtype: .*got 'bf16'"),
+    (lambda: build_model(TINY, "narrow", "gpu0", torch.float32, 0), r"build_model: device: expected a device"),
+    (lambda: build_model(TINY, "narrow", "cpu", torch.float32, 1.5), r"build_model: seed: expected an int, got float"),
+    (lambda: build_model(None, "narrow", "cpu", torch.float32, 0), r"EngineModel: config: expected a ModelConfig"),
+    (lambda: EngineModel(TINY, "narrow", tp=4), r"EngineModel: tp: expected a TensorParallel \(rank, size\), got int"),
+    (lambda: from_reference(None), r"from_reference: ref: expected a DeepseekV32ForCausalLM, got NoneType"),
+    (lambda: from_reference(TINY), r"from_reference: ref: expected a DeepseekV32ForCausalLM, got ModelConfig"),
+    (lambda: share_weights(3, "narrow"), r"share_weights: model: expected an EngineModel, got int"),
+]
+
+
+@pytest.mark.parametrize("call,match", WEIGHTS_CASES, ids=[f"weights{i}" for i in range(len(WEIGHTS_CASES))])
+def test_engine_weights(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
 STEP_CASES = [
     ([], r"StepInput.requests: expected a non-empty list"),
     ([(0, [1, 2], 0), (0, [3], 0)], r"StepInput.requests\[1\].seq_id: sequence 0 appears twice in one step"),
@@ -1214,7 +1242,7 @@ def test_engine_rejects_a_placement_it_cannot_run():
     for other in (cfg.replace(index_head_dim=2 * cfg.index_head_dim),
                   cfg.replace(indexer_types=("full",) * cfg.num_hidden_layers)):
         cache = PagedKVCache(other, 8, ec.block_size, torch.float32)
-        with pytest.raises(ValueError, match="kv_cache: built for a model whose rows or indexer layers differ"):
+        with pytest.raises(ValueError, match="kv_cache: built for a model whose layers, rows or indexer layers differ"):
             LLMEngine(cfg, ec, device="cpu", dtype=torch.float32, model=model, kv_cache=cache)
     with pytest.raises(ValueError, match="LLMEngine: dtype: expected one of torch.bfloat16, .* got 'bf16'"):
         LLMEngine(cfg, ec, device="cpu", dtype="bf16")
@@ -1311,7 +1339,11 @@ CLI_REFUSALS = [  # (argv, what stderr says): exit status 2, before any work
     (["ttft", "--fp8-kv", "nnone"], "TTFTProtocol.fp8_kv: unknown boundaries ['nnone']"),
     (["ttft", "--skinny-gemm", "nnone"], "TTFTProtocol.skinny_gemm: unknown boundaries ['nnone']"),
     (["ttft", "--fused-skinny", "fused"], "TTFTProtocol.fused_skinny: unknown boundaries ['fused']"),
-    (["regimes", "--max-prompt", "0"], "dsv32ref: error: --max-prompt: expected an int >= 1, got 0"),
+    (["regimes", "--max-prompt", "0"], "dsv32ref: error: --max-prompt: expected an int >= 8 (the shortest of the "
+                                       "default prompt_lens), got 0"),
+    (["regimes", "--max-prompt", "7"], "--max-prompt: expected an int >= 8"),  # below every default: no lengths left
+    (["regimes", "--max-context", "1000"], "--max-context: expected an int >= 1024 (the shortest of the default "
+                                           "contexts), got 1000"),
     (["summary", "--seed", str(10 ** 22)], "dsv32ref: error: --seed: expected an int in [0, 2^63)"),
     (["capture", "--heads-per-rank", "-5"], "--heads-per-rank: expected an int >= 1, got -5"),
     # where the result would go, and what it reads, checked before any work
@@ -1641,3 +1673,14 @@ def test_the_fp8_generator_names_the_widths_its_rows_hold():
     with pytest.raises(ValueError, match=r"paged_sparse_mla_inputs: kv_cache_dtype 'fp8': FlashMLA's rows hold d_lat "
                                          r"512 and d_rope 64, got 32 and 8"):
         paged_sparse_mla_inputs(d_lat=32, d_rope=8, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, None, "float64"])
+def test_the_paged_oracle_names_its_dtype(dtype):
+    """reference_sparse_mla_paged's compute dtype: not a float dtype is refused naming it (an int blamed the cache,
+    None computed in q's dtype, a string failed inside torch)."""
+    from dsv32ref.testing import paged_sparse_mla_inputs, reference_sparse_mla_paged
+
+    x = paged_sparse_mla_inputs(num_heads=2, d_lat=16, d_rope=8, topk=8, context_lens=(4,), query_lens=(2,))
+    with pytest.raises(ValueError, match=r"reference_sparse_mla_paged: dtype: expected a float torch.dtype"):
+        reference_sparse_mla_paged(x, dtype)

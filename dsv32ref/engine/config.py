@@ -5,13 +5,16 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import torch
+
 from dsv32ref.cache import KV_CACHE_DTYPES
 from dsv32ref.checks import check_int, is_int
 from dsv32ref.engine.boundary import Boundary, get_boundary
 from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
 
-__all__ = ["EngineConfig", "GEMM_IMPLS", "MOE_IMPLS"]
+__all__ = ["DTYPES", "EngineConfig", "GEMM_IMPLS", "MOE_IMPLS"]
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activations and weights the engine runs in
 MOE_IMPLS = ("dense", "fused")  # EngineConfig.moe
 GEMM_IMPLS = ("torch", "skinny")  # EngineConfig.gemm
 MAX_BLOCK_SIZE = 2 ** 16  # tokens a cache block (FlashMLA's are 64; a larger one is a whole cache in a block)

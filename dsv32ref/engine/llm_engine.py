@@ -15,7 +15,7 @@ import torch
 from dsv32ref.cache import BlockAllocator, PagedKVCache
 from dsv32ref.checks import check_device, is_int
 from dsv32ref.config import ModelConfig
-from dsv32ref.engine.config import EngineConfig
+from dsv32ref.engine.config import DTYPES, EngineConfig
 from dsv32ref.engine.input_batch import PreparedStep, StepInput
 from dsv32ref.engine.model import EngineModel
 from dsv32ref.engine.model_runner import ModelRunner
@@ -23,7 +23,6 @@ from dsv32ref.engine.weights import build_model, share_weights
 
 __all__ = ["LLMEngine"]
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activations and weights the engine runs in
 
 
 def _check_placement(config: ModelConfig, ec: EngineConfig, device, dtype) -> torch.device:

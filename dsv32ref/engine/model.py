@@ -361,6 +361,10 @@ class EngineModel(nn.Module):
 
     def __init__(self, config: ModelConfig, boundary="narrow", tp: TensorParallel = SINGLE, moe: str = "dense"):
         super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"EngineModel: config: expected a ModelConfig, got {type(config).__name__}")
+        if not isinstance(tp, TensorParallel):
+            raise ValueError(f"EngineModel: tp: expected a TensorParallel (rank, size), got {type(tp).__name__}")
         self.config, self.boundary, self.tp, self.moe = config, get_boundary(boundary), tp, moe
         self.static_outputs = StaticOutputs(self.boundary, tp.split("num_attention_heads", config.num_attention_heads),
                                             config.kv_lora_rank)

@@ -12,7 +12,7 @@ import traceback
 
 import torch
 
-from dsv32ref.cache import FP8_PARTS, PagedKVCache, check_kv_cache_dtype
+from dsv32ref.cache import FP8_PARTS, PagedKVCache, check_cache_fits, check_kv_cache_dtype
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import EngineConfig
 from dsv32ref.engine.context import ForwardContext, set_forward_context
@@ -58,27 +58,15 @@ class ModelRunner:
         self.capture_log: list[dict] = []  # per captured (phase, size): what the allocator holds after it
 
     def _check_cache(self, kv_cache) -> None:
-        if not isinstance(kv_cache, PagedKVCache):
-            raise ValueError(f"kv_cache: expected a PagedKVCache, got {type(kv_cache).__name__}")
+        check_cache_fits(kv_cache, self.config, self.device)
         fp8_parts = FP8_PARTS if self.ec.kv_cache_dtype == "fp8" else ()  # the engine keeps both parts in FP8
-        want = (self.config.num_hidden_layers, self.ec.block_size, self.device.type, self.dtype, self.ec.kv_cache_dtype,
-                fp8_parts)
-        got = (len(kv_cache.latent), kv_cache.block_size, kv_cache.latent[0].device.type, kv_cache.dtype,
-               kv_cache.kv_cache_dtype, kv_cache.fp8_parts)
+        want = (self.ec.block_size, self.dtype, self.ec.kv_cache_dtype, fp8_parts)
+        got = (kv_cache.block_size, kv_cache.dtype, kv_cache.kv_cache_dtype, kv_cache.fp8_parts)
         if got != want:
-            raise ValueError(f"kv_cache: expected (layers, block_size, device, dtype, kv_cache_dtype, fp8_parts) = "
-                             f"{want}, got {got}")
+            raise ValueError(f"kv_cache: expected (block_size, dtype, kv_cache_dtype, fp8_parts) = {want}, got {got}")
         if kv_cache.num_blocks < self.ec.max_blocks_per_seq:
             raise ValueError(f"kv_cache: {kv_cache.num_blocks} blocks of {kv_cache.block_size} tokens cannot hold one "
                              f"sequence of max_model_len {self.ec.max_model_len} ({self.ec.max_blocks_per_seq} blocks)")
-        c, k = self.config, kv_cache.config  # what the rows hold and which layers keep indexer keys
-        fields = ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
-        if [getattr(k, f) for f in fields] != [getattr(c, f) for f in fields] or \
-                [k.runs_indexer(i) for i in range(k.num_hidden_layers)] != \
-                [c.runs_indexer(i) for i in range(c.num_hidden_layers)]:
-            raise ValueError(f"kv_cache: built for a model whose rows or indexer layers differ from this one's "
-                             f"({', '.join(f'{f} {getattr(k, f)} vs {getattr(c, f)}' for f in fields)}; indexer "
-                             f"layers as given by indexer_types)")
 
     # ---- what memory planning and capture run -----------------------------------------------------------
     def graph_runner(self, backend, kv_cache: PagedKVCache, on_capture=None) -> GraphRunner:

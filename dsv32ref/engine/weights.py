@@ -8,14 +8,19 @@ import zlib
 
 import torch
 
+from dsv32ref.checks import check_device, check_int
 from dsv32ref.config import ModelConfig
+from dsv32ref.engine.config import DTYPES
 from dsv32ref.engine.model import EngineModel, EngineMoE, TensorParallel
+from dsv32ref.reference.model import DeepseekV32ForCausalLM
 
 __all__ = ["build_model", "from_reference", "init_dummy", "share_weights", "shard"]
 
 
 def from_reference(ref, boundary: str = "narrow", moe: str = "dense") -> EngineModel:
     """An EngineModel with the same weights as a dsv32ref reference model (for equivalence tests)."""
+    if not isinstance(ref, DeepseekV32ForCausalLM):
+        raise ValueError(f"from_reference: ref: expected a DeepseekV32ForCausalLM, got {type(ref).__name__}")
     c = ref.config
     m = EngineModel(c, boundary, moe=moe)
     dev, dt = ref.lm_head.weight.device, ref.lm_head.weight.dtype
@@ -61,6 +66,8 @@ def _on_meta(config: ModelConfig, boundary, tp: TensorParallel, moe: str = "dens
 def share_weights(model: EngineModel, boundary, moe: str = "dense") -> EngineModel:
     """A model built for `boundary` (and the MoE form `moe`) over the same parameter tensors as `model` (same
     rank): engines that compare boundaries hold one model each and one copy of the weights."""
+    if not isinstance(model, EngineModel):
+        raise ValueError(f"share_weights: model: expected an EngineModel, got {type(model).__name__}")
     out = _on_meta(model.config, boundary, model.tp, moe)
     out.load_state_dict(model.state_dict(), assign=True)
     return out.eval()
@@ -109,6 +116,10 @@ def shard(model: EngineModel, tp: TensorParallel) -> EngineModel:
 def build_model(config: ModelConfig, boundary, device, dtype, seed: int, moe: str = "dense") -> EngineModel:
     """Dummy weights created directly on the device in the target dtype (a full-size model never touches the
     host), fp32 where the model keeps fp32 (the router)."""
+    device = check_device("build_model: device", device)
+    if dtype not in DTYPES:
+        raise ValueError(f"build_model: dtype: expected one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+    check_int("build_model: seed", seed, low=0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv32ref.cache import AttentionMetadata, PagedKVCache
+from dsv32ref.cache import AttentionMetadata, PagedKVCache, check_cache_fits
 from dsv32ref.checks import check_tensor
 from dsv32ref.config import ModelConfig
 from dsv32ref.reference.mla import DeepseekV32Attention, LayerCache
@@ -102,14 +102,21 @@ class DeepseekV32ForCausalLM(nn.Module):
             blocks = -(-T // block_size)
             kv_cache = self.new_cache(blocks, block_size)
             attn_metadata = AttentionMetadata.build([0], [T], [list(range(blocks))], block_size, device)
-        elif attn_metadata.num_tokens != input_ids.shape[0]:
-            raise ValueError(f"input_ids: attn_metadata describes {attn_metadata.num_tokens} tokens, got "
-                             f"{input_ids.shape[0]}")
-        elif kv_cache.block_size != attn_metadata.block_size:
-            raise ValueError(f"kv_cache: block_size {kv_cache.block_size}, but attn_metadata was built for blocks "
-                             f"of {attn_metadata.block_size}")
-        elif int(attn_metadata.block_table.max()) >= kv_cache.num_blocks:
-            raise ValueError(f"attn_metadata.block_table: block ids must lie in [0, {kv_cache.num_blocks}) "
-                             f"(kv_cache.num_blocks), got {int(attn_metadata.block_table.max())}")
+        else:
+            self._check_step(kv_cache, attn_metadata, input_ids.shape[0], device)
         h = self.model(input_ids.long(), kv_cache, attn_metadata, topk_out)
         return self.lm_head(h)
+
+    def _check_step(self, kv_cache, attn_metadata, T: int, device: torch.device) -> None:
+        """A cache for this model on its device, and metadata for T tokens over that cache's blocks."""
+        check_cache_fits(kv_cache, self.config, device)
+        if not isinstance(attn_metadata, AttentionMetadata):
+            raise ValueError(f"attn_metadata: expected an AttentionMetadata, got {type(attn_metadata).__name__}")
+        if attn_metadata.num_tokens != T:
+            raise ValueError(f"input_ids: attn_metadata describes {attn_metadata.num_tokens} tokens, got {T}")
+        if kv_cache.block_size != attn_metadata.block_size:
+            raise ValueError(f"kv_cache: block_size {kv_cache.block_size}, but attn_metadata was built for blocks "
+                             f"of {attn_metadata.block_size}")
+        if int(attn_metadata.block_table.max()) >= kv_cache.num_blocks:
+            raise ValueError(f"attn_metadata.block_table: block ids must lie in [0, {kv_cache.num_blocks}) "
+                             f"(kv_cache.num_blocks), got {int(attn_metadata.block_table.max())}")
