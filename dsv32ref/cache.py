@@ -18,6 +18,7 @@ the kernel, not the indexer, translates them through the block table.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -167,9 +168,12 @@ class StepPlan:
                 if owner.setdefault(blk, b) != b:
                     raise ValueError(f"block_tables[{b}]: block {blk} also belongs to request {owner[blk]} of this step")
             if len(set(blocks)) != len(blocks):
-                twice = sorted({blk for blk in blocks if blocks.count(blk) > 1})
+                twice = sorted(blk for blk, k in Counter(blocks).items() if k > 1)
                 raise ValueError(f"block_tables[{b}]: blocks {twice} appear more than once (their tokens would "
                                  f"overwrite each other)")
+            if blocks and (max(blocks) + 1) * block_size > MAX_BLOCKS:
+                raise ValueError(f"block_tables[{b}]: block {max(blocks)} of {block_size} tokens holds slots past "
+                                 f"{MAX_BLOCKS} (slot ids are int32 in the kernels)")
             if len(blocks) * block_size < ctx + n:
                 raise ValueError(
                     f"request {b}: block_tables[{b}] has {len(blocks)} blocks of {block_size} for "
@@ -349,18 +353,22 @@ def check_kv_cache_dtype(name: str, kv_cache_dtype, config: ModelConfig) -> None
 
 def check_cache_fits(kv_cache, config: ModelConfig, device: torch.device) -> PagedKVCache:
     """kv_cache is a PagedKVCache on `device` whose layers, rows and indexer layers are those of `config`."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"check_cache_fits: config: expected a ModelConfig, got {type(config).__name__}")
+    device = check_device("check_cache_fits: device", device)
     if not isinstance(kv_cache, PagedKVCache):
         raise ValueError(f"kv_cache: expected a PagedKVCache, got {type(kv_cache).__name__}")
-    if kv_cache.latent[0].device.type != torch.device(device).type:
-        raise ValueError(f"kv_cache: expected it on {torch.device(device).type}, got {kv_cache.latent[0].device}")
-    c, k = config, kv_cache.config
+    on = kv_cache.latent[0].device  # (a PagedKVCache holds a layer at least: ModelConfig's check)
+    if on.type != device.type or (device.index is not None and on.index != device.index):
+        raise ValueError(f"kv_cache: expected it on {device}, got {on}")
+    cache, model = kv_cache.config, config
     fields = ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
-    if [getattr(k, f) for f in fields] != [getattr(c, f) for f in fields] or \
-            [k.runs_indexer(i) for i in range(k.num_hidden_layers)] != \
-            [c.runs_indexer(i) for i in range(c.num_hidden_layers)]:
+    if [getattr(cache, f) for f in fields] != [getattr(model, f) for f in fields] or \
+            [cache.runs_indexer(i) for i in range(cache.num_hidden_layers)] != \
+            [model.runs_indexer(i) for i in range(model.num_hidden_layers)]:
         raise ValueError(f"kv_cache: built for a model whose layers, rows or indexer layers differ from this one's "
-                         f"({', '.join(f'{f} {getattr(k, f)} vs {getattr(c, f)}' for f in fields)}; indexer "
-                         f"layers as given by indexer_types)")
+                         f"(cache vs model: {', '.join(f'{f} {getattr(cache, f)} vs {getattr(model, f)}' for f in fields)}"
+                         f"; indexer layers as given by indexer_types)")
     return kv_cache
 
 

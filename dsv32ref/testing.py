@@ -219,6 +219,21 @@ def _check_sizes(who: str, seed, **sizes) -> None:
         check_int(f"{who}: {name}", v, low, _MAX_GENERATED)
 
 
+def _check_inputs(who: str, x, kind: type, generator: str) -> None:
+    if not isinstance(x, kind):
+        raise ValueError(f"{who}: x: expected {kind.__name__} (what {generator} draws), got {type(x).__name__}")
+
+
+_MAX_ELEMENTS = 2 ** 28  # elements of one drawn tensor (float64 on the CPU: 2 GiB)
+
+
+def _check_elements(who: str, **tensors: int) -> None:
+    """Each tensor a generator is about to draw (name=its element count) within _MAX_ELEMENTS."""
+    for name, n in tensors.items():
+        if n > _MAX_ELEMENTS:
+            raise ValueError(f"{who}: {name} would hold {n} elements, at most {_MAX_ELEMENTS} are drawn (smaller sizes)")
+
+
 def _check_paged_options(who: str, dtype, sm_scale, valid_first, kv_cache_dtype) -> None:
     if kv_cache_dtype not in ("auto", "fp8"):
         raise ValueError(f"{who}: kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
@@ -252,15 +267,16 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
     if kv_cache_dtype == "fp8" and (d_lat, d_rope) != (512, 64):
         raise ValueError(f"{who}: kv_cache_dtype 'fp8': FlashMLA's rows hold d_lat 512 and d_rope 64, got {d_lat} and "
                          f"{d_rope}")
-    g = torch.Generator().manual_seed(seed)
     B = len(query_lens)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
     need = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(need) + extra_blocks
+    T, D = sum(query_lens), d_lat + d_rope
+    _check_elements(who, q=T * num_heads * D, latent_cache=num_blocks * block_size * D, topk_indices=T * topk)
+    g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     width = max(need)
     block_table = torch.full((B, width), -1, dtype=torch.int32)
-    D = d_lat + d_rope
     cache = torch.full((num_blocks * block_size, D), float("nan"), dtype=torch.float64)
     nxt = 0
     for b in range(B):
@@ -270,7 +286,6 @@ def paged_sparse_mla_inputs(num_heads: int = 16, d_lat: int = 512, d_rope: int =
         pos = torch.arange(seq_lens[b])
         slots = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
         cache[slots] = torch.randn(seq_lens[b], D, generator=g, dtype=torch.float64)
-    T = sum(query_lens)
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, query_lens)])
     req_indices = torch.cat([torch.full((n,), b, dtype=torch.int32) for b, n in enumerate(query_lens)])
     caps = [n * block_size for n in need]
@@ -293,10 +308,11 @@ def reference_sparse_mla_paged(x: PagedSparseMLAInputs, dtype: torch.dtype = tor
     """The oracle on paged inputs: each request's visible rows read through its block-table row (FP8 rows
     dequantised: fp8_cache.dequantize_latent), then dsv32ref.reference.sparse_mla in `dtype` (float64 by default)
     -> (out [T, H, d_lat], lse [T, H]), on the CPU."""
+    _check_inputs("reference_sparse_mla_paged", x, PagedSparseMLAInputs, "paged_sparse_mla_inputs")
     check_tensor("x.q", x.q, shape=(None, None, None))
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"reference_sparse_mla_paged: dtype: expected a float torch.dtype (torch.float64), got "
-                         f"{dtype!r}")
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"reference_sparse_mla_paged: dtype: expected one of {', '.join(map(str, CACHE_DTYPES))} "
+                         f"(torch.float64), got {dtype!r}")
     q = x.q.detach().cpu().to(dtype)
     cache = x.latent_cache.detach().cpu()
     cache = (dequantize_latent(cache) if cache.dtype == torch.uint8 else cache).to(dtype)
@@ -317,6 +333,7 @@ def fp8_latent_rows(cache: torch.Tensor) -> torch.Tensor:
     """A float latent cache [..., 576] whose unused slots hold NaN -> FlashMLA's rows uint8 [..., 656]: every
     finite row quantised (fp8_cache.quantize_latent), every other row poisoned so that it reads as NaN
     everywhere (fp8 NaN 0x7F, a valid scale of 1, bf16 NaN k_pe)."""
+    check_tensor("fp8_latent_rows: cache", cache, shape=(..., 576))
     flat = cache.reshape(-1, cache.shape[-1])  # (slots, 576)
     poison = torch.cat((torch.full((512,), 0x7F, dtype=torch.uint8), torch.ones(4).view(torch.uint8),
                         torch.full((64,), float("nan"), dtype=torch.bfloat16).view(torch.uint8)))
@@ -348,8 +365,12 @@ def fp8_sparse_decode_inputs(num_heads: int = 64, topk: int = 128, context_lens=
     paged_sparse_mla_inputs (scrambled blocks, -1 padding, out-of-range entries, empty rows) in FlashMLA's
     FP8 format: visible rows quantised (fp8_cache.quantize_latent), every other row poisoned, positions turned
     into flat slots through the block table and out-of-range positions into slots past the cache."""
-    dev = check_device("fp8_sparse_decode_inputs: device", device)
-    x = paged_sparse_mla_inputs(num_heads, 512, 64, topk, context_lens=list(context_lens),
+    who = "fp8_sparse_decode_inputs"
+    dev = check_device(f"{who}: device", device)
+    ones = [1] * len(context_lens) if isinstance(context_lens, (list, tuple)) else [1]  # a decode token a request
+    context_lens, _ = _check_lens(who, context_lens, ones)
+    _check_sizes(who, seed, num_heads=(num_heads, 1), topk=(topk, 1), block_size=(block_size, 1))
+    x = paged_sparse_mla_inputs(num_heads, 512, 64, topk, context_lens=context_lens,
                                 query_lens=[1] * len(context_lens), block_size=block_size, dtype=torch.float64,
                                 seed=seed, sm_scale=sm_scale)
     nb, bs, _ = x.latent_cache.shape
@@ -368,6 +389,7 @@ def reference_sparse_decode_fp8(x: FP8SparseDecodeInputs, dtype: torch.dtype = t
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle on FlashMLA's FP8 format: fp8_cache.sparse_mla_fp8 in `dtype` on the CPU -> (out [T, H, 512],
     lse [T, H])."""
+    _check_inputs("reference_sparse_decode_fp8", x, FP8SparseDecodeInputs, "fp8_sparse_decode_inputs")
     return sparse_mla_fp8(x.q.detach().cpu().to(dtype), x.kv_cache.cpu(), x.indices.cpu(), x.sm_scale, x.d_v)
 
 
@@ -395,10 +417,11 @@ def fp8_indexer_inputs(num_heads: int = 32, head_dim: int = 128, context_lens=(0
     dev = check_device(f"{who}: device", device)
     context_lens, query_lens = _check_lens(who, context_lens, query_lens)
     _check_sizes(who, seed, num_heads=(num_heads, 1), head_dim=(head_dim, 1), block_kv=(block_kv, 1))
-    g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
     need = [-(-s // block_kv) for s in seq_lens]
     nb = sum(need) + 2
+    _check_elements(who, k_cache=nb * block_kv * head_dim, q=sum(query_lens) * num_heads * head_dim)
+    g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(nb, generator=g).tolist()
     table = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
     for b, n in enumerate(need):
@@ -417,6 +440,7 @@ def fp8_indexer_inputs(num_heads: int = 32, head_dim: int = 128, context_lens=(0
 def reference_indexer_scores_fp8(x: FP8IndexerInputs) -> torch.Tensor:
     """The oracle of DeepGEMM's paged logits, float64 on the CPU: [T, max seq_len], -inf past each token's
     position (causal) and past its sequence."""
+    _check_inputs("reference_indexer_scores_fp8", x, FP8IndexerInputs, "fp8_indexer_inputs")
     lens = x.seq_lens.cpu().tolist()
     out = torch.full((x.q.shape[0], max(lens)), float("-inf"), dtype=torch.float64)
     for t in range(x.q.shape[0]):

@@ -26,6 +26,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROBES = ("sparse_mla", "route", "add_rms_norm", "where")  # "where": which package an arm imports (no GPU)
+MAX_ROUNDS = 100  # each round runs every probe in every arm, a process each
 
 
 def arms(against: list[str]) -> dict[str, pathlib.Path]:
@@ -50,11 +51,11 @@ def revision(folder: pathlib.Path) -> str:
 
 def schedule(names: list[str], probes: list[str], rounds: int) -> list[tuple[str, str]]:
     """(arm, probe) in running order: per round and probe every arm once, the arms' order rotating by round."""
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"--rounds: expected an int >= 1, got {rounds!r}")
+    if not isinstance(rounds, int) or not 1 <= rounds <= MAX_ROUNDS:
+        raise ValueError(f"--rounds: expected an int in [1, {MAX_ROUNDS}], got {rounds!r}")
     unknown = sorted(set(probes) - set(PROBES))
-    if unknown or not probes:
-        raise ValueError(f"--probes: expected some of {list(PROBES)}, got {probes!r}")
+    if unknown or not probes or len(set(probes)) != len(probes):
+        raise ValueError(f"--probes: expected some of {list(PROBES)}, each once, got {probes!r}")
     return [(names[(i + r) % len(names)], p) for r in range(rounds) for p in probes for i in range(len(names))]
 
 
@@ -221,6 +222,17 @@ def worker(probe: str) -> None:
     print(json.dumps({"probe": probe, "package": dsv32ref.__file__, "cases": cases}), flush=True)
 
 
+def check_out(out: str | None) -> None:
+    """--out names a file this process can write (in a folder that exists), or is not given."""
+    if out is None:
+        return
+    path = pathlib.Path(out)
+    if not out or out.endswith(os.sep) or path.is_dir():
+        raise ValueError(f"--out: expected a file path, got {out!r}")
+    if not path.resolve().parent.is_dir() or not os.access(path.resolve().parent, os.W_OK):
+        raise ValueError(f"--out: no writable folder {str(path.resolve().parent)!r} for {out!r}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", nargs="+", default=[], metavar="DIR")
@@ -231,9 +243,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker)
-    folders = arms(args.against)
+    try:  # every argument, the result's path too, before the first probe runs
+        folders = arms(args.against)
+        order = schedule(list(folders), args.probes, args.rounds)
+        check_out(args.out)
+    except ValueError as e:
+        ap.error(str(e))
     runs = []
-    for arm, probe in schedule(list(folders), args.probes, args.rounds):
+    for arm, probe in order:
         r = run_worker(folders[arm], probe)
         runs.append(dict(r, arm=arm))
         print(f"{arm:<12} {probe:<13} {r['package']}", flush=True)

@@ -45,11 +45,24 @@ def test_every_arm_runs_each_probe_once_a_round_in_rotating_order(ab):
     assert order[:3] == [("tree", "route"), ("a", "route"), ("b", "route")]
     assert order[6:9] == [("a", "route"), ("b", "route"), ("tree", "route")]
     assert sorted(order) == sorted([(a, p) for a in ("tree", "a", "b") for p in ("route", "sparse_mla")] * 2)
-    for probes, rounds, match in ((["route"], 0, "--rounds: expected an int >= 1, got 0"),
+    for probes, rounds, match in ((["route"], 0, r"--rounds: expected an int in \[1, 100\], got 0"),
+                                  (["route"], 3 * 10 ** 9, r"--rounds: expected an int in \[1, 100\]"),  # hung
                                   (["routing"], 1, r"--probes: expected some of .*got \['routing'\]"),
+                                  (["where", "where"], 1, r"--probes: .*each once"),  # ran twice a round
                                   ([], 1, "--probes: expected some of")):
         with pytest.raises(ValueError, match=match):
             ab.schedule(["tree"], probes, rounds)
+
+
+@pytest.mark.parametrize("out", ["", "/tmp/", "/nonexistent/x.json", "/tmp"])
+def test_the_result_path_is_refused_before_any_probe_runs(out):
+    """--out '' wrote nothing; a folder, a missing folder failed only after every probe had run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_package.py"), "--probes", "where", "--rounds",
+                           "1", "--out", out], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--out:" in done.stderr and "where" not in done.stdout, done.stderr
 
 
 def test_each_worker_imports_its_own_arms_package(ab, copy):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv32ref import (AttentionMetadata, BlockAllocator, ModelConfig, PagedKVCache, init_dummy_weights, load_pretrained,
                       save_pretrained)
-from dsv32ref.cache import gather_tokens, indexer_key_bytes, token_bytes, write_tokens
+from dsv32ref.cache import check_cache_fits, gather_tokens, indexer_key_bytes, token_bytes, write_tokens
 from dsv32ref.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
 from dsv32ref.engine import EngineConfig, EngineModel, LLMEngine, StepInput, build_model, from_reference, share_weights
 from dsv32ref.graphs import CUDAGraphMode
@@ -684,6 +684,17 @@ CACHE_CASES = [
     (lambda: AttentionMetadata.build([0], [1], [[0]], 4, num_blocks=0), r"num_blocks must be None or an int >= 1, got 0"),
     (lambda: AttentionMetadata.build(5, [1], [[0]], 4), r"AttentionMetadata.build: context_lens must be a list, got int"),
     (lambda: AttentionMetadata.build([0], [1], [0], 4), r"block_tables must be a list of lists of block ids"),
+    # a block whose slots pass int32 (a slot id of 3 x 2^30 came back), a long table's repeat (minutes to name)
+    (lambda: AttentionMetadata.build([0], [1], [[3]], 2 ** 30, num_blocks=4),
+     r"block_tables\[0\]: block 3 of 1073741824 tokens holds slots past 2147483647 \(slot ids are int32"),
+    (lambda: AttentionMetadata.build([0], [1], [list(range(200_000)) + [0]], 4), r"blocks \[0\] appear more than once"),
+    (lambda: check_cache_fits(PagedKVCache(TINY, 2, 4), None, "cpu"), r"check_cache_fits: config: expected a ModelConfig"),
+    (lambda: check_cache_fits(PagedKVCache(TINY, 2, 4), TINY, "gpu"), r"check_cache_fits: device: expected a device"),
+    (lambda: check_cache_fits(PagedKVCache(TINY, 2, 4, device="meta"), TINY, "cpu"),
+     r"kv_cache: expected it on cpu, got meta"),
+    (lambda: check_cache_fits(PagedKVCache(TINY.replace(num_hidden_layers=TINY.num_hidden_layers + 1,
+                                                        indexer_types=None), 2, 4), TINY, "cpu"),
+     r"kv_cache: built for a model whose layers, .*cache vs model: num_hidden_layers"),
     (lambda: AttentionMetadata.build([0], [2], [[0.0]], 4), r"block_tables\[0\]: block ids must be ints in \[0, 2147483647\), got 0.0"),
     (lambda: AttentionMetadata.build([0], [2], [[1.5]], 4), r"block_tables\[0\]: block ids must be ints in \[0, 2147483647\), got 1.5"),
     (lambda: AttentionMetadata.build([0], [2], [[-1]], 4), r"block_tables\[0\]: block ids must be ints in \[0, 2147483647\), got -1"),
@@ -1169,6 +1180,8 @@ WEIGHTS_CASES = [  # the engine's weight plumbing, given what it cannot build fr
     (lambda: build_model(TINY, "narrow", "cpu", "bf16", 0), r"build_model: dtype: .*got 'bf16'"),
     (lambda: build_model(TINY, "narrow", "gpu0", torch.float32, 0), r"build_model: device: expected a device"),
     (lambda: build_model(TINY, "narrow", "cpu", torch.float32, 1.5), r"build_model: seed: expected an int, got float"),
+    (lambda: build_model(TINY, "narrow", "cpu", torch.float32, -1), r"build_model: seed: expected >= 0, got -1"),
+    (lambda: build_model(TINY, "narrow", "meta", torch.float32, 0), r"build_model: device: expected a cpu or cuda device"),
     (lambda: build_model(None, "narrow", "cpu", torch.float32, 0), r"EngineModel: config: expected a ModelConfig"),
     (lambda: EngineModel(TINY, "narrow", tp=4), r"EngineModel: tp: expected a TensorParallel \(rank, size\), got int"),
     (lambda: from_reference(None), r"from_reference: ref: expected a DeepseekV32ForCausalLM, got NoneType"),
@@ -1334,7 +1347,7 @@ def test_uniform_decode_padded_past_max_num_seqs(seed):
 
 _HERE = os.path.dirname(__file__)
 CLI_REFUSALS = [  # (argv, what stderr says): exit status 2, before any work
-    (["ttft", "--requests", "0"], "dsv32ref: error: TTFTProtocol.requests: expected an int >= 1, got 0"),
+    (["ttft", "--requests", "0"], "dsv32ref: error: TTFTProtocol.requests: expected an int in [1, 65536], got 0"),
     (["ttft", "--skip-topk", "narow"], "TTFTProtocol.skip_topk: unknown boundaries ['narow']"),
     (["ttft", "--fp8-kv", "nnone"], "TTFTProtocol.fp8_kv: unknown boundaries ['nnone']"),
     (["ttft", "--skinny-gemm", "nnone"], "TTFTProtocol.skinny_gemm: unknown boundaries ['nnone']"),
@@ -1349,6 +1362,7 @@ CLI_REFUSALS = [  # (argv, what stderr says): exit status 2, before any work
     # where the result would go, and what it reads, checked before any work
     (["ledger", "--predict", "--out", ""], "dsv32ref: error: --out: expected a file path, got ''"),
     (["ledger", "--predict", "--out", _HERE], "(a directory)"),
+    (["fp8-accuracy", "--tokens", "1", "--out", "/tmp/not_yet_a_folder/"], "(a directory)"),  # failed after the run
     (["fp8-accuracy", "--tokens", "1", "--out", "/proc/nope/x.json"],
      "dsv32ref: error: --out: cannot make the folder '/proc/nope'"),
     (["ledger", "--predict", "--measured", "/nonexistent/ttft.json"],
@@ -1515,9 +1529,21 @@ def test_comparator_arguments():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(requests=0), r"TTFTProtocol.requests: expected an int >= 1, got 0"),
-    (dict(warmup=-1), r"TTFTProtocol.warmup: expected an int >= 0, got -1"),
-    (dict(prompt_len=0), r"TTFTProtocol.prompt_len: expected an int >= 1, got 0"),
+    (dict(requests=0), r"TTFTProtocol.requests: expected an int in \[1, 65536\], got 0"),
+    (dict(warmup=-1), r"TTFTProtocol.warmup: expected an int in \[0, 4096\], got -1"),
+    (dict(prompt_len=0), r"TTFTProtocol.prompt_len: expected an int in \[1, 511\], got 0"),
+    # refused before any engine is built (each failed after the weights and captures, or not at all)
+    (dict(requests=10 ** 12), r"TTFTProtocol.requests: expected an int in \[1, 65536\]"),  # prompts of 64 TB
+    (dict(prompt_len=600), r"TTFTProtocol.prompt_len: expected an int in \[1, 511\], got 600"),
+    (dict(seed=2 ** 80), r"TTFTProtocol.seed: expected an int in \[0, "),
+    (dict(seed=-1), r"TTFTProtocol.seed: expected an int in \[0, "),
+    (dict(mode="bogus"), r"TTFTProtocol.mode: expected one of \['none', .*got 'bogus'"),
+    (dict(host_costs="no"), r"TTFTProtocol.host_costs: expected a bool, got str 'no'"),  # was taken as True
+    (dict(fp8_kv=None), r"TTFTProtocol.fp8_kv: expected a tuple of boundaries, got None"),
+    (dict(variants=("wide",), instrument_ab=("narrow",)),  # a KeyError after every capture
+     r"TTFTProtocol.instrument_ab: \['narrow'\] not among the variants \['wide'\]"),
+    (dict(skip_topk=("narrow", "narrow")), r"TTFTProtocol.skip_topk: each boundary once, got \['narrow', 'narrow'\]"),
+    (dict(variants=("none", "none")), r"TTFTProtocol.variants: each boundary once"),  # silently one arm
     (dict(variants=("narow",)), r"TTFTProtocol.variants: unknown boundaries \['narow'\]"),
     (dict(variants=()), r"TTFTProtocol.variants: unknown boundaries \[\]"),
     (dict(instrument_ab=("wide", "x")), r"TTFTProtocol.instrument_ab: unknown boundaries \['x'\]"),
@@ -1529,6 +1555,17 @@ def test_ttft_experiment_arguments(kw, match):
 
     with pytest.raises(ValueError, match=match):
         TTFTProtocol(**kw)
+
+
+@pytest.mark.parametrize("name", ["nope+fused", "narrow+nope", None, 123, ["narrow"]])
+def test_an_arm_name_is_checked_before_it_is_read(name):
+    """protocol.numerics read "nope+fused" as "+fused" and "narrow+nope" as "" (silently grouping those tokens);
+    arm(None) and arm(123) were AttributeErrors."""
+    from dsv32ref.experiments.protocol import arm, numerics
+
+    for f in (arm, numerics):
+        with pytest.raises(ValueError, match=r"arm"):
+            f(name)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -1675,12 +1712,36 @@ def test_the_fp8_generator_names_the_widths_its_rows_hold():
         paged_sparse_mla_inputs(d_lat=32, d_rope=8, kv_cache_dtype="fp8")
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, None, "float64"])
+@pytest.mark.parametrize("dtype", [torch.int32, None, "float64", torch.float8_e4m3fn])
 def test_the_paged_oracle_names_its_dtype(dtype):
     """reference_sparse_mla_paged's compute dtype: not a float dtype is refused naming it (an int blamed the cache,
     None computed in q's dtype, a string failed inside torch)."""
     from dsv32ref.testing import paged_sparse_mla_inputs, reference_sparse_mla_paged
 
     x = paged_sparse_mla_inputs(num_heads=2, d_lat=16, d_rope=8, topk=8, context_lens=(4,), query_lens=(2,))
-    with pytest.raises(ValueError, match=r"reference_sparse_mla_paged: dtype: expected a float torch.dtype"):
+    with pytest.raises(ValueError, match=r"reference_sparse_mla_paged: dtype: expected one of torch.bfloat16, "):
         reference_sparse_mla_paged(x, dtype)
+
+
+GENERATOR_CASES = [  # the testing generators and oracles, given what they cannot draw or read
+    (lambda t: t.paged_sparse_mla_inputs(num_heads=2 ** 24, d_lat=2 ** 24),  # the process was killed
+     r"paged_sparse_mla_inputs: q would hold \d+ elements, at most 268435456"),
+    (lambda t: t.paged_sparse_mla_inputs(block_size=2 ** 24, extra_blocks=2 ** 24),
+     r"paged_sparse_mla_inputs: latent_cache would hold"),
+    (lambda t: t.fp8_indexer_inputs(block_kv=2 ** 24), r"fp8_indexer_inputs: k_cache would hold"),  # 40 GB asked
+    (lambda t: t.fp8_sparse_decode_inputs(context_lens=5), r"fp8_sparse_decode_inputs: context_lens: expected a non-empty"),
+    # named as fp8_sparse_decode_inputs' own (it was reported as paged_sparse_mla_inputs')
+    (lambda t: t.fp8_sparse_decode_inputs(topk=0), r"fp8_sparse_decode_inputs: topk: expected an int in"),
+    (lambda t: t.reference_sparse_mla_paged(None), r"reference_sparse_mla_paged: x: expected PagedSparseMLAInputs"),
+    (lambda t: t.reference_sparse_decode_fp8(None), r"reference_sparse_decode_fp8: x: expected FP8SparseDecodeInputs"),
+    (lambda t: t.reference_indexer_scores_fp8(None), r"reference_indexer_scores_fp8: x: expected FP8IndexerInputs"),
+    (lambda t: t.fp8_latent_rows(torch.tensor(1.0)), r"fp8_latent_rows: cache: expected shape \[..., 576\], got \[\]"),
+]
+
+
+@pytest.mark.parametrize("call,match", GENERATOR_CASES, ids=[f"gen{i}" for i in range(len(GENERATOR_CASES))])
+def test_generators_and_oracles(call, match):
+    from dsv32ref import testing
+
+    with pytest.raises(ValueError, match=match):
+        call(testing)

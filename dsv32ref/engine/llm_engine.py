@@ -24,7 +24,6 @@ from dsv32ref.engine.weights import build_model, share_weights
 __all__ = ["LLMEngine"]
 
 
-
 def _check_placement(config: ModelConfig, ec: EngineConfig, device, dtype) -> torch.device:
     """LLMEngine's device (a torch.device or its name) and dtype (a torch float dtype), and max_model_len within the
     positions the model was built for -> the device."""

@@ -117,6 +117,8 @@ def build_model(config: ModelConfig, boundary, device, dtype, seed: int, moe: st
     """Dummy weights created directly on the device in the target dtype (a full-size model never touches the
     host), fp32 where the model keeps fp32 (the router)."""
     device = check_device("build_model: device", device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"build_model: device: expected a cpu or cuda device, got {device}")
     if dtype not in DTYPES:
         raise ValueError(f"build_model: dtype: expected one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
     check_int("build_model: seed", seed, low=0)

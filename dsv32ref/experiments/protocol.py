@@ -16,7 +16,9 @@ import torch
 from dsv32ref.engine import BOUNDARIES, EngineConfig
 from dsv32ref.graphs import CUDAGraphMode
 
-__all__ = ["ARMS", "arm", "engine_config", "numerics", "prompts", "stats"]
+__all__ = ["ARMS", "MAX_MODEL_LEN", "arm", "engine_config", "numerics", "prompts", "stats"]
+
+MAX_MODEL_LEN = 512  # the protocol's sequences: a prompt and its first token fit
 
 # `<boundary>+<arm>`: EngineConfig switches
 ARMS = {"skip": {"skip_short_topk": True}, "fp8": {"kv_cache_dtype": "fp8"}, "fused": {"moe": "fused"},
@@ -26,13 +28,15 @@ ARMS = {"skip": {"skip_short_topk": True}, "fp8": {"kv_cache_dtype": "fp8"}, "fu
 def engine_config(boundary: str, capture_sizes=(1, 2, 4, 8, 16), mode: str = "full_and_piecewise", seed: int = 0,
                   **switches) -> EngineConfig:
     """The engine of the PR's protocol: sequences of up to 512 tokens, 16 at a time, steps of up to 16 tokens."""
-    return EngineConfig(boundary=boundary, mode=CUDAGraphMode(mode), max_model_len=512, max_num_seqs=16,
+    return EngineConfig(boundary=boundary, mode=CUDAGraphMode(mode), max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
                         max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed, **switches)
 
 
 def arm(name: str) -> tuple[str, str, dict]:
     """"narrow" -> ("narrow", "narrow", {}); "narrow+skip" -> ("narrow+skip", "narrow", {"skip_short_topk": True});
     "none+fused+skinny" -> ("none+fused+skinny", "none", {"moe": "fused", "gemm": "skinny"}): each arm's switches."""
+    if not isinstance(name, str):
+        raise ValueError(f"arm: expected a name such as 'none+fused', got {type(name).__name__} {name!r:.40}")
     boundary, *kinds = name.split("+")
     if boundary not in BOUNDARIES or any(k not in ARMS for k in kinds) or len(set(kinds)) != len(kinds):
         raise ValueError(f"arm {name!r}: expected <boundary> or <boundary>+<arm>[+<arm> ...], boundary one of "
@@ -44,6 +48,9 @@ def numerics(name: str) -> str:
     """The arm's tail of switches that change how it rounds, in ARMS' order: "+fused+skinny" of "none+fused+skinny"
     and of "none+skinny+fused", "" of a boundary and of its +skip arm (and +ranges: the instrument on), which round
     as the boundary does."""
+    if isinstance(name, str) and name.endswith("+ranges"):  # the instrument's arm of a boundary
+        name = name[:-len("+ranges")]
+    arm(name)  # a ValueError unless it names a boundary and known switches
     kinds = set(name.split("+")[1:])
     return "".join(f"+{k}" for k in ARMS if k in kinds and k != "skip")
 

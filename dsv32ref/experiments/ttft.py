@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from dsv32ref.bench.kernels import measure_copy
-from dsv32ref.checks import is_int
+from dsv32ref.checks import check_bool, check_int
 from dsv32ref.config import REDUCED_MOE, ModelConfig, reduced_moe
 from dsv32ref.engine import BOUNDARIES, LLMEngine, StepInput, TensorParallel, build_model, shard
+from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.engine.model import EngineMoE
 from dsv32ref.experiments import host_costs, ledger
-from dsv32ref.experiments.protocol import arm, engine_config, numerics, prompts, stats
+from dsv32ref.experiments.protocol import MAX_MODEL_LEN, arm, engine_config, numerics, prompts, stats
 from dsv32ref.instrument import measuring
 from dsv32ref.provenance import provenance
 from dsv32ref.results import progress, write_partial, write_result
@@ -66,14 +67,26 @@ class TTFTProtocol:
     host_costs: bool = True
 
     def __post_init__(self):
-        for name, low in (("requests", 1), ("warmup", 0), ("prompt_len", 1), ("anatomy_requests", 0)):
-            v = getattr(self, name)
-            if not is_int(v) or v < low:
-                raise ValueError(f"TTFTProtocol.{name}: expected an int >= {low}, got {v!r}")
+        # a prompt and its first token fit the protocol's sequences; the counts are bounded so that the prompts
+        # drawn for every arm (requests x prompt_len ints) stay small
+        for name, low, high in (("requests", 1, 1 << 16), ("warmup", 0, 1 << 12), ("prompt_len", 1, MAX_MODEL_LEN - 1),
+                                ("anatomy_requests", 0, 1 << 16), ("seed", 0, 2 ** 63 - 1)):
+            check_int(f"TTFTProtocol.{name}", getattr(self, name), low, high)
+        if self.mode not in [m.value for m in CUDAGraphMode]:
+            raise ValueError(f"TTFTProtocol.mode: expected one of {[m.value for m in CUDAGraphMode]}, got {self.mode!r}")
+        check_bool("TTFTProtocol.host_costs", self.host_costs)
         for name in ("variants", "skip_topk", "fp8_kv", "fused_moe", "skinny_gemm", "fused_skinny", "instrument_ab"):
-            unknown = [v for v in getattr(self, name) if v not in BOUNDARIES]
+            given = getattr(self, name)
+            if not isinstance(given, (list, tuple)):
+                raise ValueError(f"TTFTProtocol.{name}: expected a tuple of boundaries, got {given!r}")
+            unknown = [v for v in given if v not in BOUNDARIES]
             if unknown or (name == "variants" and not self.variants):
                 raise ValueError(f"TTFTProtocol.{name}: unknown boundaries {unknown}; expected some of {BOUNDARIES}")
+            if len(set(given)) != len(given):  # one engine an arm: a repeated name would capture it twice
+                raise ValueError(f"TTFTProtocol.{name}: each boundary once, got {list(given)}")
+        if not set(self.instrument_ab) <= set(self.variants):
+            raise ValueError(f"TTFTProtocol.instrument_ab: {sorted(set(self.instrument_ab) - set(self.variants))} not "
+                             f"among the variants {list(self.variants)} (the instrument's arms time those engines)")
 
     def arms(self) -> list[tuple[str, str, dict]]:
         """(name, boundary, EngineConfig switches) of every engine: the boundaries, then their +skip, +fp8,
