@@ -188,6 +188,8 @@ def cmd_ledger(args) -> int:
               file=sys.stderr)
         return 2
     out = _out(args, f"ledger_predicted_{args.model}.json")
+    if args.measured == "":
+        raise ValueError("--measured: expected a TTFT result's path, got '' (leave it out for data/'s)")
     measured = args.measured or os.path.join(DATA_DIR, f"ttft_{args.model}.json")
     if args.measured and not os.path.isfile(measured):
         what = ("a directory, not a TTFT result" if os.path.isdir(measured) else

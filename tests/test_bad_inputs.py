@@ -1368,6 +1368,7 @@ CLI_REFUSALS = [  # (argv, what stderr says): exit status 2, before any work
     (["ledger", "--predict", "--measured", "/nonexistent/ttft.json"],
      "dsv32ref: error: --measured: no such file '/nonexistent/ttft.json'"),
     (["ledger", "--predict", "--measured", _HERE], "--measured: a directory, not a TTFT result"),
+    (["ledger", "--predict", "--measured", ""], "--measured: expected a TTFT result's path, got ''"),  # data/'s was read
     (["ledger", "--predict", "--measured", os.devnull], f"--measured: not a regular file '{os.devnull}'"),
     (["ledger", "--predict", "--measured", os.path.join(_HERE, "..", "data", "fp8_speed.json")],  # not a TTFT run's
      "not a TTFT result (`dsv32ref ttft`'s file): it has no host_costs, variants"),
