@@ -47,7 +47,8 @@ def _out(args, name: str) -> str:
     if args.out is not None and args.record:
         raise ValueError(f"--record and --out {args.out!r}: give one (--record writes into data/, --out to a path)")
     if args.out is not None and (not args.out or os.path.isdir(args.out) or args.out.endswith(os.sep)):
-        raise ValueError(f"--out: expected a file path, got {args.out!r}" + (" (a directory)" if args.out else ""))
+        raise ValueError(f"--out: expected a file path, got {args.out!r}" + (
+            " (ends in a separator)" if args.out.endswith(os.sep) else " (a directory)" if args.out else ""))
     if args.out is not None and "\0" in args.out:
         raise ValueError(f"--out: a path cannot hold a NUL character, got {args.out!r}")
     if args.out:  # where the result goes, before the work that makes it

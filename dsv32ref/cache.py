@@ -172,8 +172,9 @@ class StepPlan:
                 raise ValueError(f"block_tables[{b}]: blocks {twice} appear more than once (their tokens would "
                                  f"overwrite each other)")
             if blocks and (max(blocks) + 1) * block_size > MAX_BLOCKS:
-                raise ValueError(f"block_tables[{b}]: block {max(blocks)} of {block_size} tokens holds slots past "
-                                 f"{MAX_BLOCKS} (slot ids are int32 in the kernels)")
+                raise ValueError(f"block_tables[{b}]: block {max(blocks)} of {block_size} tokens needs "
+                                 f"{(max(blocks) + 1) * block_size} slots, a cache holds at most {MAX_BLOCKS} (slot "
+                                 f"ids are int32 in the kernels)")
             if len(blocks) * block_size < ctx + n:
                 raise ValueError(
                     f"request {b}: block_tables[{b}] has {len(blocks)} blocks of {block_size} for "
