@@ -8,16 +8,26 @@ from dataclasses import dataclass
 import torch
 
 from dsv32ref.cache import KV_CACHE_DTYPES
-from dsv32ref.checks import check_int, is_int
+from dsv32ref.checks import check_device, check_int, is_int
 from dsv32ref.engine.boundary import Boundary, get_boundary
 from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
 
-__all__ = ["DTYPES", "EngineConfig", "GEMM_IMPLS", "MOE_IMPLS"]
+__all__ = ["DTYPES", "EngineConfig", "GEMM_IMPLS", "MOE_IMPLS", "check_placement"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activations and weights the engine runs in
 MOE_IMPLS = ("dense", "fused")  # EngineConfig.moe
 GEMM_IMPLS = ("torch", "skinny")  # EngineConfig.gemm
 MAX_BLOCK_SIZE = 2 ** 16  # tokens a cache block (FlashMLA's are 64; a larger one is a whole cache in a block)
+
+
+def check_placement(who: str, device, dtype) -> torch.device:
+    """A cpu or cuda device (a torch.device or its name) and one of DTYPES, where the engine runs -> the device."""
+    dev = check_device(f"{who}: device", device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{who}: device: expected a cpu or cuda device, got {dev}")
+    if dtype not in DTYPES:
+        raise ValueError(f"{who}: dtype: expected one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+    return dev
 
 
 @dataclass(frozen=True)

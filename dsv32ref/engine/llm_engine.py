@@ -13,9 +13,9 @@ import time
 import torch
 
 from dsv32ref.cache import BlockAllocator, PagedKVCache
-from dsv32ref.checks import check_device, is_int
+from dsv32ref.checks import is_int
 from dsv32ref.config import ModelConfig
-from dsv32ref.engine.config import DTYPES, EngineConfig
+from dsv32ref.engine.config import EngineConfig, check_placement
 from dsv32ref.engine.input_batch import PreparedStep, StepInput
 from dsv32ref.engine.model import EngineModel
 from dsv32ref.engine.model_runner import ModelRunner
@@ -32,11 +32,7 @@ def _check_placement(config: ModelConfig, ec: EngineConfig, device, dtype) -> to
                          f"{type(config).__name__} {config!r:.80}")
     if not isinstance(ec, EngineConfig):
         raise ValueError(f"LLMEngine: engine_config: expected None or an EngineConfig, got {type(ec).__name__}")
-    dev = check_device("LLMEngine: device", device)
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"LLMEngine: device: expected a cpu or cuda device, got {dev}")
-    if dtype not in DTYPES:
-        raise ValueError(f"LLMEngine: dtype: expected one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+    dev = check_placement("LLMEngine", device, dtype)
     if ec.max_model_len > config.max_position_embeddings:
         raise ValueError(f"EngineConfig.max_model_len: {ec.max_model_len} exceeds the model's max_position_embeddings "
                          f"({config.max_position_embeddings})")

@@ -8,9 +8,9 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_device, check_int
+from dsv32ref.checks import check_int
 from dsv32ref.config import ModelConfig
-from dsv32ref.engine.config import DTYPES
+from dsv32ref.engine.config import check_placement
 from dsv32ref.engine.model import EngineModel, EngineMoE, TensorParallel
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
 
@@ -116,11 +116,7 @@ def shard(model: EngineModel, tp: TensorParallel) -> EngineModel:
 def build_model(config: ModelConfig, boundary, device, dtype, seed: int, moe: str = "dense") -> EngineModel:
     """Dummy weights created directly on the device in the target dtype (a full-size model never touches the
     host), fp32 where the model keeps fp32 (the router)."""
-    device = check_device("build_model: device", device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"build_model: device: expected a cpu or cuda device, got {device}")
-    if dtype not in DTYPES:
-        raise ValueError(f"build_model: dtype: expected one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+    device = check_placement("build_model", device, dtype)
     check_int("build_model: seed", seed, low=0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
