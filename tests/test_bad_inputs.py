@@ -1618,6 +1618,16 @@ def test_an_arm_rounds_as_the_switches_it_turns_on(name, tail):
     assert numerics(name) == tail
 
 
+@pytest.mark.parametrize("name", ["nope+ranges", "none+fast+ranges", "none+ranges+ranges", 3])
+def test_numerics_names_the_arm_it_was_given(name):
+    """protocol.numerics refuses what arm refuses, naming the name it was given (the instrument's "+ranges" tail
+    included), not the boundary it strips it to."""
+    from dsv32ref.experiments.protocol import numerics
+
+    with pytest.raises(ValueError, match=rf"numerics\({re.escape(repr(name))}\): arm"):
+        numerics(name)
+
+
 def test_a_step_keeps_what_was_checked():
     """StepInput holds its requests as tuples of ints: a token list changed after the check (a float appended,
     which the engine would have truncated to a token) changes nothing in the step."""

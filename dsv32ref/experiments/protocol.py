@@ -48,10 +48,12 @@ def numerics(name: str) -> str:
     """The arm's tail of switches that change how it rounds, in ARMS' order: "+fused+skinny" of "none+fused+skinny"
     and of "none+skinny+fused", "" of a boundary and of its +skip arm (and +ranges: the instrument on), which round
     as the boundary does."""
-    if isinstance(name, str) and name.endswith("+ranges"):  # the instrument's arm of a boundary
-        name = name[:-len("+ranges")]
-    arm(name)  # a ValueError unless it names a boundary and known switches
-    kinds = set(name.split("+")[1:])
+    base = name[:-len("+ranges")] if isinstance(name, str) and name.endswith("+ranges") else name  # instrument on
+    try:
+        arm(base)  # a ValueError unless it names a boundary and known switches
+    except ValueError as e:
+        raise ValueError(f"numerics({name!r:.60}): {e}") from None
+    kinds = set(base.split("+")[1:])
     return "".join(f"+{k}" for k in ARMS if k in kinds and k != "skip")
 
 
