@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt
 import torch
 from IPython.display import Markdown, display
 
+from dsv32ref.bench.kernels import roofline
 from dsv32ref.cache import LATENT_ROW_BYTES, indexer_key_bytes, token_bytes
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.memory import kv_bytes_per_token
@@ -246,18 +247,28 @@ display(Markdown(
 # with its own context and `index_topk` = 2048 selected rows, at 16, 64 and 128 heads (a TP4, TP2 and TP1 rank
 # of GLM-5.2 or DeepSeek-V3.2); and the indexer's scores pass over bf16 and FP8 keys. Both caches hold the same
 # values, so the two kernels are checked against each other; bytes are the rows each must read once. Times are
-# CUDA-graph replays (medians), the copy bandwidth is measured in the same run.
+# CUDA-graph replays (medians), the copy bandwidth and the bf16 GEMM rate are measured in the same run.
+#
+# Each decode shape against its roofline (`dsv32ref.bench.kernels.roofline`): its bytes at the copy bandwidth
+# against its FLOPs (q K^T over 576 columns, P V over 512) at the GEMM rate; the larger is the shape's bound. FP8
+# only shrinks the bytes, so what it can gain is the bf16 bound over the FP8 one: 1152 / 656 where both are
+# bytes, less where the FLOPs take over (many heads), nothing where bf16 is already bound by its FLOPs.
 
 # %% nbval-ignore
 dec = [r for r in speed["results"] if r["kernel"] == "sparse_mla_decode"]
 sco = [r for r in speed["results"] if r["kernel"] == "indexer_scores"]
 print(f"copy bandwidth {speed['ceilings']['copy_GBps']:.0f} GB/s; all checks ok: "
       f"{all(r['ok'] for r in speed['results'])}")
-table(["B", "context", "heads", "bf16 kernel", "bf16 us", "fp8 us", "fp8 speed-up", "bf16 % of copy",
-       "fp8 % of copy"],
-      [[r["B"], r["context"], r["heads"], r["impl"]["bf16"], r["ms_bf16"] * 1e3, r["ms_fp8"] * 1e3, r["speedup"],
-        100 * r["fraction_of_copy_bf16"], 100 * r["fraction_of_copy_fp8"]] for r in dec if r["context"] == 32768],
-      floatfmt=".1f")
+ceil = speed["ceilings"]
+for r in dec:  # each arm's roofline: its bytes at the copy bandwidth, the shape's FLOPs at the GEMM rate
+    r["roof"] = {f: roofline(r["flops"], r[f"bytes_{f}"], r[f"ms_{f}"], ceil) for f in ("bf16", "fp8")}
+    r["roof_gain"] = r["roof"]["bf16"]["floor_ms"] / r["roof"]["fp8"]["floor_ms"]
+print(f"bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s; 32k context:")
+table(["B", "heads", "fp8 kernel", "bf16 us", "fp8 us", "speed-up", "roofline gain", "bf16 bound",
+       "bf16 % of copy", "fp8 % of copy"],
+      [[r["B"], r["heads"], r["impl"]["fp8"], r["ms_bf16"] * 1e3, r["ms_fp8"] * 1e3, r["speedup"], r["roof_gain"],
+        r["roof"]["bf16"]["bound"], 100 * r["fraction_of_copy_bf16"], 100 * r["fraction_of_copy_fp8"]]
+       for r in dec if r["context"] == 32768], floatfmt=".2f")
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -294,13 +305,25 @@ worst = min(dec, key=lambda r: r["speedup"])
 s128 = [r for r in sco if r["B"] == max(x["B"] for x in sco) and r["context"] == ctx][0]
 s1 = [r for r in sco if r["B"] == 1 and r["context"] == ctx][0]
 slower = sum(r["speedup"] < 1 for r in dec)
+# memory-bound in practice: bound by its bytes on the roofline, and bf16 moves at least half the copy bandwidth
+mem = [r for r in dec if r["roof"]["bf16"]["bound"] == "memory" and r["fraction_of_copy_bf16"] >= 0.5]
+won = [r for r in mem if r["speedup"] > 1]
 display(Markdown(
-    f"Our FP8 decode is slower than our bf16 decode at {slower} of the {len(dec)} shapes measured, with both "
-    f"caches on the same kernel{'s' if len(kernels) > 1 else ''} ({', '.join(kernels)}): FP8 takes "
+    f"Our FP8 decode is slower than our bf16 decode at {slower} of the {len(dec)} shapes measured "
+    f"(kernel{'s' if len(kernels) > 1 else ''}: {', '.join(kernels)}): FP8 takes "
     f"{1 / hi:.2f} to {1 / lo:.2f} x the bf16 time, the most at {worst['B']} requests and {worst['heads']} "
     f"heads, where FP8 reaches {100 * worst['fraction_of_copy_fp8']:.0f} % of the copy bandwidth and bf16 "
-    f"{100 * worst['fraction_of_copy_bf16']:.0f} %. The bytes are not what limits the FP8 path; its producer's loads are. "
-    f"Over bf16 rows the producer's cp.async gathers keep two stages (144 KiB) in flight per SM; over FP8 rows its "
+    f"{100 * worst['fraction_of_copy_bf16']:.0f} %. By the roofline, bf16 is bound by its FLOPs at "
+    f"{sum(r['roof']['bf16']['bound'] == 'compute' for r in dec)} shapes (there FP8 can gain nothing) and by its "
+    f"bytes at the rest; it is memory-bound in practice (bytes-bound and at least half the copy bandwidth) at "
+    f"{len(mem)} shapes ({', '.join(f'{h}' for h in sorted({r['heads'] for r in mem}))} heads, "
+    f"{min((r['B'] for r in mem), default=0)} requests or more), where FP8 is faster at {len(won)}, its speed-up "
+    f"{min((r['speedup'] for r in mem), default=float('nan')):.2f} to "
+    f"{max((r['speedup'] for r in mem), default=float('nan')):.2f} x where its roofline allows "
+    f"{min((r['roof_gain'] for r in mem), default=float('nan')):.2f} to "
+    f"{max((r['roof_gain'] for r in mem), default=float('nan')):.2f} x. "
+    f"Where the FP8 path is slow, the bytes are not what limits it; its producer's loads are. In sm_90's "
+    f"64-head kernel, over bf16 rows the producer's cp.async gathers keep two stages (144 KiB) in flight per SM; over FP8 rows its "
     f"register loads hold one step's c_kv (32 KiB) at most: the producer issues them before its stage is free and "
     f"resolves the next step's rows while they fly, but it must then multiply them out (about three instructions "
     f"a value) and store them before it can issue the next step's, so one step's loads are in flight where bf16 "
