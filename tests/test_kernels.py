@@ -65,6 +65,7 @@ def test_fused_norm_rope(device, dtype, tol, interleaved, seed):
     slot[1] = -1  # a padding token: nothing written for it
     f = dict(device=device, dtype=dtype)
     q_c, kv, ik = torch.randn(T, z["q_lora"], **f), torch.randn(T, z["d_lat"] + z["rope"], **f), torch.randn(T, z["d_i"], **f)
+    q_c[0], kv[0, : z["d_lat"]], ik[0] = q_c[0] * 1e-4, kv[0, : z["d_lat"]] * 1e-4, ik[0] * 1e-4  # mean squares below eps
     wq, wkv = 1 + 0.1 * torch.randn(z["q_lora"], **f), 1 + 0.1 * torch.randn(z["d_lat"], **f)
     kw, kb = 1 + 0.1 * torch.randn(z["d_i"], **f), 0.1 * torch.randn(z["d_i"], **f)
     cfg = ModelConfig.preset("deepseek-v3.2").replace(qk_rope_head_dim=z["rope"], index_head_dim=max(z["d_i"], z["rope"]))
@@ -333,6 +334,7 @@ def test_sparse_mla(device, dtype, tol, heads, splits, valid_first, tile, seed):
         n = int(meta.positions[t]) + 1
         topk[t, : min(n, z["k"])] = torch.randperm(n, device=device)[: z["k"]].int()
     topk[0, 1] = meta.seq_lens_cpu[0] + 3  # out of range: skipped
+    topk[0, 2] = meta.seq_lens_cpu[0]  # the first position past the sequence (its block's row exists): skipped
     topk[1] = -1  # no valid key: out 0, lse +inf
     out = torch.full((T, H, z["d_lat"]), float("nan"), **f)
     lse = torch.full((T, H), float("nan"), device=device)
