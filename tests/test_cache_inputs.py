@@ -37,6 +37,17 @@ def test_allocator_grows_releases_and_runs_out():
     assert alloc.ensure(1, 12) == [2, 0, 1]
 
 
+def test_a_second_release_frees_nothing():
+    """Releasing a sequence twice (a finished request released again) returns its blocks once: they are not handed
+    out twice."""
+    alloc = BlockAllocator(num_blocks=4, block_size=4)
+    alloc.ensure(0, 8)
+    alloc.release(0)
+    alloc.release(0)
+    assert len(alloc.free) == 4 and 0 not in alloc.tables and 0 not in alloc.held
+    assert sorted(alloc.ensure(1, 16)) == [0, 1, 2, 3]
+
+
 def test_write_then_gather_round_trip(seed):
     cache = torch.zeros(5, 4, 3)
     meta = AttentionMetadata.build([0], [10], [[4, 0, 3]], 4)

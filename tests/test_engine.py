@@ -20,6 +20,23 @@ def _engine(ref, boundary, device="cpu", mode=CUDAGraphMode.NONE):
                      model=from_reference(ref, boundary))
 
 
+def test_a_staged_step_pads_the_rows_a_longer_step_left():
+    """InputBatch.stage after a longer step: the rows past the step's tokens are padding again (token 0, position 0,
+    slot -1: no cache write, the padding request), and so are the requests past the step's."""
+    from dsv32ref.engine.input_batch import InputBatch
+
+    config = tiny_model("tiny-deepseek-v3.2").config
+    ec = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4)
+    batch = InputBatch(config, ec, torch.device("cpu"))
+    batch.stage(StepInput([(0, list(range(1, 9)), 0), (1, [3, 4], 0)]), [[0, 1], [2]], num_blocks=8)
+    batch.upload()
+    batch.stage(StepInput([(0, [5, 6, 7], 8)]), [[0, 1, 3]], num_blocks=8)
+    batch.upload()
+    assert batch.slot_mapping[:3].tolist() == [12, 13, 14] and (batch.slot_mapping[3:] == -1).all()
+    assert (batch.input_ids[3:] == 0).all() and (batch.positions[3:] == 0).all()
+    assert (batch.req_indices[3:] == ec.max_num_seqs).all() and (batch.seq_lens[1:] == 0).all()
+
+
 def _gpu_config(preset: str, **overrides):
     """Widths the compiled kernels accept (dot K >= 16), small enough for quick GPU tests."""
     widths = dict(hidden_size=256, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,

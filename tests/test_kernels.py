@@ -621,6 +621,17 @@ def test_topk_split_path_matches_reference(device, seed):
         assert valid == sorted(valid) and got[len(valid):] == [-1] * (K - len(valid))
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_topk_split_path_places_a_later_chunks_keys_after_the_ties_it_takes(device):
+    """The chunked top-k's compaction, where an earlier chunk holds more keys equal to the threshold than are taken
+    and a later chunk keys above it: each chunk writes at its own offset, and nothing past out's K columns (out
+    is a view into a wider buffer)."""
+    buf = torch.full((1, 10), -7, dtype=torch.int32, device=device)
+    scores = torch.tensor([[1.0, 1, 1, 1, 5, 5, 0, 0]], device=device)
+    topk_from_scores(scores, torch.tensor([7], device=device), buf[:, :3], block=4, chunk=4, split_above=0)
+    assert buf[0].tolist() == [0, 4, 5] + [-7] * 7
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,ctx", [(1, 40000), (3, 9000)])  # the chunked top-k (six launches), the one-program one
 def test_indexer_chained_launches_replay_like_plain_ones(T, ctx, seed):
