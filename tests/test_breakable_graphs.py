@@ -239,13 +239,14 @@ def test_runner_order_modes_and_lookup():
 
 
 def test_runner_with_full_graphs_for_every_step_captures_and_serves_only_full():
-    """full_serves_all (no eager break: FULL graphs serve prefill and mixed steps too): no PIECEWISE phase, and a
+    """full_serves_all (no eager break: FULL graphs serve prefill and mixed steps too): no PIECEWISE phase, FULL
+    graphs at every capture size (past max_full_size, the largest decode batch, as the engine builds it), and a
     prefill step of 3 tokens is served by the FULL graph of size 4."""
     def forward(size, full):
         return torch.zeros(size)
 
     runner = GraphRunner(forward, CUDAGraphMode.FULL_AND_PIECEWISE, [1, 2, 4], lambda: FakeBackend([]), warmup=False,
-                         full_serves_all=True)
+                         max_full_size=2, full_serves_all=True)
     runner.capture_all()
     assert runner.phase_sizes() == [("FULL", [4, 2, 1])] and not runner.piecewise
     assert runner.lookup(3, uniform_decode=False)[:2] == ("FULL", 4)

@@ -23,9 +23,10 @@ def _engine(ref, boundary, device="cpu", mode=CUDAGraphMode.NONE):
 def test_a_staged_step_pads_the_rows_a_longer_step_left():
     """InputBatch.stage after a longer step: the rows past the step's tokens are padding again (token 0, position 0,
     slot -1: no cache write, the padding request), and so are the requests past the step's."""
+    from dsv32ref.config import ModelConfig
     from dsv32ref.engine.input_batch import InputBatch
 
-    config = tiny_model("tiny-deepseek-v3.2").config
+    config = ModelConfig.preset("tiny-deepseek-v3.2")
     ec = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=4)
     batch = InputBatch(config, ec, torch.device("cpu"))
     batch.stage(StepInput([(0, list(range(1, 9)), 0), (1, [3, 4], 0)]), [[0, 1], [2]], num_blocks=8)

@@ -538,8 +538,8 @@ def test_fp8_queries_need_the_fp8_key_cache():
 
 def _norm_rope_inputs(device, dtype, g):
     """Two requests on scrambled blocks of 8, one padding token (slot -1), DeepSeek-V3.2's latent widths; an
-    outlier in each indexer key, in turn among its rotated values and among the others; the latent's first group
-    of 128 values zero and its second small (their fp8 scales at FlashMLA's floor of 2^-13) by the norm's weight."""
+    outlier in each indexer key, in turn among its rotated values and among the others; one token's first group of
+    128 latent values zero and another's second group small (their fp8 scales at FlashMLA's floor of 2^-13)."""
     from dsv32ref.cache import AttentionMetadata
     meta = AttentionMetadata.build([3, 0], [2, 5], [[5, 1], [0, 3]], 8, device)
     slot = meta.slot_mapping.clone()
@@ -547,9 +547,10 @@ def _norm_rope_inputs(device, dtype, g):
     T, f = meta.num_tokens, dict(device=device, dtype=dtype)
     r = lambda *shape: torch.randn(*shape, generator=g).to(**f)  # noqa: E731
     outlier = torch.tensor([0, 100] * T, device=device)[:T]  # a rotated value, a kept one
-    kv_weight = (1 + 0.1 * r(512)) * torch.cat((torch.zeros(128), torch.full((128,), 1e-3), torch.ones(256))).to(**f)
-    return dict(q_c=r(T, 48), q_a_norm_weight=1 + 0.1 * r(48), q_c_out=torch.empty(T, 48, **f), kv=r(T, 576) * 3,
-                kv_a_norm_weight=kv_weight, positions=meta.positions, slot_mapping=slot, rms_eps=1e-6,
+    kv = r(T, 576) * 3
+    kv[0, :128], kv[2, 128:256] = 0, kv[2, 128:256] * 1e-3
+    return dict(q_c=r(T, 48), q_a_norm_weight=1 + 0.1 * r(48), q_c_out=torch.empty(T, 48, **f), kv=kv,
+                kv_a_norm_weight=1 + 0.1 * r(512), positions=meta.positions, slot_mapping=slot, rms_eps=1e-6,
                 index_k=r(T, 128) + 40 * (torch.arange(128, device=device) == outlier[:, None]),
                 k_norm_weight=1 + 0.1 * r(128), k_norm_bias=0.1 * r(128)), 6
 

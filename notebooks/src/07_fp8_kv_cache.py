@@ -251,8 +251,9 @@ display(Markdown(
 #
 # Each decode shape against its roofline (`dsv32ref.bench.kernels.roofline`): its bytes at the copy bandwidth
 # against its FLOPs (q K^T over 576 columns, P V over 512) at the GEMM rate; the larger is the shape's bound. FP8
-# only shrinks the bytes, so what it can gain is the bf16 bound over the FP8 one: 1152 / 656 where both are
-# bytes, less where the FLOPs take over (many heads), nothing where bf16 is already bound by its FLOPs.
+# only shrinks the rows' bytes, so what it can gain is the bf16 bound over the FP8 one: a little under 1152 / 656
+# where both are bound by their bytes (the queries, indices and outputs weigh the same in both), less where the
+# FLOPs take over (many heads), nothing where bf16 is already bound by its FLOPs.
 
 # %% nbval-ignore
 dec = [r for r in speed["results"] if r["kernel"] == "sparse_mla_decode"]
@@ -263,12 +264,15 @@ ceil = speed["ceilings"]
 for r in dec:  # each arm's roofline: its bytes at the copy bandwidth, the shape's FLOPs at the GEMM rate
     r["roof"] = {f: roofline(r["flops"], r[f"bytes_{f}"], r[f"ms_{f}"], ceil) for f in ("bf16", "fp8")}
     r["roof_gain"] = r["roof"]["bf16"]["floor_ms"] / r["roof"]["fp8"]["floor_ms"]
-print(f"bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s; 32k context:")
-table(["B", "heads", "fp8 kernel", "bf16 us", "fp8 us", "speed-up", "roofline gain", "bf16 bound",
+kernels = sorted({k for r in dec for k in r["impl"].values()})
+letter = {k: chr(ord("a") + i) for i, k in enumerate(kernels)}
+print(f"bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s; kernels: "
+      + ", ".join(f"{letter[k]} {k}" for k in kernels) + "; 32k context:")
+table(["B", "heads", "kernel bf16/fp8", "bf16 us", "fp8 us", "speed-up", "roofline gain", "bf16 bound",
        "bf16 % of copy", "fp8 % of copy"],
-      [[r["B"], r["heads"], r["impl"]["fp8"], r["ms_bf16"] * 1e3, r["ms_fp8"] * 1e3, r["speedup"], r["roof_gain"],
-        r["roof"]["bf16"]["bound"], 100 * r["fraction_of_copy_bf16"], 100 * r["fraction_of_copy_fp8"]]
-       for r in dec if r["context"] == 32768], floatfmt=".2f")
+      [[r["B"], r["heads"], "/".join(letter[r["impl"][f]] for f in ("bf16", "fp8")), r["ms_bf16"] * 1e3,
+        r["ms_fp8"] * 1e3, r["speedup"], r["roof_gain"], r["roof"]["bf16"]["bound"], 100 * r["fraction_of_copy_bf16"],
+        100 * r["fraction_of_copy_fp8"]] for r in dec if r["context"] == 32768], floatfmt=".2f")
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -299,41 +303,46 @@ axes[1].legend(fontsize=7)
 show(fig)
 
 # %%
-kernels = sorted({k for r in dec for k in r["impl"].values()})
 lo, hi = min(r["speedup"] for r in dec), max(r["speedup"] for r in dec)
 worst = min(dec, key=lambda r: r["speedup"])
 s128 = [r for r in sco if r["B"] == max(x["B"] for x in sco) and r["context"] == ctx][0]
 s1 = [r for r in sco if r["B"] == 1 and r["context"] == ctx][0]
 slower = sum(r["speedup"] < 1 for r in dec)
+same = sum(r["impl"]["bf16"] == r["impl"]["fp8"] for r in dec)
 # memory-bound in practice: bound by its bytes on the roofline, and bf16 moves at least half the copy bandwidth
 mem = [r for r in dec if r["roof"]["bf16"]["bound"] == "memory" and r["fraction_of_copy_bf16"] >= 0.5]
 won = [r for r in mem if r["speedup"] > 1]
-display(Markdown(
-    f"Our FP8 decode is slower than our bf16 decode at {slower} of the {len(dec)} shapes measured "
-    f"(kernel{'s' if len(kernels) > 1 else ''}: {', '.join(kernels)}): FP8 takes "
-    f"{1 / hi:.2f} to {1 / lo:.2f} x the bf16 time, the most at {worst['B']} requests and {worst['heads']} "
-    f"heads, where FP8 reaches {100 * worst['fraction_of_copy_fp8']:.0f} % of the copy bandwidth and bf16 "
-    f"{100 * worst['fraction_of_copy_bf16']:.0f} %. By the roofline, bf16 is bound by its FLOPs at "
-    f"{sum(r['roof']['bf16']['bound'] == 'compute' for r in dec)} shapes (there FP8 can gain nothing) and by its "
-    f"bytes at the rest; it is memory-bound in practice (bytes-bound and at least half the copy bandwidth) at "
-    f"{len(mem)} shapes ({', '.join(f'{h}' for h in sorted({r['heads'] for r in mem}))} heads, "
-    f"{min((r['B'] for r in mem), default=0)} requests or more), where FP8 is faster at {len(won)}, its speed-up "
-    f"{min((r['speedup'] for r in mem), default=float('nan')):.2f} to "
-    f"{max((r['speedup'] for r in mem), default=float('nan')):.2f} x where its roofline allows "
-    f"{min((r['roof_gain'] for r in mem), default=float('nan')):.2f} to "
-    f"{max((r['roof_gain'] for r in mem), default=float('nan')):.2f} x. "
-    f"Where the FP8 path is slow, the bytes are not what limits it; its producer's loads are. In sm_90's "
-    f"64-head kernel, over bf16 rows the producer's cp.async gathers keep two stages (144 KiB) in flight per SM; over FP8 rows its "
-    f"register loads hold one step's c_kv (32 KiB) at most: the producer issues them before its stage is free and "
-    f"resolves the next step's rows while they fly, but it must then multiply them out (about three instructions "
-    f"a value) and store them before it can issue the next step's, so one step's loads are in flight where bf16 "
-    f"keeps two stages of gathers. FlashMLA's FP8 decode dequantises in a producer warpgroup of its own too. "
-    f"The indexer's scores pass over FP8 keys runs at "
-    f"{s1['speedup']:.2f} x the bf16 keys' speed for one request ({s1['ms_fp8'] * 1e3:.1f} against "
-    f"{s1['ms_bf16'] * 1e3:.1f} us at {ctx // 1024}k keys) and {s128['speedup']:.2f} x at {s128['B']} requests "
-    f"({s128['ms_fp8'] * 1e3:.0f} against {s128['ms_bf16'] * 1e3:.0f} us), at "
-    f"{100 * s128['fraction_of_copy_fp8']:.0f} % of the copy bandwidth where bf16 keys reach "
-    f"{100 * s128['fraction_of_copy_bf16']:.0f} %: less than its bytes allow."))
+text = (f"Our FP8 decode is slower than our bf16 decode at {slower} of the {len(dec)} shapes measured ({same} of "
+        f"them with both caches on one kernel): FP8 takes {1 / hi:.2f} to {1 / lo:.2f} x the bf16 time, the most "
+        f"at {worst['B']} requests and {worst['heads']} heads, where FP8 reaches "
+        f"{100 * worst['fraction_of_copy_fp8']:.0f} % of the copy bandwidth and bf16 "
+        f"{100 * worst['fraction_of_copy_bf16']:.0f} %. By the roofline, bf16 is bound by its FLOPs at "
+        f"{sum(r['roof']['bf16']['bound'] == 'compute' for r in dec)} shapes (there FP8 can gain nothing) and by "
+        f"its bytes at the rest. ")
+if mem:
+    pairs = sorted({(r["B"], r["heads"]) for r in mem})
+    text += (f"It is memory-bound in practice (bytes-bound, and at least half the copy bandwidth) at {len(mem)} "
+             f"shapes (requests x heads: {', '.join(f'{b} x {h}' for b, h in pairs)}), where FP8 "
+             f"is faster at {len(won)}: its speed-up is {min(r['speedup'] for r in mem):.2f} to "
+             f"{max(r['speedup'] for r in mem):.2f} x where its roofline allows {min(r['roof_gain'] for r in mem):.2f} "
+             f"to {max(r['roof_gain'] for r in mem):.2f} x. ")
+else:
+    text += "At no bytes-bound shape does bf16 reach half the copy bandwidth. "
+ws = [r for r in dec if r["impl"]["fp8"] == "sm_90 warp-specialized" and r["speedup"] < 1]
+if ws:
+    text += (f"On sm_90's 64-head kernel (sm_90 warp-specialized), where FP8 is slower at {len(ws)} shapes, the "
+             f"bytes are not what limits it; its producer's loads are: over FP8 rows its register loads hold one "
+             f"step's c_kv (32 KiB) at most, where cp.async gathers of bf16 rows keep two stages (144 KiB) in flight "
+             f"per SM. The producer issues them before its stage is free and resolves the next step's rows while "
+             f"they fly, but it must then multiply them out (about three instructions a value) and store them before "
+             f"it can issue the next step's. FlashMLA's FP8 decode dequantises in a producer warpgroup of its own "
+             f"too. ")
+text += (f"The indexer's scores pass over FP8 keys runs at {s1['speedup']:.2f} x the bf16 keys' speed for one "
+         f"request ({s1['ms_fp8'] * 1e3:.1f} against {s1['ms_bf16'] * 1e3:.1f} us at {ctx // 1024}k keys) and "
+         f"{s128['speedup']:.2f} x at {s128['B']} requests ({s128['ms_fp8'] * 1e3:.0f} against "
+         f"{s128['ms_bf16'] * 1e3:.0f} us), at {100 * s128['fraction_of_copy_fp8']:.0f} % of the copy bandwidth "
+         f"where bf16 keys reach {100 * s128['fraction_of_copy_bf16']:.0f} %: less than its bytes allow.")
+display(Markdown(text))
 
 # %% [markdown]
 # ## The PR's TTFT protocol with the FP8 cache
@@ -436,8 +445,9 @@ display(Markdown(
     f"{mean_over('dummy', 'bf16', lambda a: a['top1_agreement']):.0%} of steps); the FP8 arm keeps the "
     f"bf16 token in {quartiles[0][4]:.0%} of the quarter of requests with the narrowest gaps, {quartiles[3][4]:.0%} "
     f"of the widest.\n"
-    f"- Speed: with our kernels the FP8 cache does not pay for itself yet: decode over FP8 rows takes "
-    f"{1 / hi:.2f} to {1 / lo:.2f} x the time of the same kernel over bf16 rows, and TTFT moves from "
+    f"- Speed: decode over FP8 rows takes {1 / hi:.2f} to {1 / lo:.2f} x the time over bf16 rows (FP8 faster at "
+    f"{len(dec) - slower} of {len(dec)} shapes, at {len(won)} of the {len(mem)} where bf16 is memory-bound in "
+    f"practice), and TTFT moves from "
     f"{n['mean_ms']:.2f} to "
     f"{n8['mean_ms']:.2f} ms (`narrow`) and from {z['mean_ms']:.2f} to {z8['mean_ms']:.2f} ms (`none`): in the "
     f"PR's regime (8-token prompts) the cache is not what TTFT waits on."))
