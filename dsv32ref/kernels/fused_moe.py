@@ -48,6 +48,7 @@ __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "Tiles", "align_pairs", "block_m", "defau
 
 MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment sorts them in one program
 MAX_EXPERTS = 1 << 12  # local experts (and the shared one) the alignment's int32 sort keys hold beside the pairs
+ROUTER_BLOCK_K = 32  # hidden's columns a router-logits step multiplies
 
 
 def block_m(n_pairs: int, n_experts: int) -> int:
@@ -97,25 +98,28 @@ def _top1(v, cols):
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, stride_xt, w_ptr, partial_ptr, T, E, hidden, k_per_split, E_PAD: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """partial[split, t, e] = x_t . W_g[e] over the split's share of hidden, in fp32 (as the reference computes the
-    logits): programs over (tokens, experts, splits of hidden), so that a few decode tokens still spread the
-    router's weight read over many SMs."""
+def _router_logits_kernel(x_ptr, stride_xt, w_ptr, partial_ptr, T, E, hidden, E_PAD: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr):
+    """partial[split, t, e] = x_t . W_g[e] over the split's STEPS BLOCK_K columns of hidden, in fp32 (as the
+    reference computes the logits): programs over (tokens, experts, splits of hidden), so that a few decode tokens
+    still spread the router's weight read over many SMs. Fused multiply-adds, no MMA: each thread keeps its own
+    sums along K (the (BLOCK_T, BLOCK_E, BLOCK_K) accumulator), reduced once at the end; the steps are unrolled,
+    so that a program's loads are all issued before the first is used."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    split = tl.program_id(2)
+    k0 = tl.program_id(2) * (STEPS * BLOCK_K)
     t_ok, e_ok = offs_t < T, cols < E
-    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    k_end = tl.minimum(hidden, (split + 1) * k_per_split)
-    for k0 in range(split * k_per_split, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], tl.float32)
+    for j in tl.static_range(STEPS):
+        offs_k = k0 + j * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < hidden
         x = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
-                    mask=t_ok[:, None] & (offs_k < k_end)[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_K)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * hidden + offs_k[:, None],
-                    mask=e_ok[None, :] & (offs_k < k_end)[:, None], other=0.0)  # (BLOCK_K, BLOCK_E)
-        acc += tl.dot(x, w, input_precision="ieee")
-    tl.store(partial_ptr + (split * T + offs_t[:, None]).to(tl.int64) * E_PAD + cols[None, :], acc, mask=t_ok[:, None])
+                    mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_K)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * hidden + offs_k[None, :],
+                    mask=e_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_E, BLOCK_K)
+        acc += x[:, None, :] * w[None, :, :]
+    tl.store(partial_ptr + (tl.program_id(2) * T + offs_t[:, None]).to(tl.int64) * E_PAD + cols[None, :],
+             tl.sum(acc, axis=2), mask=t_ok[:, None])
 
 
 @triton.jit
@@ -329,12 +333,13 @@ def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_s
         raise ValueError(f"route_kernel: n_routed_experts {E} must split into n_group {c.n_group} groups of a power "
                          f"of two >= 2 experts")
     e_pad = max(16, triton.next_power_of_2(E))
-    # up to 32 splits of hidden, each two BLOCK_K: a program's loads are two in a row, not a chain of eight
-    k_per_split = triton.cdiv(max(256, triton.cdiv(hidden, 32)), 128) * 128
-    splits, block_e = triton.cdiv(hidden, k_per_split), min(64, e_pad)
+    # splits of hidden of 8 x 32 columns (up to 32 of them, then wider): 16 experts x 256 columns of fp32 weights
+    # (16 KiB) a program at DeepSeek-V3.2's and GLM-5.2's sizes, its eight loads in flight together
+    steps = max(8, triton.cdiv(hidden, 32 * ROUTER_BLOCK_K))
+    splits, block_t = triton.cdiv(hidden, steps * ROUTER_BLOCK_K), min(16, triton.next_power_of_2(T))
     partial = torch.empty(splits, T, e_pad, dtype=torch.float32, device=x.device)
-    launch(_router_logits_kernel, (triton.cdiv(T, 16), e_pad // block_e, splits), x, x.stride(0), weight, partial, T,
-           E, hidden, k_per_split, E_PAD=e_pad, BLOCK_T=16, BLOCK_E=block_e, BLOCK_K=128)
+    launch(_router_logits_kernel, (triton.cdiv(T, block_t), e_pad // 16, splits), x, x.stride(0), weight, partial, T,
+           E, hidden, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=16, BLOCK_K=ROUTER_BLOCK_K, STEPS=steps)
     launch(_router_kernel, (triton.cdiv(T, 16),), partial, e_score_correction_bias, ids, weights, T, E, splits,
            float(c.routed_scaling_factor), N_GROUP=c.n_group, PER_GROUP=per, TOPK_GROUP=c.topk_group, TOP_K=k,
            NORM=bool(c.norm_topk_prob), E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), BLOCK_T=16,
