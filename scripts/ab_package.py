@@ -1,8 +1,8 @@
 """The library of another revision beside this tree's, probe by probe, in alternating processes (GPU).
 
     git archive REV dsv32ref | tar -x -C DIR        # a copy of the package at REV (echo REV > DIR/REVISION)
-    python scripts/ab_package.py --against DIR [DIR ...] [--probes sparse_mla route add_rms_norm] [--rounds 2]
-                                 [--out F.json]
+    python scripts/ab_package.py --against DIR [DIR ...] [--probes sparse_mla route add_rms_norm sparse_mla_fp8]
+                                 [--rounds 2] [--out F.json]
 
 Each probe runs in a process of its own with one arm's package first on its path: this tree's, then each copy's,
 round after round (the order rotating), so that a change is timed against what it replaces under the same drift
@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROBES = ("sparse_mla", "route", "add_rms_norm", "where")  # "where": which package an arm imports (no GPU)
+PROBES = ("sparse_mla", "route", "add_rms_norm", "sparse_mla_fp8", "where")  # "where": which package an arm imports (no GPU)
 MAX_ROUNDS = 100  # each round runs every probe in every arm, a process each
 
 
@@ -153,6 +153,30 @@ def probe_sparse_mla() -> dict:
     return cases
 
 
+def probe_sparse_mla_fp8() -> dict:
+    """sparse_mla_paged decode over FlashMLA's FP8 rows at 16, 64 and 128 heads (GLM-5.2's sizes): 64 requests of
+    one token at a 32k context, each selecting 2048 distinct rows (bench.fp8's inputs, whose bf16 cache holds the
+    dequantised rows: the float64 reference runs over it)."""
+    import torch
+    from dsv32ref.bench.fp8 import decode_calls, decode_inputs
+    from dsv32ref.bench.kernels import shapes, slots_of
+    from dsv32ref.reference import sparse_mla
+    from dsv32ref.testing import compare
+
+    z = shapes("glm-5.2")
+    r = decode_inputs(z, 64, 32768)
+    slots = slots_of(r["block_table"], r["topk"].long(), r["req"]).int()
+    rows = r["caches"][0][0].view(-1, z["d_lat"] + z["rope"]).double()  # the FP8 rows' values, as bf16
+    cases = {}
+    for H in (16, 64, 128):
+        q, calls, outs, lses = decode_calls(z, r, H)  # each arm run once on poisoned outputs
+        ref, ref_lse = sparse_mla(q.double(), rows, slots, z["config"].softmax_scale, z["d_lat"])
+        ok = bool(compare("out", outs["fp8"], ref, dtype=torch.bfloat16, row_dims=2)) and \
+            (lses["fp8"].double() - ref_lse).abs().max().item() <= 1e-4
+        cases[f"glm-5.2 decode fp8 B64 ctx32768 H{H}"] = (_graph_us([calls["fp8"]] * 4), ok)
+    return cases
+
+
 def probe_route() -> dict:
     """route_kernel at 1, 8 and 16 tokens, both models, over 16 copies of the router's fp32 weight (past the L2)."""
     import torch
@@ -236,7 +260,7 @@ def check_out(out: str | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", nargs="+", default=[], metavar="DIR")
-    ap.add_argument("--probes", nargs="+", default=list(PROBES[:3]))
+    ap.add_argument("--probes", nargs="+", default=list(PROBES[:4]))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
