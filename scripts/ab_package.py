@@ -25,7 +25,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROBES = ("sparse_mla", "route", "add_rms_norm", "sparse_mla_fp8", "where")  # "where": which package an arm imports (no GPU)
+# "where": which package an arm imports (no GPU)
+PROBES = ("sparse_mla", "route", "add_rms_norm", "sparse_mla_fp8", "where")
 MAX_ROUNDS = 100  # each round runs every probe in every arm, a process each
 
 
@@ -115,13 +116,23 @@ def _graph_us(calls, replays: int = 30) -> float:
     return statistics.median(times[5:])
 
 
+def _matches(out, lse, ref, ref_lse) -> bool:
+    """sparse_mla's out and lse against the float64 reference, per element (out: 2 units of bf16 of the element
+    and of its row's largest; lse: fp32's sum of exponentials, 1e-4 absolute, where one key of 2048 left out moves
+    it by about 5e-4)."""
+    import torch
+    from dsv32ref.testing import compare
+
+    return bool(compare("out", out, ref, dtype=torch.bfloat16, row_dims=2)) and \
+        (lse.double() - ref_lse).abs().max().item() <= 1e-4
+
+
 def probe_sparse_mla() -> dict:
     """sparse_mla_paged (valid-first top-k) at 8-token prompts of 8 and 2048 keys and decode batches, both models."""
     import torch
     from dsv32ref.bench.kernels import BLOCK_SIZE, decode_batch, one_request, shapes, slots_of
     from dsv32ref.kernels import sparse_mla_paged
     from dsv32ref.reference import sparse_mla
-    from dsv32ref.testing import compare
 
     cases = {}
     for model in ("glm-5.2", "deepseek-v3.2"):
@@ -145,11 +156,7 @@ def probe_sparse_mla() -> dict:
             call()
             slots = torch.where(topk >= 0, slots_of(r["block_table"], topk.long().clamp_min(0), r["req"]), -1)
             ref, ref_lse = sparse_mla(q.double(), cache.view(-1, 576).double(), slots.int(), scale, 512)  # float64
-            # per element (out: 2 units of bf16 of the element and of its row's largest; lse: fp32's sum of
-            # exponentials, 1e-4 absolute, where one key of 2048 left out moves it by about 5e-4)
-            ok = bool(compare("out", out, ref, dtype=torch.bfloat16, row_dims=2)) and \
-                (lse.double() - ref_lse).abs().max().item() <= 1e-4
-            cases[f"{model} {kind} T{T} ctx{ctx}"] = (_graph_us([call] * 10), ok)
+            cases[f"{model} {kind} T{T} ctx{ctx}"] = (_graph_us([call] * 10), _matches(out, lse, ref, ref_lse))
     return cases
 
 
@@ -161,7 +168,6 @@ def probe_sparse_mla_fp8() -> dict:
     from dsv32ref.bench.fp8 import decode_calls, decode_inputs
     from dsv32ref.bench.kernels import shapes, slots_of
     from dsv32ref.reference import sparse_mla
-    from dsv32ref.testing import compare
 
     z = shapes("glm-5.2")
     r = decode_inputs(z, 64, 32768)
@@ -171,9 +177,8 @@ def probe_sparse_mla_fp8() -> dict:
     for H in (16, 64, 128):
         q, calls, outs, lses = decode_calls(z, r, H)  # each arm run once on poisoned outputs
         ref, ref_lse = sparse_mla(q.double(), rows, slots, z["config"].softmax_scale, z["d_lat"])
-        ok = bool(compare("out", outs["fp8"], ref, dtype=torch.bfloat16, row_dims=2)) and \
-            (lses["fp8"].double() - ref_lse).abs().max().item() <= 1e-4
-        cases[f"glm-5.2 decode fp8 B64 ctx32768 H{H}"] = (_graph_us([calls["fp8"]] * 4), ok)
+        cases[f"glm-5.2 decode fp8 B64 ctx32768 H{H}"] = (_graph_us([calls["fp8"]] * 4),
+                                                         _matches(outs["fp8"], lses["fp8"], ref, ref_lse))
     return cases
 
 
