@@ -17,11 +17,11 @@ pytestmark = pytest.mark.skipif(
     reason="needs triton's ptxas and a triton the sm_90 kernels are built for")
 
 
-def _build(kernel: str, pointers: dict | None = None, **const) -> dict:
+def _build(kernel: str, pointers: dict | None = None, gluon: bool = True, **const) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "dsv32ref.kernels.sm90_offline", kernel, json.dumps(const),
-                           "--gluon", "--pointers", json.dumps(pointers or {})], capture_output=True, text=True,
-                          env=env)
+                           *(["--gluon"] if gluon else []), "--pointers", json.dumps(pointers or {})],
+                          capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -61,6 +61,15 @@ def test_the_heads_as_n_kernel_builds_for_sm90_within_a_block_without_new_spills
                HB=hb, D_LAT=512, D_ROPE=64, VALID_FIRST=False, FP8=fp8, NUM_SPLITS=splits, num_warps=4)
     assert r["shared_bytes"] <= MAX_SHARED_BYTES and r["spill_store_bytes"] == known_spill, r
     assert r["opcodes"].get("HGMMA", 0) > 0
+
+
+@pytest.mark.parametrize("block_t,num_warps", [(1, 4), (16, 4), (16, 8)])
+def test_the_router_logits_kernel_builds_for_sm90_without_spills_under_its_launch_options(block_t, num_warps):
+    """A Triton kernel, num_warps a launch option beside its constexprs (not one of its arguments)."""
+    r = _build("dsv32ref.kernels.fused_moe:_router_logits_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32",
+               "partial_ptr": "*fp32"}, gluon=False, E_PAD=256, BLOCK_T=block_t, BLOCK_E=16, BLOCK_K=32, STEPS=8,
+               num_warps=num_warps)
+    assert r["spill_store_bytes"] == 0 and r["opcodes"].get("FFMA", 0) > 0, r
 
 
 def test_the_offline_build_refuses_pointer_types_that_are_not_pointers():

@@ -82,7 +82,7 @@ def ptxas_report(kernel) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", help="module:function, e.g. dsv32ref.kernels.sparse_mla_pairs:_sparse_mla_pairs_kernel")
-    ap.add_argument("constexprs", help="JSON object: the kernel's constexpr arguments (num_warps among them)")
+    ap.add_argument("constexprs", help="JSON object: the kernel's constexpr arguments and the launch's num_warps and num_stages")
     ap.add_argument("--gluon", action="store_true", help="a @gluon.jit kernel")
     ap.add_argument("--pointers", default="{}",
                     help="JSON object: pointer arguments' types over SPARSE_MLA_POINTERS, e.g. {\"cache_ptr\": \"*u8\"}")
@@ -96,8 +96,9 @@ def main(argv=None) -> int:
     module, _, name = args.kernel.partition(":")
     fn = getattr(importlib.import_module(module), name)
     const = json.loads(args.constexprs)
+    options = {name: const.pop(name) for name in ("num_warps", "num_stages") if name in const}  # launch options
     pointers = dict(SPARSE_MLA_POINTERS, **retyped)
-    report = ptxas_report(compile_sm90(fn, const, pointers, const.get("num_warps", 4), gluon=args.gluon))
+    report = ptxas_report(compile_sm90(fn, const, pointers, options.pop("num_warps", 4), gluon=args.gluon, **options))
     ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", report.pop("sass"), re.M)
     print(json.dumps(dict(report, opcodes=dict(collections.Counter(ops)))))
     return 0
