@@ -334,9 +334,11 @@ def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_s
                          f"of two >= 2 experts")
     e_pad = max(16, triton.next_power_of_2(E))
     # splits of hidden of 8 x 32 columns (up to 32 of them, then wider): 16 experts x 256 columns of fp32 weights
-    # (16 KiB) a program at DeepSeek-V3.2's and GLM-5.2's sizes, its eight loads in flight together
+    # (16 KiB) a program at DeepSeek-V3.2's and GLM-5.2's sizes, its eight loads in flight together; up to 8 tokens
+    # a program: sm_90a holds 8 x 16 x 32 sums in 71 registers (7 programs an SM), 16 tokens' in 141 (3 an SM,
+    # and DeepSeek-V3.2's 448 programs of 16 tokens then take two waves)
     steps = max(8, triton.cdiv(hidden, 32 * ROUTER_BLOCK_K))
-    splits, block_t = triton.cdiv(hidden, steps * ROUTER_BLOCK_K), min(16, triton.next_power_of_2(T))
+    splits, block_t = triton.cdiv(hidden, steps * ROUTER_BLOCK_K), min(8, triton.next_power_of_2(T))
     partial = torch.empty(splits, T, e_pad, dtype=torch.float32, device=x.device)
     launch(_router_logits_kernel, (triton.cdiv(T, block_t), e_pad // 16, splits), x, x.stride(0), weight, partial, T,
            E, hidden, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=16, BLOCK_K=ROUTER_BLOCK_K, STEPS=steps)
