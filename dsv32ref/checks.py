@@ -163,11 +163,14 @@ def check_range(name: str, t: torch.Tensor | None, low: int, high: int, what: st
 
 
 def check_device(name: str, device) -> torch.device:
-    """A device torch can place tensors on here: else ValueError naming `name` (not torch's assertion)."""
+    """A cpu or cuda device (what this package runs on) that torch can place tensors on here: else ValueError naming
+    `name` (not torch's assertion). The meta device is refused too: tensors there hold no values."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"{name}: expected a device such as 'cpu' or 'cuda:0', got {device!r} ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a cpu or cuda device, got {dev}")
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"{name}: {dev} is not available here ({torch.cuda.device_count()} CUDA devices)")
     return dev

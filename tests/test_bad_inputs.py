@@ -663,10 +663,20 @@ def test_reference_model_inputs():
 
 # ---- cache and metadata ------------------------------------------------------------------------------
 
+def _moved(kv_cache: PagedKVCache, device: str) -> PagedKVCache:
+    """A cache whose tensors were moved after it was built (the constructor takes cpu and cuda only)."""
+    kv_cache.latent = [t.to(device) for t in kv_cache.latent]
+    return kv_cache
+
+
 CACHE_CASES = [
     (lambda: AttentionMetadata.build([0], [1], [[0]], 4, device="nope"), r"AttentionMetadata: device: expected a device"),
     (lambda: PagedKVCache(ModelConfig.preset("tiny-glm-5.2"), 2, 4, device="cuda:7"),
      r"PagedKVCache: device: cuda:7 is not available here"),
+    (lambda: PagedKVCache(ModelConfig.preset("tiny-glm-5.2"), 2, 4, device="meta"),
+     r"PagedKVCache: device: expected a cpu or cuda device, got meta"),
+    (lambda: AttentionMetadata.build([0], [1], [[0]], 4, device="meta"),
+     r"AttentionMetadata: device: expected a cpu or cuda device, got meta"),
     (lambda: write_latent(torch.zeros(2, 4, 656, dtype=torch.uint8), torch.tensor([0]), torch.randn(576)),
      r"latent: expected shape \[\*, 576\], got \[576\]"),
     (lambda: write_tokens(torch.zeros(2, 4, 8), torch.tensor([[0]]), torch.zeros(1, 8)), r"slot_mapping: expected shape \[\*\]"),
@@ -691,7 +701,7 @@ CACHE_CASES = [
      r"block 1 of 1073741824 tokens needs 2147483648 slots"),
     (lambda: check_cache_fits(PagedKVCache(TINY, 2, 4), None, "cpu"), r"check_cache_fits: config: expected a ModelConfig"),
     (lambda: check_cache_fits(PagedKVCache(TINY, 2, 4), TINY, "gpu"), r"check_cache_fits: device: expected a device"),
-    (lambda: check_cache_fits(PagedKVCache(TINY, 2, 4, device="meta"), TINY, "cpu"),
+    (lambda: check_cache_fits(_moved(PagedKVCache(TINY, 2, 4), "meta"), TINY, "cpu"),
      r"kv_cache: expected it on cpu, got meta"),
     (lambda: check_cache_fits(PagedKVCache(TINY.replace(num_hidden_layers=TINY.num_hidden_layers + 1,
                                                         indexer_types=None), 2, 4), TINY, "cpu"),
@@ -1697,6 +1707,8 @@ def test_the_input_generators_name_a_device_they_cannot_use(name):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=rf"{name}: device: cuda is not available here \(0 CUDA devices\)"):
             getattr(testing, name)(device="cuda")
+    with pytest.raises(ValueError, match=rf"{name}: device: expected a cpu or cuda device, got meta"):
+        getattr(testing, name)(device="meta")  # (tensors that hold no values: the inputs drawn were none)
 
 
 def test_a_scale_block_larger_than_the_weight_is_one_block():
