@@ -237,7 +237,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     path = os.fspath(path)
     if dtype not in _FLOATS:
         raise ValueError(f"dtype: expected a float dtype for the model, got {dtype}")
-    device = check_device("load_pretrained: device", device)  # (meta: a model with no weights, silently)
+    device = check_device("load_pretrained: device", device)  # cpu or cuda (on meta: a model with no weights)
     if nonfinite not in ("raise", "warn"):
         raise ValueError(f"nonfinite: expected 'raise' or 'warn', got {nonfinite!r}")
     config = ModelConfig.from_hf(path)

@@ -664,7 +664,7 @@ def test_reference_model_inputs():
 # ---- cache and metadata ------------------------------------------------------------------------------
 
 def _moved(kv_cache: PagedKVCache, device: str) -> PagedKVCache:
-    """A cache whose tensors were moved after it was built (the constructor takes cpu and cuda only)."""
+    """A cache whose latent tensors were moved after it was built (the constructor takes cpu and cuda only)."""
     kv_cache.latent = [t.to(device) for t in kv_cache.latent]
     return kv_cache
 

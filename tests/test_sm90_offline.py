@@ -66,12 +66,14 @@ def test_the_heads_as_n_kernel_builds_for_sm90_within_a_block_without_new_spills
 @pytest.mark.parametrize("block_t,num_warps", [(1, 4), (8, 4), (8, 8)])
 def test_the_router_logits_kernel_builds_for_sm90_without_spills_under_its_launch_options(block_t, num_warps):
     """A Triton kernel, num_warps a launch option beside its constexprs (not one of its arguments); route_kernel
-    launches 4 warps over up to 8 tokens, which must hold their sums in at most 80 registers (7 programs an SM)."""
+    launches 4 warps over up to 8 tokens, which must hold their sums in at most 72 registers: 7 programs an SM
+    (a warp's registers come in units of 256 of the SM's 65536; at 73 to 80 six fit, and DeepSeek-V3.2's 896
+    programs at 16 tokens take two waves again)."""
     r = _build("dsv32ref.kernels.fused_moe:_router_logits_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32",
                "partial_ptr": "*fp32"}, gluon=False, E_PAD=256, BLOCK_T=block_t, BLOCK_E=16, BLOCK_K=32, STEPS=8,
                num_warps=num_warps)
     assert r["spill_store_bytes"] == 0 and r["opcodes"].get("FFMA", 0) > 0, r
-    assert num_warps != 4 or r["registers"] <= 80, r["registers"]
+    assert num_warps != 4 or r["registers"] <= 72, r["registers"]
 
 
 def test_the_offline_build_refuses_pointer_types_that_are_not_pointers():

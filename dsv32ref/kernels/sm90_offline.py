@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     module, _, name = args.kernel.partition(":")
     fn = getattr(importlib.import_module(module), name)
     const = json.loads(args.constexprs)
-    options = {name: const.pop(name) for name in ("num_warps", "num_stages") if name in const}  # launch options
+    options = {key: const.pop(key) for key in ("num_warps", "num_stages") if key in const}  # launch options
     pointers = dict(SPARSE_MLA_POINTERS, **retyped)
     report = ptxas_report(compile_sm90(fn, const, pointers, options.pop("num_warps", 4), gluon=args.gluon, **options))
     ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", report.pop("sass"), re.M)
