@@ -33,6 +33,7 @@ from dsv32ref import summary
 from dsv32ref.bench import fp8 as fp8_bench
 from dsv32ref.bench import kernels as kernel_bench
 from dsv32ref.cache import KV_CACHE_DTYPES
+from dsv32ref.checks import check_replaceable
 from dsv32ref.config import PRESETS, ModelConfig
 from dsv32ref.engine.model import TensorParallel
 from dsv32ref.experiments import (capture_memory, fp8_accuracy, host_costs, ledger, regimes, reproduce, timeline, ttft,
@@ -52,6 +53,7 @@ def _out(args, name: str) -> str:
     if args.out is not None and "\0" in args.out:
         raise ValueError(f"--out: a path cannot hold a NUL character, got {args.out!r}")
     if args.out:  # where the result goes, before the work that makes it
+        check_replaceable("--out", args.out)
         folder = os.path.dirname(os.path.abspath(args.out))
         name_max = 255  # NAME_MAX of the common file systems: a longer name fails only when the result is written
         if len(os.fsencode(os.path.basename(args.out))) > name_max:

@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_bool, check_device, check_tensor, is_int
+from dsv32ref.checks import check_bool, check_device, check_replaceable, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -371,6 +371,8 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
         raise ValueError(f"path: cannot create a checkpoint directory at {path!r} ({type(e).__name__}: {e})") from None
     try:
         order = _write_files(stage, shards, config_json)
+        for fn in order + [INDEX_FILE]:  # before anything at `path` changes
+            check_replaceable("path", os.path.join(path, fn))
         if len(shards) == 1 and os.path.exists(os.path.join(path, INDEX_FILE)):
             os.unlink(os.path.join(path, INDEX_FILE))  # an earlier sharded save's index would take precedence
         for fn in order:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_eps", "check_int", "check_keys", "check_range",
+           "check_replaceable",
            "check_rope_table", "check_scale", "checking_device_values", "device_value_checks_on", "is_int",
            "is_number", "rel_err"]
 
@@ -174,6 +175,13 @@ def check_device(name: str, device) -> torch.device:
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"{name}: {dev} is not available here ({torch.cuda.device_count()} CUDA devices)")
     return dev
+
+
+def check_replaceable(name: str, path: str) -> None:
+    """A file about to be written by replacing what is at `path` (a rename over it): nothing there, or a regular
+    file. A device, FIFO or folder there is refused (renaming over /dev/null would put a file in its place)."""
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ValueError(f"{name}: {path!r} exists and is not a regular file; a result replaces the file at its path")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

@@ -17,6 +17,8 @@ import os
 import tempfile
 from typing import Any
 
+from dsv32ref.checks import check_replaceable
+
 __all__ = ["DATA_DIR", "partial_path", "run_dir", "write_partial", "write_result", "write_atomic"]
 
 # The repository's data/ (beside the package): what the commands read as the recorded runs, wherever they run from.
@@ -39,6 +41,7 @@ def write_atomic(path: str | os.PathLike, write) -> None:
     `write` receives a path (so libraries that write files themselves, e.g. safetensors, can use it). If it
     raises, or the process is interrupted, `path` is left as it was and the temporary file is removed."""
     path = os.fspath(path)
+    check_replaceable("path", path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)

@@ -1447,6 +1447,43 @@ def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
         assert re.search(match, capsys.readouterr().err), match
 
 
+def test_save_pretrained_changes_nothing_when_a_file_it_writes_is_a_folder_there(tmp_path):
+    """config.json is a folder at the path: refused before any file moves in (the shards had replaced the earlier
+    checkpoint's, and then the move of config.json failed with IsADirectoryError)."""
+    save_pretrained(tiny_model("tiny-glm-5.2", dtype=torch.float32, seed=1), tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != "config.json"}
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ValueError, match=r"path: '.*config.json' exists and is not a regular file"):
+        save_pretrained(tiny_model("tiny-glm-5.2", dtype=torch.float32, seed=2), tmp_path)
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert after == before and (tmp_path / "config.json").is_dir()
+
+
+def test_cli_refuses_an_out_path_that_holds_a_fifo(tmp_path, capsys):
+    """Refused before any work: the result's rename would have put a file in the FIFO's place (as it did in
+    /dev/null's)."""
+    from dsv32ref.__main__ import main
+    os.mkfifo(tmp_path / "pipe")
+    assert main(["fp8-accuracy", "--tokens", "1", "--out", str(tmp_path / "pipe")]) == 2
+    assert "exists and is not a regular file" in capsys.readouterr().err and (tmp_path / "pipe").is_fifo()
+
+
+def test_a_result_is_never_renamed_over_a_fifo_or_a_folder(tmp_path):
+    """write_atomic refuses a path that holds something other than a regular file, and leaves it as it was."""
+    from dsv32ref.results import write_result
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "dir").mkdir()
+    for name in ("pipe", "dir"):
+        with pytest.raises(ValueError, match=rf"path: '.*{name}' exists and is not a regular file"):
+            write_result(tmp_path / name, {"x": 1})
+    assert (tmp_path / "pipe").is_fifo() and (tmp_path / "dir").is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["dir", "pipe"]
+    write_result(tmp_path / "ok.json", {"x": 1})  # a new file, then a regular file replaced
+    write_result(tmp_path / "ok.json", {"x": 2})
+    assert json.loads((tmp_path / "ok.json").read_text())["x"] == 2
+
+
 def test_save_pretrained_refuses_tensors_its_config_does_not_describe(tmp_path):
     """A resized lm_head was written, and the checkpoint then refused by load_pretrained."""
     model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
