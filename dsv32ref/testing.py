@@ -48,8 +48,8 @@ _EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.float16: 2.0**-1
 
 def eps(dtype: torch.dtype) -> float:
     """The precision unit of a float dtype: the spacing of its values just above 1."""
-    if dtype not in _EPS:
-        raise ValueError(f"eps: expected a float dtype ({', '.join(map(str, _EPS))}), got {dtype}")
+    if not isinstance(dtype, torch.dtype) or dtype not in _EPS:
+        raise ValueError(f"eps: expected a float dtype ({', '.join(map(str, _EPS))}), got {dtype!r}")
     return _EPS[dtype]
 
 
@@ -81,10 +81,14 @@ def _compare_arguments(name, got, expected, dtype, rtol, atol, row_dims, precisi
             raise ValueError(f"compare({name!r}): {n}: a meta tensor holds no values to compare")
     want_dtype = expected.dtype if dtype is None else dtype
     unit_dtype = want_dtype if precision is None else precision
-    if unit_dtype not in _EPS:
+    if not isinstance(unit_dtype, torch.dtype) or unit_dtype not in _EPS:
         arg = "precision" if precision is not None else "dtype" if dtype is not None else "expected's dtype"
         raise ValueError(f"compare({name!r}): {arg}: expected a float dtype ({', '.join(map(str, _EPS))}), got "
                          f"{unit_dtype!r}")
+    for n, t in (("got", got), ("expected", expected)):
+        if not t.dtype.is_floating_point:  # (complex: its imaginary part was dropped; int64 rounded past 2^53)
+            raise ValueError(f"compare({name!r}): {n}: expected a real float tensor, got {t.dtype} (compare "
+                             f"integer tensors with torch.equal)")
     if not is_int(row_dims) or not 0 <= row_dims <= got.dim():
         raise ValueError(f"compare({name!r}): row_dims must lie in [0, {got.dim()}], got {row_dims!r}")
     for n, v in (("rtol", rtol), ("atol", atol)):

@@ -28,7 +28,7 @@ from dsv32ref.reference.numerics import fp8_dequantize, pow2_scale, ue8m0_scale
 from dsv32ref.reference.rope import RotaryEmbedding, rope_inv_freq
 from dsv32ref.reference.sparse_attention import dense_mla
 from dsv32ref.reference.norms import LayerNorm, RMSNorm, layer_norm
-from dsv32ref.testing import compare
+from dsv32ref.testing import compare, eps
 from helpers import tiny_model
 
 CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on CPU-only machines")
@@ -1565,9 +1565,20 @@ def test_comparator_arguments():
                       (dict(atol=float("nan")), r"atol: expected a finite number >= 0 .*got nan"),
                       (dict(dtype="float32"), r"dtype: expected a float dtype \(.*\), got 'float32'"),
                       (dict(dtype=torch.int64), r"dtype: expected a float dtype .*got torch.int64"),
-                      (dict(precision=torch.int8), r"precision: expected a float dtype .*got torch.int8")):
+                      (dict(precision=torch.int8), r"precision: expected a float dtype .*got torch.int8"),
+                      (dict(dtype=[torch.float32]), r"dtype: expected a float dtype .*got \[torch.float32\]"),
+                      (dict(precision={}), r"precision: expected a float dtype .*got \{\}")):
         with pytest.raises(ValueError, match=rf"compare\('x'\): {match}"):
             compare("x", a, a, **kw)
+    # a tolerance in float units over tensors that are not real floats: complex values lost their imaginary part,
+    # int64 ones were rounded past 2^53 (both compared equal)
+    for got, want, kw in ((torch.tensor([1 + 1j]), torch.tensor([1 + 5j]), dict(dtype=torch.complex64,
+                                                                              precision=torch.float32)),
+                          (torch.tensor([2 ** 53 + 1]), torch.tensor([2 ** 53]), dict(precision=torch.float64))):
+        with pytest.raises(ValueError, match=rf"compare\('x'\): got: expected a real float tensor, got {got.dtype}"):
+            compare("x", got, want, rtol=0, atol=0, **kw)
+    with pytest.raises(ValueError, match=r"eps: expected a float dtype .*got \[torch.float32\]"):
+        eps([torch.float32])
     for empty in (torch.zeros(0, 4), torch.zeros(3, 0), torch.zeros(0)):  # nothing to compare: agreement
         for row_dims in range(empty.dim() + 1):
             assert compare("x", empty, empty.clone(), row_dims=row_dims)
