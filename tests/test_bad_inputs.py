@@ -565,6 +565,10 @@ REFERENCE_CASES = [
     (lambda: latent_scale(torch.tensor([1e39], dtype=torch.float64)), r"amax: expected finite .*got \[1e\+39\]"),
     (lambda: fp8_dequantize(torch.full((1, 128), 448.0).to(torch.float8_e4m3fn), torch.full((1, 1), 1e38)),
      r"fp8_dequantize: 128 values times their scales are past float32's range \(first at \(0, 0\)\)"),
+    # a float64 scale: its product was returned in float64 (4.48e302), past the fp32 the docstring promises
+    (lambda: fp8_dequantize(torch.full((1, 128), 448.0).to(torch.float8_e4m3fn),
+                            torch.full((1, 1), 1e300, dtype=torch.float64)),
+     r"fp8_dequantize: 128 values times their scales are past float32's range"),
     (lambda: quantize_latent(torch.cat([torch.randn(1, 512), torch.full((1, 64), 3.4e38)], -1)),
      r"latent: k_pe \(stored in bfloat16\): expected finite values, got 64 NaN or inf"),
     (lambda: fp8_quantize(torch.randn(2, 128), scale=torch.ones(2, 1, dtype=torch.int64)),

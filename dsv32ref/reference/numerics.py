@@ -109,13 +109,14 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOC
     if not (torch.isfinite(scale) & (scale > 0)).all():
         raise ValueError(f"fp8_dequantize: scale: expected finite values > 0, got "
                          f"{scale[~(torch.isfinite(scale) & (scale > 0))][:4].tolist()}")
-    qb = q.float().reshape(*q.shape[:-1], n // block, block)
-    out = (qb * scale[..., None]).reshape(q.shape)
-    past = torch.isinf(out)  # (fp8 e4m3 has no inf: a finite value times a finite scale overflowed)
+    # in float64 (exact for fp32, bf16 and fp16 scales: 4 significant bits times 24 at most), rounded once to fp32
+    qb = q.double().reshape(*q.shape[:-1], n // block, block)
+    out = (qb * scale[..., None].double()).reshape(q.shape)  # (..., n)
+    past = out.abs() > torch.finfo(torch.float32).max  # (fp8 e4m3 has no inf: a finite scale took it past fp32)
     if past.any():
         raise ValueError(f"fp8_dequantize: {int(past.sum())} values times their scales are past float32's range "
                          f"(first at {tuple(int(i) for i in past.nonzero()[0])})")
-    return out
+    return out.float()
 
 
 def fp8_round_trip(x: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
