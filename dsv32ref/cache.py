@@ -345,6 +345,8 @@ class PagedKVCache:
 
 def check_kv_cache_dtype(name: str, kv_cache_dtype, config: ModelConfig) -> None:
     """One of KV_CACHE_DTYPES; "fp8" only for the latent widths FlashMLA's rows hold (512 + 64)."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"{name}: config: expected a ModelConfig, got {type(config).__name__}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"{name}: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     if kv_cache_dtype == "fp8" and (config.kv_lora_rank, config.qk_rope_head_dim) != FP8_LATENT_DIMS:
@@ -374,7 +376,7 @@ def check_cache_fits(kv_cache, config: ModelConfig, device: torch.device) -> Pag
 
 
 def _check_float_cache(cache: torch.Tensor) -> None:
-    if not check_tensor("cache", cache).is_floating_point():
+    if check_tensor("cache", cache).dtype not in CACHE_DTYPES:  # (fp8 is a floating-point dtype too)
         raise ValueError(f"cache: the reference reads and writes float caches, got {cache.dtype} (an fp8 cache: "
                          f"dsv32ref.reference.fp8_cache dequantises it)")
 

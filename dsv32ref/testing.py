@@ -337,7 +337,7 @@ def fp8_latent_rows(cache: torch.Tensor) -> torch.Tensor:
     """A float latent cache [..., 576] whose unused slots hold NaN -> FlashMLA's rows uint8 [..., 656]: every
     finite row quantised (fp8_cache.quantize_latent), every other row poisoned so that it reads as NaN
     everywhere (fp8 NaN 0x7F, a valid scale of 1, bf16 NaN k_pe)."""
-    check_tensor("fp8_latent_rows: cache", cache, shape=(..., 576))
+    check_tensor("fp8_latent_rows: cache", cache, shape=(..., 576), dtype=CACHE_DTYPES)
     flat = cache.reshape(-1, cache.shape[-1])  # (slots, 576)
     poison = torch.cat((torch.full((512,), 0x7F, dtype=torch.uint8), torch.ones(4).view(torch.uint8),
                         torch.full((64,), float("nan"), dtype=torch.bfloat16).view(torch.uint8)))
@@ -391,9 +391,11 @@ def fp8_sparse_decode_inputs(num_heads: int = 64, topk: int = 128, context_lens=
 
 def reference_sparse_decode_fp8(x: FP8SparseDecodeInputs, dtype: torch.dtype = torch.float64
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oracle on FlashMLA's FP8 format: fp8_cache.sparse_mla_fp8 in `dtype` on the CPU -> (out [T, H, 512],
-    lse [T, H])."""
+    """The oracle on FlashMLA's FP8 format: fp8_cache.sparse_mla_fp8 in `dtype` (float32 or float64: it computes
+    in one of those) on the CPU -> (out [T, H, 512], lse [T, H])."""
     _check_inputs("reference_sparse_decode_fp8", x, FP8SparseDecodeInputs, "fp8_sparse_decode_inputs")
+    if dtype not in (torch.float32, torch.float64):  # (fp16 was computed in fp32 and returned so, silently)
+        raise ValueError(f"reference_sparse_decode_fp8: dtype: expected torch.float32 or torch.float64, got {dtype!r}")
     return sparse_mla_fp8(x.q.detach().cpu().to(dtype), x.kv_cache.cpu(), x.indices.cpu(), x.sm_scale, x.d_v)
 
 

@@ -1812,6 +1812,12 @@ GENERATOR_CASES = [  # the testing generators and oracles, given what they canno
     (lambda t: t.reference_sparse_decode_fp8(None), r"reference_sparse_decode_fp8: x: expected FP8SparseDecodeInputs"),
     (lambda t: t.reference_indexer_scores_fp8(None), r"reference_indexer_scores_fp8: x: expected FP8IndexerInputs"),
     (lambda t: t.fp8_latent_rows(torch.tensor(1.0)), r"fp8_latent_rows: cache: expected shape \[..., 576\], got \[\]"),
+    # fp8 is a floating-point dtype too: torch's isfinite raised NotImplementedError on it
+    (lambda t: t.fp8_latent_rows(torch.zeros(2, 576).to(torch.float8_e4m3fn)),
+     r"fp8_latent_rows: cache: expected dtype .*got torch.float8_e4m3fn"),
+    # computed in float32 and returned so, whatever dtype was asked for
+    (lambda t: t.reference_sparse_decode_fp8(t.fp8_sparse_decode_inputs(), torch.float16),
+     r"reference_sparse_decode_fp8: dtype: expected torch.float32 or torch.float64, got torch.float16"),
 ]
 
 

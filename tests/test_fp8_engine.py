@@ -4,7 +4,7 @@ kernels under every boundary, against the same engine with float caches; what th
 import pytest
 import torch
 
-from dsv32ref.cache import AttentionMetadata, PagedKVCache, token_bytes, write_tokens
+from dsv32ref.cache import AttentionMetadata, PagedKVCache, check_kv_cache_dtype, token_bytes, write_tokens
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
 from dsv32ref.engine.memory import kv_bytes_per_token
@@ -94,6 +94,10 @@ def test_what_an_fp8_cache_costs_and_refuses():
     assert cache.nbytes() == 4 * 8 * kv_bytes_per_token(ref.config, torch.float32, "fp8")
     with pytest.raises(ValueError, match=r"cache: the reference reads and writes float caches, got torch.uint8"):
         write_tokens(cache.latent[0], torch.tensor([0]), torch.zeros(1, 576))
+    with pytest.raises(ValueError, match=r"cache: the reference reads and writes float caches, got torch.float8_e4m3fn"):
+        write_tokens(torch.zeros(2, 4, 8, dtype=torch.float8_e4m3fn), torch.tensor([0, 1]), torch.randn(2, 8))
+    with pytest.raises(ValueError, match=r"x: config: expected a ModelConfig, got NoneType"):
+        check_kv_cache_dtype("x", "fp8", None)
     with pytest.raises(ValueError, match=r"fp8_parts: expected a non-empty tuple of \('latent', 'indexer'\), got \('kv',\)"):
         PagedKVCache(ref.config, 4, 8, torch.float32, kv_cache_dtype="fp8", fp8_parts=("kv",))
     half = PagedKVCache(ref.config, 4, 8, torch.float32, kv_cache_dtype="fp8", fp8_parts=("indexer",))
