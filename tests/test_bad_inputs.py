@@ -1440,9 +1440,13 @@ def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
     broken = [
         ({"variants": []}, "variants: expected an object, got list"),
         ({"provenance": None}, "provenance: expected an object, got NoneType"),
-        ({"host_costs": {"sync_us": "1"}}, "host_costs: expected numbers .* for aten_launch_us"),
+        ({"host_costs": {"sync_us": "1"}}, "host_costs: expected finite numbers >= 0 .* for aten_launch_us"),
         ({"variants": {"narrow": {}}}, r"variants\['narrow'\]: expected mean_ms, median_ms and ledger.gpu_busy_ms"),
         ({"variants": {"narrow": dict(run["variants"]["narrow"], mean_ms=True)}}, r"variants\['narrow'\]"),
+        # a launcher's wrapper cost missing (a KeyError after the prediction), a negative time (a -1097 % miss)
+        ({"host_costs": dict(run["host_costs"], wrapper_us={})}, r"host_costs: .* for wrapper_us.norm_rope"),
+        ({"host_costs": dict(run["host_costs"], sync_us=-1.0)}, r"host_costs: expected finite numbers >= 0 .*sync_us"),
+        ({"variants": {"wide": dict(run["variants"]["wide"], mean_ms=-5.0)}}, r"variants\['wide'\]: .* >= 0"),
     ]
     for i, (change, match) in enumerate(broken):
         path = tmp_path / f"run{i}.json"

@@ -25,6 +25,7 @@ top-k) are not counted as graph kernels.
 from __future__ import annotations
 
 import json
+import math
 
 from dsv32ref.checks import is_number
 from dsv32ref.experiments.host_costs import WRAPPER_KERNELS
@@ -129,16 +130,23 @@ def load_ttft_result(path: str, preset: str | None = None) -> dict:
         if not isinstance(run[key], dict):
             raise ValueError(f"{path!r}: {key}: expected an object, got {type(run[key]).__name__}")
     costs = run["host_costs"]
-    bad = [k for k in _COSTS_US if not is_number(costs.get(k))] + (
-        [] if isinstance(costs.get("wrapper_us"), dict) else ["wrapper_us"])
+    wrappers = costs.get("wrapper_us") if isinstance(costs.get("wrapper_us"), dict) else {}
+    bad = [k for k in _COSTS_US if not _duration(costs.get(k))] + [
+        f"wrapper_us.{k}" for k in WRAPPER_KERNELS if not _duration(wrappers.get(k))]
     if bad:
-        raise ValueError(f"{path!r}: host_costs: expected numbers (wrapper_us: an object) for {', '.join(bad)}")
+        raise ValueError(f"{path!r}: host_costs: expected finite numbers >= 0 (microseconds) for {', '.join(bad)}")
     for v, meas in run["variants"].items():
         led = meas.get("ledger") if isinstance(meas, dict) else None
-        if not (isinstance(led, dict) and is_number(led.get("gpu_busy_ms"))
-                and all(is_number(meas.get(k)) for k in ("mean_ms", "median_ms"))):
-            raise ValueError(f"{path!r}: variants[{v!r}]: expected mean_ms, median_ms and ledger.gpu_busy_ms")
+        if not (isinstance(led, dict) and _duration(led.get("gpu_busy_ms"))
+                and all(_duration(meas.get(k)) for k in ("mean_ms", "median_ms"))):
+            raise ValueError(f"{path!r}: variants[{v!r}]: expected mean_ms, median_ms and ledger.gpu_busy_ms, finite "
+                             f"numbers >= 0")
     return run
+
+
+def _duration(v) -> bool:
+    """A measured time: a finite number >= 0."""
+    return is_number(v) and math.isfinite(v) and v >= 0
 
 
 def attach(predicted: dict, measured_path: str, run: dict) -> dict:
