@@ -95,6 +95,10 @@ class ModelConfig:
         if self.rope_scaling is not None:
             _check_yarn(self.rope_scaling)
             object.__setattr__(self, "rope_scaling", _FrozenDict(self.rope_scaling))  # this config's own copy
+            if not math.isfinite(self.softmax_scale):  # (m^2 past float's range: the first forward refused inf)
+                raise ValueError(f"ModelConfig.rope_scaling: mscale_all_dim {self.rope_scaling.get('mscale_all_dim')}"
+                                 f" and factor {self.rope_scaling['factor']} give the softmax scale tau = "
+                                 f"{self.softmax_scale}, not a finite number")
         if self.indexer_types is not None:
             if not isinstance(self.indexer_types, (tuple, list)):
                 raise ValueError(f"ModelConfig.indexer_types: expected a tuple of 'full' / 'shared', got "
@@ -180,6 +184,11 @@ class ModelConfig:
         if "\0" in str(path):
             raise ValueError(f"path: a file path cannot hold a NUL character, got {path!r}")
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if os.path.exists(file) and not os.path.isdir(file) and not os.path.isfile(file):  # (a FIFO blocked forever)
+            raise ValueError(f"config.json: {file!r} is not a regular file")
+        if os.path.isfile(file) and os.path.getsize(file) > MAX_CONFIG_BYTES:  # (/dev/zero-like: read until no memory)
+            raise ValueError(f"config.json: {file!r} holds {os.path.getsize(file)} bytes, a config at most "
+                             f"{MAX_CONFIG_BYTES}")
         try:
             with open(file) as f:
                 raw = json.load(f)
@@ -187,7 +196,7 @@ class ModelConfig:
             raise ValueError(f"config.json: no such file {file!r}") from None
         except OSError as e:  # a folder named config.json, no permission, an invalid path
             raise ValueError(f"config.json: cannot read {file!r} ({type(e).__name__}: {e})"[:300]) from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # not JSON, not UTF-8, an integer past Python's digit limit
             raise ValueError(f"config.json: {file!r} is not valid JSON ({type(e).__name__}: {e})"[:300]) from None
         except RecursionError:
             raise ValueError(f"config.json: {file!r} nests its values too deeply to be a config") from None
@@ -208,6 +217,7 @@ _POSITIVE = (
 
 
 MAX_SIZE = 2 ** 31 - 1  # every size indexes int32 tensors in the kernels
+MAX_CONFIG_BYTES = 1 << 24  # a config.json (a released one takes a few KiB)
 
 
 def _check_sizes(c: ModelConfig) -> None:

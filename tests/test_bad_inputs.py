@@ -410,6 +410,24 @@ def test_checkpoint_arguments(tmp_path):
     (deep / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ValueError, match=r"config.json: .* nests its values too deeply to be a config"):
         ModelConfig.from_hf(deep)
+    # an integer past Python's digit limit (a ValueError that named no file), a FIFO (read forever), a file too
+    # large to be a config (/dev/zero read until memory ran out)
+    (deep / "config.json").write_text('{"vocab_size": ' + "9" * 5000 + "}")
+    with pytest.raises(ValueError, match=r"config.json: .*deep/config.json' is not valid JSON \(ValueError: Exceeds"):
+        ModelConfig.from_hf(deep)
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(ValueError, match=r"config.json: .*fifo.json' is not a regular file"):
+        ModelConfig.from_hf(tmp_path / "fifo.json")
+    with open(tmp_path / "huge.json", "wb") as f:
+        f.truncate((1 << 24) + 1)
+    with pytest.raises(ValueError, match=r"config.json: .*huge.json' holds 16777217 bytes, a config at most 16777216"):
+        ModelConfig.from_hf(tmp_path / "huge.json")
+    # YaRN's mscale past float's range: the softmax scale inf, refused at the first forward without naming the config
+    yarn = dict(ModelConfig.preset("tiny-deepseek-v3.2").rope_scaling or {}, type="yarn", factor=2,
+                original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=1e200, mscale_all_dim=1e200)
+    with pytest.raises(ValueError, match=r"ModelConfig.rope_scaling: mscale_all_dim 1e\+200 and factor 2 give the "
+                                         r"softmax scale tau = inf, not a finite number"):
+        ModelConfig.preset("tiny-deepseek-v3.2").replace(rope_scaling=yarn)
     with pytest.raises(ValueError, match=r"dtype: expected a float dtype for the model, got torch.int8"):
         load_pretrained(tmp_path, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"deployed_numerics: expected a bool, got str 'no'"):
