@@ -39,7 +39,7 @@ from dsv32ref.engine.model import TensorParallel
 from dsv32ref.experiments import (capture_memory, fp8_accuracy, host_costs, ledger, regimes, reproduce, timeline, ttft,
                                   ttft_model)
 from dsv32ref.parallel import spawn
-from dsv32ref.results import DATA_DIR, run_dir, write_result
+from dsv32ref.results import DATA_DIR, partial_path, run_dir, write_result
 
 MODELS = ["glm-5.2", "deepseek-v3.2", "glm-5"]
 
@@ -53,7 +53,8 @@ def _out(args, name: str) -> str:
     if args.out is not None and "\0" in args.out:
         raise ValueError(f"--out: a path cannot hold a NUL character, got {args.out!r}")
     if args.out:  # where the result goes, before the work that makes it
-        check_replaceable("--out", args.out)
+        for file in (args.out, partial_path(args.out)):  # the result, and what a long run writes as it goes
+            check_replaceable("--out", file)
         folder = os.path.dirname(os.path.abspath(args.out))
         name_max = 255  # NAME_MAX of the common file systems: a longer name fails only when the result is written
         if len(os.fsencode(os.path.basename(args.out))) > name_max:

@@ -178,9 +178,11 @@ def check_device(name: str, device) -> torch.device:
 
 
 def check_replaceable(name: str, path: str) -> None:
-    """A file about to be written by replacing what is at `path` (a rename over it): nothing there, or a regular
-    file. A device, FIFO or folder there is refused (renaming over /dev/null would put a file in its place)."""
-    if os.path.lexists(path) and not os.path.isfile(path):
+    """A file about to be written by replacing what is at `path`, links followed (write_atomic renames over the
+    link's target): nothing there, or a regular file. A device, FIFO or folder there is refused (renaming over
+    /dev/null would put a file in its place)."""
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
         raise ValueError(f"{name}: {path!r} exists and is not a regular file; a result replaces the file at its path")
 
 

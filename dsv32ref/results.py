@@ -40,8 +40,8 @@ def write_atomic(path: str | os.PathLike, write) -> None:
 
     `write` receives a path (so libraries that write files themselves, e.g. safetensors, can use it). If it
     raises, or the process is interrupted, `path` is left as it was and the temporary file is removed."""
-    path = os.fspath(path)
-    check_replaceable("path", path)
+    check_replaceable("path", os.fspath(path))
+    path = os.path.realpath(path)  # a link's target is what is replaced (the link stays)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
@@ -71,7 +71,7 @@ def write_result(path: str | os.PathLike, result: dict) -> None:
         raise ValueError(f"write_result: {os.fspath(path)!r}: the result is marked partial; use write_partial")
     write_atomic(path, _dump_json(result))
     stale = partial_path(path)
-    if os.path.exists(stale):
+    if os.path.isfile(stale):
         os.unlink(stale)
 
 

@@ -1459,12 +1459,13 @@ def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
         ({"variants": []}, "variants: expected an object, got list"),
         ({"provenance": None}, "provenance: expected an object, got NoneType"),
         ({"host_costs": {"sync_us": "1"}}, "host_costs: expected finite numbers >= 0 .* for aten_launch_us"),
-        ({"variants": {"narrow": {}}}, r"variants\['narrow'\]: expected mean_ms, median_ms and ledger.gpu_busy_ms"),
+        ({"variants": {"narrow": {}}}, r"variants\['narrow'\]: expected mean_ms and median_ms > 0 and ledger.gpu_busy_ms >= 0"),
         ({"variants": {"narrow": dict(run["variants"]["narrow"], mean_ms=True)}}, r"variants\['narrow'\]"),
         # a launcher's wrapper cost missing (a KeyError after the prediction), a negative time (a -1097 % miss)
         ({"host_costs": dict(run["host_costs"], wrapper_us={})}, r"host_costs: .* for wrapper_us.norm_rope"),
         ({"host_costs": dict(run["host_costs"], sync_us=-1.0)}, r"host_costs: expected finite numbers >= 0 .*sync_us"),
-        ({"variants": {"wide": dict(run["variants"]["wide"], mean_ms=-5.0)}}, r"variants\['wide'\]: .* >= 0"),
+        ({"variants": {"wide": dict(run["variants"]["wide"], mean_ms=-5.0)}}, r"variants\['wide'\]: .* > 0"),
+        ({"variants": {"wide": dict(run["variants"]["wide"], median_ms=0.0)}}, r"variants\['wide'\]: .* > 0"),
     ]
     for i, (change, match) in enumerate(broken):
         path = tmp_path / f"run{i}.json"
@@ -1493,6 +1494,9 @@ def test_cli_refuses_an_out_path_that_holds_a_fifo(tmp_path, capsys):
     os.mkfifo(tmp_path / "pipe")
     assert main(["fp8-accuracy", "--tokens", "1", "--out", str(tmp_path / "pipe")]) == 2
     assert "exists and is not a regular file" in capsys.readouterr().err and (tmp_path / "pipe").is_fifo()
+    os.mkfifo(tmp_path / "r.partial.json")  # where a long run writes as it goes: refused before the run too
+    assert main(["fp8-accuracy", "--tokens", "1", "--out", str(tmp_path / "r.json")]) == 2
+    assert "r.partial.json' exists and is not a regular file" in capsys.readouterr().err
 
 
 def test_a_result_is_never_renamed_over_a_fifo_or_a_folder(tmp_path):
@@ -1508,6 +1512,16 @@ def test_a_result_is_never_renamed_over_a_fifo_or_a_folder(tmp_path):
     write_result(tmp_path / "ok.json", {"x": 1})  # a new file, then a regular file replaced
     write_result(tmp_path / "ok.json", {"x": 2})
     assert json.loads((tmp_path / "ok.json").read_text())["x"] == 2
+    # links are followed: the target is what a result replaces (the link stays), a link to a FIFO is refused
+    os.symlink(tmp_path / "ok.json", tmp_path / "link.json")
+    os.symlink(tmp_path / "pipe", tmp_path / "to_pipe")
+    write_result(tmp_path / "link.json", {"x": 3})
+    assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "ok.json").read_text())["x"] == 3
+    with pytest.raises(ValueError, match=r"path: '.*to_pipe' exists and is not a regular file"):
+        write_result(tmp_path / "to_pipe", {"x": 1})
+    (tmp_path / "ok.partial.json").mkdir()  # a folder where the partial file would be: the result is still written
+    write_result(tmp_path / "ok.json", {"x": 4})
+    assert json.loads((tmp_path / "ok.json").read_text())["x"] == 4
 
 
 def test_save_pretrained_refuses_tensors_its_config_does_not_describe(tmp_path):

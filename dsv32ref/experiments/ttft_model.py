@@ -138,9 +138,9 @@ def load_ttft_result(path: str, preset: str | None = None) -> dict:
     for v, meas in run["variants"].items():
         led = meas.get("ledger") if isinstance(meas, dict) else None
         if not (isinstance(led, dict) and _duration(led.get("gpu_busy_ms"))
-                and all(_duration(meas.get(k)) for k in ("mean_ms", "median_ms"))):
-            raise ValueError(f"{path!r}: variants[{v!r}]: expected mean_ms, median_ms and ledger.gpu_busy_ms, finite "
-                             f"numbers >= 0")
+                and all(_duration(meas.get(k)) and meas[k] > 0 for k in ("mean_ms", "median_ms"))):
+            raise ValueError(f"{path!r}: variants[{v!r}]: expected mean_ms and median_ms > 0 and ledger.gpu_busy_ms "
+                             f">= 0, finite numbers")
     return run
 
 

@@ -109,9 +109,10 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOC
     if not (torch.isfinite(scale) & (scale > 0)).all():
         raise ValueError(f"fp8_dequantize: scale: expected finite values > 0, got "
                          f"{scale[~(torch.isfinite(scale) & (scale > 0))][:4].tolist()}")
-    # in float64 (exact for fp32, bf16 and fp16 scales: 4 significant bits times 24 at most), rounded once to fp32
-    qb = q.double().reshape(*q.shape[:-1], n // block, block)
-    out = (qb * scale[..., None].double()).reshape(q.shape)  # (..., n)
+    # fp32 (a float64 scale: in float64, then rounded once to the fp32 the result is)
+    wide = scale.dtype == torch.float64
+    qb = (q.double() if wide else q.float()).reshape(*q.shape[:-1], n // block, block)
+    out = (qb * scale[..., None].to(qb.dtype)).reshape(q.shape)  # (..., n)
     past = out.abs() > torch.finfo(torch.float32).max  # (fp8 e4m3 has no inf: a finite scale took it past fp32)
     if past.any():
         raise ValueError(f"fp8_dequantize: {int(past.sum())} values times their scales are past float32's range "
