@@ -376,7 +376,7 @@ def check_cache_fits(kv_cache, config: ModelConfig, device: torch.device) -> Pag
 
 
 def _check_float_cache(cache: torch.Tensor) -> None:
-    if check_tensor("cache", cache).dtype not in CACHE_DTYPES:  # (fp8 is a floating-point dtype too)
+    if check_tensor("cache", cache).dtype not in CACHE_DTYPES:  # (fp8 dtypes are floating-point too)
         raise ValueError(f"cache: the reference reads and writes float caches, got {cache.dtype} (an fp8 cache: "
                          f"dsv32ref.reference.fp8_cache dequantises it)")
 

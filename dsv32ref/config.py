@@ -95,7 +95,7 @@ class ModelConfig:
         if self.rope_scaling is not None:
             _check_yarn(self.rope_scaling)
             object.__setattr__(self, "rope_scaling", _FrozenDict(self.rope_scaling))  # this config's own copy
-            if not math.isfinite(self.softmax_scale):  # (m^2 past float's range: the first forward refused inf)
+            if not math.isfinite(self.softmax_scale):  # m^2 past float's range
                 raise ValueError(f"ModelConfig.rope_scaling: mscale_all_dim {self.rope_scaling.get('mscale_all_dim')}"
                                  f" and factor {self.rope_scaling['factor']} give the softmax scale tau = "
                                  f"{self.softmax_scale}, not a finite number")
@@ -184,9 +184,9 @@ class ModelConfig:
         if "\0" in str(path):
             raise ValueError(f"path: a file path cannot hold a NUL character, got {path!r}")
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if os.path.exists(file) and not os.path.isdir(file) and not os.path.isfile(file):  # (a FIFO blocked forever)
+        if os.path.exists(file) and not os.path.isdir(file) and not os.path.isfile(file):  # a FIFO's read never ends
             raise ValueError(f"config.json: {file!r} is not a regular file")
-        if os.path.isfile(file) and os.path.getsize(file) > MAX_CONFIG_BYTES:  # (/dev/zero-like: read until no memory)
+        if os.path.isfile(file) and os.path.getsize(file) > MAX_CONFIG_BYTES:
             raise ValueError(f"config.json: {file!r} holds {os.path.getsize(file)} bytes, a config at most "
                              f"{MAX_CONFIG_BYTES}")
         try:

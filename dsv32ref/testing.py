@@ -86,7 +86,7 @@ def _compare_arguments(name, got, expected, dtype, rtol, atol, row_dims, precisi
         raise ValueError(f"compare({name!r}): {arg}: expected a float dtype ({', '.join(map(str, _EPS))}), got "
                          f"{unit_dtype!r}")
     for n, t in (("got", got), ("expected", expected)):
-        if not t.dtype.is_floating_point:  # (complex: its imaginary part was dropped; int64 rounded past 2^53)
+        if not t.dtype.is_floating_point:  # (in float64, complex loses its imaginary part, int64 rounds past 2^53)
             raise ValueError(f"compare({name!r}): {n}: expected a real float tensor, got {t.dtype} (compare "
                              f"integer tensors with torch.equal)")
     if not is_int(row_dims) or not 0 <= row_dims <= got.dim():
@@ -394,7 +394,7 @@ def reference_sparse_decode_fp8(x: FP8SparseDecodeInputs, dtype: torch.dtype = t
     """The oracle on FlashMLA's FP8 format: fp8_cache.sparse_mla_fp8 in `dtype` (float32 or float64: it computes
     in one of those) on the CPU -> (out [T, H, 512], lse [T, H])."""
     _check_inputs("reference_sparse_decode_fp8", x, FP8SparseDecodeInputs, "fp8_sparse_decode_inputs")
-    if dtype not in (torch.float32, torch.float64):  # (fp16 was computed in fp32 and returned so, silently)
+    if dtype not in (torch.float32, torch.float64):  # (sparse_mla_fp8 computes fp16 in fp32)
         raise ValueError(f"reference_sparse_decode_fp8: dtype: expected torch.float32 or torch.float64, got {dtype!r}")
     return sparse_mla_fp8(x.q.detach().cpu().to(dtype), x.kv_cache.cpu(), x.indices.cpu(), x.sm_scale, x.d_v)
 

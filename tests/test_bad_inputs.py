@@ -1459,7 +1459,8 @@ def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
         ({"variants": []}, "variants: expected an object, got list"),
         ({"provenance": None}, "provenance: expected an object, got NoneType"),
         ({"host_costs": {"sync_us": "1"}}, "host_costs: expected finite numbers >= 0 .* for aten_launch_us"),
-        ({"variants": {"narrow": {}}}, r"variants\['narrow'\]: expected mean_ms and median_ms > 0 and ledger.gpu_busy_ms >= 0"),
+        ({"variants": {"narrow": {}}},
+         r"variants\['narrow'\]: expected mean_ms and median_ms > 0 and ledger.gpu_busy_ms >= 0"),
         ({"variants": {"narrow": dict(run["variants"]["narrow"], mean_ms=True)}}, r"variants\['narrow'\]"),
         # a launcher's wrapper cost missing (a KeyError after the prediction), a negative time (a -1097 % miss)
         ({"host_costs": dict(run["host_costs"], wrapper_us={})}, r"host_costs: .* for wrapper_us.norm_rope"),

@@ -94,7 +94,7 @@ def test_what_an_fp8_cache_costs_and_refuses():
     assert cache.nbytes() == 4 * 8 * kv_bytes_per_token(ref.config, torch.float32, "fp8")
     with pytest.raises(ValueError, match=r"cache: the reference reads and writes float caches, got torch.uint8"):
         write_tokens(cache.latent[0], torch.tensor([0]), torch.zeros(1, 576))
-    with pytest.raises(ValueError, match=r"cache: the reference reads and writes float caches, got torch.float8_e4m3fn"):
+    with pytest.raises(ValueError, match=r"cache: the reference reads and writes float caches, got .*float8_e4m3fn"):
         write_tokens(torch.zeros(2, 4, 8, dtype=torch.float8_e4m3fn), torch.tensor([0, 1]), torch.randn(2, 8))
     with pytest.raises(ValueError, match=r"x: config: expected a ModelConfig, got NoneType"):
         check_kv_cache_dtype("x", "fp8", None)

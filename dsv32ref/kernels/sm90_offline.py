@@ -82,7 +82,8 @@ def ptxas_report(kernel) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", help="module:function, e.g. dsv32ref.kernels.sparse_mla_pairs:_sparse_mla_pairs_kernel")
-    ap.add_argument("constexprs", help="JSON object: the kernel's constexpr arguments and the launch's num_warps and num_stages")
+    ap.add_argument("constexprs",
+                    help="JSON object: the kernel's constexpr arguments, and the launch's num_warps and num_stages")
     ap.add_argument("--gluon", action="store_true", help="a @gluon.jit kernel")
     ap.add_argument("--pointers", default="{}",
                     help="JSON object: pointer arguments' types over SPARSE_MLA_POINTERS, e.g. {\"cache_ptr\": \"*u8\"}")
