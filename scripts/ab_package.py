@@ -1,7 +1,7 @@
 """The library of another revision beside this tree's, probe by probe, in alternating processes (GPU).
 
     git archive REV dsv32ref | tar -x -C DIR        # a copy of the package at REV (echo REV > DIR/REVISION)
-    python scripts/ab_package.py --against DIR [DIR ...] [--probes sparse_mla route add_rms_norm sparse_mla_fp8]
+    python scripts/ab_package.py --against DIR [DIR ...] [--probes sparse_mla route add_rms_norm sparse_mla_fp8 indexer_fp8]
                                  [--rounds 2] [--out F.json]
 
 Each probe runs in a process of its own with one arm's package first on its path: this tree's, then each copy's,
@@ -26,7 +26,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # "where": which package an arm imports (no GPU)
-PROBES = ("sparse_mla", "route", "add_rms_norm", "sparse_mla_fp8", "where")
+PROBES = ("sparse_mla", "route", "add_rms_norm", "sparse_mla_fp8", "indexer_fp8", "where")
 MAX_ROUNDS = 100  # each round runs every probe in every arm, a process each
 
 
@@ -179,6 +179,48 @@ def probe_sparse_mla_fp8() -> dict:
         ref, ref_lse = sparse_mla(q.double(), rows, slots, z["config"].softmax_scale, z["d_lat"])
         cases[f"glm-5.2 decode fp8 B64 ctx32768 H{H}"] = (_graph_us([calls["fp8"]] * 4),
                                                          _matches(outs["fp8"], lses["fp8"], ref, ref_lse))
+    return cases
+
+
+def _indexer_row_ok(scores, cache, block_table, q8, w, i: int, d: int) -> bool:
+    """Request i's scores (its keys dequantised from the cache through its block-table row) against the float64
+    reference, within 2^-13 of its terms' scale (the sum of their magnitudes)."""
+    from dsv32ref.reference import indexer_scores
+    from dsv32ref.reference.fp8_cache import dequantize_indexer_keys
+
+    keys = dequantize_indexer_keys(cache[block_table[i].long()].unsqueeze(2)).reshape(-1, d).double()
+    ref = indexer_scores(q8[i:i + 1].double(), keys, w[i:i + 1].double(), d ** -0.5)[0]
+    terms = indexer_scores(q8[i:i + 1].double().abs(), keys.abs(), w[i:i + 1].double().abs(), d ** -0.5)[0]
+    return bool(((scores[i].double() - ref[: scores.shape[1]]).abs() <= 2 ** -13 * terms[: scores.shape[1]]).all())
+
+
+def probe_indexer_fp8() -> dict:
+    """indexer_scores_paged at decode over DeepGEMM's FP8 keys with fp8 queries (bench.fp8's inputs), its default
+    tiles, both models: requests of one token at 32k and 128k keys each, the first and the last request checked
+    against the float64 reference (within 2^-13 of its terms' scale, the fp8 MMA's accumulation)."""
+    import torch
+    from dsv32ref.bench.fp8 import copies_for, key_caches
+    from dsv32ref.bench.kernels import BLOCK_SIZE, decode_batch, shapes
+    from dsv32ref.kernels.indexer_topk import indexer_scores_paged
+    from dsv32ref.reference.numerics import fp8_quantize
+
+    cases = {}
+    for model in ("glm-5.2", "deepseek-v3.2"):
+        d, h = shapes(model)["d_i"], shapes(model)["h_i"]
+        for B, ctx in ((128, 131072), (64, 131072), (128, 32768), (16, 32768)):
+            r = decode_batch(B, ctx)
+            caches = [key_caches(r["nblocks"] * BLOCK_SIZE, d)[1]
+                      for _ in range(copies_for(r["nblocks"] * BLOCK_SIZE * (d + 4)))]
+            q8, q_scale = fp8_quantize(torch.randn(B, h, d, device="cuda"), block=d)
+            w = torch.randn(B, h, device="cuda") * h ** -0.5 * q_scale[..., 0]
+            scores = torch.full((B, ctx), float("nan"), device="cuda")
+            calls = [lambda c=c: indexer_scores_paged(q8, w, c, r["block_table"], r["req"], r["positions"],
+                                                      d ** -0.5, scores, tokens=1) for c in caches]
+            calls[0]()
+            ok = all(_indexer_row_ok(scores, caches[0], r["block_table"], q8, w, i, d) for i in (0, B - 1))
+            cases[f"{model} decode fp8 keys B{B} ctx{ctx}"] = (_graph_us(calls * max(1, 4 // len(calls))), ok)
+            del caches, calls
+            torch.cuda.empty_cache()
     return cases
 
 

@@ -16,7 +16,8 @@ from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_indexer_k
                                           indexer_scores_fp8, latent_parts, latent_scale, quantize_indexer_keys,
                                           quantize_latent, sparse_mla_fp8, write_indexer_keys, write_latent)
 from dsv32ref.kernels.fp8 import cast, e4m3_bytes, pow2_scale
-from dsv32ref.kernels.indexer_topk import indexer_scores_paged
+from dsv32ref.kernels.indexer_topk import indexer_scores_paged, scores_block
+from dsv32ref.kernels.launch import observing_launches
 from dsv32ref.kernels.sparse_mla import sparse_mla_paged
 from dsv32ref.testing import (assert_close, fp8_indexer_inputs, fp8_sparse_decode_inputs, paged_sparse_mla_inputs,
                               reference_indexer_scores_fp8, reference_sparse_decode_fp8, reference_sparse_mla_paged)
@@ -418,11 +419,33 @@ def test_sparse_mla_paged_refuses_what_fp8_rows_cannot_be():
         sparse_mla_paged(x.q, wide, *args, out)
 
 
+@CPU
+def test_decode_scores_over_fp8_keys_take_scores_blocks_tile_and_equal_64_key_tiles(seed):
+    """A token a program over FP8 keys (decode) takes scores_block's wider tile by default, each spanning two 64-key
+    cache blocks (every key looks up its own), the last one short: its scores are the 64-key tiles' per element
+    (interpreted, where the tile size changes no score's arithmetic); the scores past a token's position are left
+    as they were."""
+    assert scores_block(True, 1) == 128 and scores_block(True, 2) == scores_block(False, 1) == 64
+    x = fp8_indexer_inputs(num_heads=4, head_dim=16, context_lens=(0, 300, 9), query_lens=(1, 1, 1), block_kv=64,
+                           seed=seed)
+    cache = x.k_cache.squeeze(2)
+    args = (x.q.float(), x.weights, cache, x.block_table, x.req_indices, x.positions, x.softmax_scale)
+    wide, narrow = (torch.full((3, 310), float("nan")) for _ in range(2))
+    launched = []
+    with observing_launches(lambda name, run: (launched.append(run.keywords), run())[1]):
+        indexer_scores_paged(*args, wide, tokens=1)
+    assert [(k["BLOCK_S"], k["TILE_IN_BLOCK"]) for k in launched] == [(128, False)], launched
+    indexer_scores_paged(*args, narrow, block_s=64, tokens=1)
+    assert torch.equal(wide.isnan(), narrow.isnan()) and int((~wide.isnan()).sum()) == int(x.positions.sum()) + 3
+    assert torch.equal(wide.nan_to_num(), narrow.nan_to_num())
+
+
 @pytest.mark.parametrize("device,dtype,tol", READER_CASES)
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_indexer_scores_paged_reads_fp8_keys(device, dtype, tol, tokens, seed):
     """indexer_scores_paged over DeepGEMM's FP8 key blocks equals the float64 reference per element, every visible
-    key of every token; the scores past a token's position are left as they were (NaN here)."""
+    key of every token (compiled: the default tiles, scores_block's); the scores past a token's position are left
+    as they were (NaN here)."""
     cpu = device == "cpu"
     x = fp8_indexer_inputs(num_heads=4 if cpu else 64, head_dim=16 if cpu else 128,
                            context_lens=(0, 37, 9) if cpu else (0, 3000, 100), query_lens=(3, 1, 2) if cpu else (70, 1, 2),
@@ -431,7 +454,7 @@ def test_indexer_scores_paged_reads_fp8_keys(device, dtype, tol, tokens, seed):
     cache = x.k_cache.squeeze(2)  # (NB, BK, D + 4): the kernel's cache has no head dim
     scores = torch.full((x.q.shape[0], ref.shape[1] + 5), float("nan"), device=device)
     indexer_scores_paged(x.q.to(dtype), x.weights, cache, x.block_table, x.req_indices, x.positions,
-                         x.softmax_scale, scores, block_s=8 if cpu else 64, tokens=tokens)
+                         x.softmax_scale, scores, block_s=8 if cpu else None, tokens=tokens)
     visible = torch.arange(scores.shape[1]) <= x.positions.cpu()[:, None]  # (T, S_MAX)
     got = torch.where(visible, scores.cpu(), 0.0)
     want = torch.where(visible, torch.cat((ref, torch.full((ref.shape[0], 5), float("-inf"), dtype=ref.dtype)), 1), 0.0)
@@ -467,6 +490,17 @@ def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, toke
     """fp8 queries (their per-head scales in the weights) over DeepGEMM's FP8 keys: fp8 x fp8 MMAs, every visible
     score of every token equal to the float64 reference per element, within tol fp32 steps of its terms' scale;
     nothing past a token's position written."""
+    _check_fp8_query_scores(device, tol, seed, tokens=tokens, block_s=8 if device == "cpu" else 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_s,num_warps", [(64, 8), (128, 4), (128, 8), (256, 4), (256, 8)])
+def test_indexer_scores_paged_fp8_scores_hold_at_every_launch_tile(block_s, num_warps, seed):
+    """The same check at the key tiles and warps a caller may pass (each another MMA layout), decode-sized groups."""
+    _check_fp8_query_scores("cuda", 1024, seed, tokens=1, block_s=block_s, num_warps=num_warps)
+
+
+def _check_fp8_query_scores(device, tol, seed, **launch):
     cpu = device == "cpu"
     x = fp8_indexer_inputs(num_heads=4 if cpu else 64, head_dim=32 if cpu else 128,
                            context_lens=(0, 37, 9) if cpu else (0, 3000, 100), query_lens=(3, 1, 2) if cpu else (70, 1, 2),
@@ -475,7 +509,7 @@ def test_indexer_scores_paged_scores_fp8_queries_over_fp8_keys(device, tol, toke
     ref = reference_indexer_scores_fp8(x)
     scores = torch.full((x.q.shape[0], ref.shape[1] + 5), float("nan"), device=device)
     indexer_scores_paged(x.q, x.weights, x.k_cache.squeeze(2), x.block_table, x.req_indices, x.positions,
-                         x.softmax_scale, scores, block_s=8 if cpu else 64, tokens=tokens)
+                         x.softmax_scale, scores, **launch)
     visible = torch.arange(scores.shape[1]) <= x.positions.cpu()[:, None]  # (T, S_MAX)
     assert scores.cpu()[~visible].isnan().all()
     visible = visible[:, : ref.shape[1]]
