@@ -19,11 +19,12 @@ the kernel, not the indexer, translates them through the block table.
 from __future__ import annotations
 
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from dsv32ref.checks import check_device, check_disjoint, check_int, check_slots, check_tensor, is_int
+from dsv32ref.checks import check_device, check_disjoint, check_fits, check_int, check_slots, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 
 __all__ = ["AttentionMetadata", "BlockAllocator", "KV_CACHE_DTYPES", "LATENT_ROW_BYTES", "PagedKVCache", "StepPlan",
@@ -84,11 +85,19 @@ class AttentionMetadata:
     ) -> "AttentionMetadata":
         """Metadata for B requests, request b adding query_lens[b] tokens after context_lens[b] cached ones
         (StepPlan.build checks and computes it; this puts it in tensors)."""
-        return cls.from_plan(StepPlan.build(context_lens, query_lens, block_tables, block_size, num_blocks), device)
+        device = check_device("AttentionMetadata: device", device)
+        return cls._on(StepPlan.build(context_lens, query_lens, block_tables, block_size, num_blocks), device)
 
     @classmethod
     def from_plan(cls, plan: "StepPlan", device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """The plan in tensors on `device`: a plan StepPlan.build made, or one equal to what it makes of the
+        plan's own lengths and block tables (a hand-made plan whose slots or positions disagree is refused)."""
         device = check_device("AttentionMetadata: device", device)
+        StepPlan.check(plan)
+        return cls._on(plan, device)
+
+    @classmethod
+    def _on(cls, plan: "StepPlan", device: torch.device) -> "AttentionMetadata":
         width = max(len(bt) for bt in plan.block_tables)
         table = torch.tensor([bt + [-1] * (width - len(bt)) for bt in plan.block_tables], dtype=torch.int32)
         return cls(
@@ -129,6 +138,21 @@ class StepPlan:
         q = self.query_start_loc
         return [q[i + 1] - q[i] for i in range(self.num_reqs)]
 
+    def check(self) -> None:
+        """ValueError unless this plan is what build makes of its own lengths and block tables."""
+        if not isinstance(self, StepPlan):
+            raise ValueError(f"plan: expected a StepPlan, got {type(self).__name__}")
+        try:
+            lens = self.query_lens()
+            again = StepPlan.build([s - n for s, n in zip(self.seq_lens, lens)], lens, self.block_tables,
+                                   self.block_size)
+        except (TypeError, IndexError) as e:
+            raise ValueError(f"plan: its lengths do not describe a step ({type(e).__name__}: {e})") from None
+        wrong = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(again, f.name)]
+        if wrong:
+            raise ValueError(f"plan: {', '.join(wrong)} differ from what StepPlan.build makes of its seq_lens, "
+                             f"query_start_loc and block_tables")
+
     @classmethod
     def build(cls, context_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
               num_blocks: int | None = None) -> "StepPlan":
@@ -150,6 +174,8 @@ class StepPlan:
                 f"AttentionMetadata.build: context_lens ({len(context_lens)}), query_lens ({len(query_lens)}) "
                 f"and block_tables ({len(block_tables)}) must have one equal, non-zero length"
             )
+        check_fits("AttentionMetadata.build: the step's host lists (positions, slots, requests)",
+                   3 * HOST_INT_BYTES * sum(n for n in query_lens if is_int(n) and n > 0), torch.device("cpu"))
         positions, slots, qsl, reqs = [], [], [0], []
         owner: dict[int, int] = {}
         for b, (ctx, n, blocks) in enumerate(zip(context_lens, query_lens, block_tables)):
@@ -190,6 +216,7 @@ class StepPlan:
 
 
 MAX_BLOCKS = 2 ** 31 - 1  # block ids are int32 in the block tables the kernels read
+HOST_INT_BYTES = 40  # an int in a Python list: its 8-byte slot and (past 256) a 32-byte int object
 
 
 def _check_block_ids(name: str, num_blocks: int) -> None:
@@ -258,6 +285,8 @@ class BlockAllocator:
             raise RuntimeError(
                 f"BlockAllocator: sequence {seq_id} needs {need} more blocks, {len(self.free)} free"
             )
+        check_fits(f"BlockAllocator: sequence {seq_id}'s list of {need} more blocks", HOST_INT_BYTES * need,
+                   torch.device("cpu"))
         table = self.tables.setdefault(seq_id, [])
         table.extend(self.free.pop() for _ in range(need))
         return table
@@ -334,6 +363,9 @@ class PagedKVCache:
                              f"transform: index_head_dim must be a power of two <= 128, got {d_i}")
         lat = (torch.uint8, LATENT_ROW_BYTES) if fp8_lat else (dtype, config.latent_dim)  # (store, width)
         idx = (torch.uint8, indexer_key_bytes(config.index_head_dim)) if fp8_idx else (dtype, config.index_head_dim)
+        row_bytes = [lat[1] * lat[0].itemsize + (idx[1] * idx[0].itemsize if config.runs_indexer(i) else 0)
+                     for i in range(config.num_hidden_layers)]
+        check_fits("PagedKVCache", num_blocks * block_size * sum(row_bytes), device)
         self.latent = [torch.zeros(num_blocks, block_size, lat[1], dtype=lat[0], device=device)
                        for _ in range(config.num_hidden_layers)]
         self.indexer_k = [torch.zeros(num_blocks, block_size, idx[1], dtype=idx[0], device=device)
@@ -423,5 +455,7 @@ def gather_tokens(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: i
     _check_float_cache(cache)
     nb, bs, d = check_tensor("cache", cache, shape=(None, None, None)).shape
     check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
+    if nb * bs > MAX_BLOCKS:  # (an expanded view can claim any size)
+        raise ValueError(f"cache: at most 2^31 - 1 slots (int32 slot ids), got {nb} x {bs}")
     slots = token_slots(block_table_row.to(cache.device), seq_len, nb, bs)
     return cache[slots // bs, slots % bs]

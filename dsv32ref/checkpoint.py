@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_bool, check_device, check_replaceable, check_tensor, is_int
+from dsv32ref.checks import check_bool, check_device, check_fits, check_replaceable, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -67,7 +67,8 @@ def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     """float8 [out, in] * scale_inv [ceil(out/bo), ceil(in/bi)] broadcast over each block -> fp32 [out, in]. The
     scales must be floats, finite and > 0 (a NaN poisons its block, a zero zeroes it, a negative one flips it),
     and every product finite (q holding NaN, or a scale that takes a value past fp32's range, is refused)."""
-    check_tensor("weight_scale_inv", scale_inv, dtype=_FLOATS)
+    check_tensor("q", q, shape=(None, None), dtype=torch.float8_e4m3fn)
+    check_tensor("weight_scale_inv", scale_inv, dtype=_FLOATS, device=q.device)
     as_used = scale_inv.float()  # what multiplies the weights: a float64 scale below fp32's range becomes 0
     bad = ~(torch.isfinite(as_used) & (as_used > 0))
     if bad.any():
@@ -83,6 +84,7 @@ def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple
 def _dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
     """dequantize_fp8_blocks without the scales' value checks (the loader reports those its own way)."""
     out_f, in_f = check_tensor("q", q, shape=(None, None), dtype=torch.float8_e4m3fn).shape
+    check_tensor("weight_scale_inv", scale_inv, device=q.device)
     bo, bi = _within(_block(block), out_f, in_f)
     expected = (-(-out_f // bo), -(-in_f // bi))
     if tuple(scale_inv.shape) != expected:
@@ -245,7 +247,10 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
     where = _open_shards(path)
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config, form, deployed_numerics)
-    model = model.to(dtype).to_empty(device=device)  # RotaryEmbedding recomputes its frequencies here
+    model = model.to(dtype)
+    check_fits(f"load_pretrained: the model of {os.path.join(path, 'config.json')} in {dtype}",
+               sum(t.numel() * t.element_size() for t in model.state_dict().values()), device)
+    model = model.to_empty(device=device)  # RotaryEmbedding recomputes its frequencies here
     expected = model.state_dict()
     names, problems = _inventory(where, config, expected)
     handles: dict[str, object] = {}

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_eps", "check_int", "check_keys", "check_range",
-           "check_replaceable",
+__all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_eps", "check_fits", "check_int", "check_keys",
+           "check_range", "check_replaceable", "device_memory_bytes",
            "check_rope_table", "check_scale", "checking_device_values", "device_value_checks_on", "is_int",
            "is_number", "rel_err"]
 
@@ -29,6 +29,7 @@ def check_tensor(
     `shape` entries of None match any size; a leading `...` matches any number of leading dims.
     `dense_dims=k`: the last k dims must be laid out row-major without gaps (what a kernel assumes for the
     strides it is not passed; a dim of size 1 may have any stride).
+    A tensor on the meta device is refused (no values: a check of them would fail inside torch).
     Returns `t`, so calls can be chained in assignments.
     """
     if not isinstance(t, torch.Tensor):
@@ -50,6 +51,8 @@ def check_tensor(
         raise ValueError(f"{name}: expected device {torch.device(device).type}, got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    if t.is_meta:  # (after the device check: beside a tensor on the cpu, that is what is wrong with it)
+        raise ValueError(f"{name}: a tensor on the meta device holds no values to compute with")
     if dense_dims and t.numel():  # no element, no layout to get wrong (a trailing 0 made every stride "wrong")
         want, step = [], 1
         for d in range(t.dim() - 1, t.dim() - 1 - min(dense_dims, t.dim()), -1):
@@ -175,6 +178,23 @@ def check_device(name: str, device) -> torch.device:
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"{name}: {dev} is not available here ({torch.cuda.device_count()} CUDA devices)")
     return dev
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """What `device` holds in all: a GPU's memory, or for the cpu the machine's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(name: str, nbytes: int, device: torch.device) -> None:
+    """An allocation of nbytes on `device` that could fit there: else ValueError naming `name` and both sizes,
+    before torch tries (a cache or a model sized by a typo would otherwise fail in the allocator, or on the cpu
+    be granted and then fill the machine's memory as its zeros are written)."""
+    total = device_memory_bytes(device)
+    if nbytes > total:
+        raise ValueError(f"{name}: needs {nbytes / 2 ** 30:.1f} GiB, more than {device} holds in all "
+                         f"({total / 2 ** 30:.1f} GiB)")
 
 
 def check_replaceable(name: str, path: str) -> None:

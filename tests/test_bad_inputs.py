@@ -2,6 +2,7 @@
 documented result. Kernel cases with out-of-range values on the device run in a subprocess (a crash there
 would be an out-of-bounds access)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -14,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dsv32ref import checks
 from dsv32ref import (AttentionMetadata, BlockAllocator, ModelConfig, PagedKVCache, init_dummy_weights, load_pretrained,
                       save_pretrained)
-from dsv32ref.cache import check_cache_fits, gather_tokens, indexer_key_bytes, token_bytes, write_tokens
+from dsv32ref.cache import StepPlan, check_cache_fits, gather_tokens, indexer_key_bytes, token_bytes, write_tokens
 from dsv32ref.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
 from dsv32ref.engine import EngineConfig, EngineModel, LLMEngine, StepInput, build_model, from_reference, share_weights
 from dsv32ref.graphs import CUDAGraphMode
@@ -324,6 +326,19 @@ def test_checkpoint_with_nan_or_inf_is_refused_or_loaded_with_a_warning(tmp_path
         load_pretrained(path, nonfinite="ignore")
 
 
+def test_a_config_whose_model_cannot_fit_is_refused_before_it_is_allocated(tmp_path, monkeypatch):
+    """A config.json that says vocab_size 2^31 - 1 beside shards of a tiny model: the model it describes is
+    refused by its size before any of it is allocated (its embedding and head alone take hundreds of GiB; this
+    machine is taken to hold 16 GiB)."""
+    monkeypatch.setattr(checks, "device_memory_bytes", lambda device: 16 * 2 ** 30)
+    save_pretrained(tiny_model("tiny-deepseek-v3.2", dtype=torch.float32), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 2 ** 31 - 1}))
+    with pytest.raises(ValueError, match=r"load_pretrained: the model of .*config.json in torch.bfloat16: needs "
+                                         r"\d+\.\d GiB, more than cpu holds in all"):
+        load_pretrained(tmp_path)
+
+
 def test_checkpoint_files(tmp_path):
     model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
     single = tmp_path / "single"
@@ -525,6 +540,11 @@ REFERENCE_CASES = [
     (lambda: topk_indices(torch.randn(2, 5), torch.tensor([1, 2]), 0), r"topk: expected an int in \[1, 2\^31\) \(int32 columns\), got 0"),
     (lambda: topk_indices(torch.randn(2, 5), torch.tensor([1, 2]), 10 ** 12), r"topk: expected an int in \[1, 2\^31\)"),
     (lambda: topk_indices(torch.ones(2, 5, dtype=torch.int64), torch.tensor([1, 2]), 3), r"scores: expected dtype"),
+    # the imaginary part would be dropped in the einsum
+    (lambda: indexer_scores(torch.randn(2, 4, 8, dtype=torch.complex64), torch.randn(5, 8), torch.randn(2, 4), 0.3),
+     r"q_idx: expected dtype .*, got torch.complex64"),
+    (lambda: hadamard_transform(torch.full((3, 64), 60000.0, dtype=torch.float16)),
+     r"hadamard_transform: x: 3 rows of finite values transform past torch.float16's range"),
     (lambda: apply_rope(torch.randn(3, 8), torch.randn(3, 3), torch.randn(3, 3), True),
      r"apply_rope: x has 8 rope dims but cos has 3 \(expected 4\)"),
     (lambda: rms_norm(torch.randn(3, 8), torch.ones(7), 1e-6), r"weight: expected shape \[8\], got \[7\]"),
@@ -778,6 +798,14 @@ CACHE_CASES = [
                                                                 r"\[0, 2147483647\), got 2147483648"),
     (lambda: AttentionMetadata.build([2 ** 63], [1], [[0, 1]], 2 ** 63),
      r"request 0: context_len \+ query_len must be at most 2147483647"),
+    # a hand-made plan is held to what StepPlan.build makes of its lengths and tables
+    (lambda: AttentionMetadata.from_plan(dataclasses.replace(StepPlan.build([2, 0], [1, 3], [[0], [1]], 4),
+                                                             slot_mapping=[99, 4, 5, 6])),
+     r"plan: slot_mapping differ from what StepPlan.build makes of its seq_lens, query_start_loc and block_tables"),
+    (lambda: AttentionMetadata.from_plan(dataclasses.replace(StepPlan.build([2, 0], [1, 3], [[0], [1]], 4),
+                                                             query_start_loc=[0, 1])),
+     r"plan: its lengths do not describe a step \(IndexError"),
+    (lambda: AttentionMetadata.from_plan({"positions": [0]}), r"plan: expected a StepPlan, got dict"),
     # the FP8 oracle's entry points check what they are given before reading it
     (lambda: sparse_mla_fp8([1], torch.zeros(1, 4, 1, 656, dtype=torch.uint8), torch.zeros(1, 2, dtype=torch.int32), 0.1),
      r"q: expected a torch.Tensor, got list"),
@@ -799,11 +827,44 @@ CACHE_CASES = [
      r"rows: expected device cpu, got meta"),
     (lambda: write_latent(torch.zeros(2, 4, 656, dtype=torch.uint8), torch.tensor([0], device="meta"),
                           torch.randn(1, 576)), r"slot_mapping: expected device cpu, got meta"),
+    (lambda: fp8_dequantize(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.ones(2, 1, device="meta")),
+     r"scale: expected device cpu, got meta"),
+    (lambda: dequantize_fp8_blocks(torch.zeros(128, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1, device="meta")),
+     r"weight_scale_inv: expected device cpu, got meta"),
+    # on the meta device alone: no values to check (their check was a RuntimeError from .item() inside torch)
+    (lambda: fp8_quantize(torch.randn(2, 128, device="meta")), r"x: a tensor on the meta device holds no values"),
+    (lambda: quantize_latent(torch.randn(2, 576, device="meta")), r"a tensor on the meta device holds no values"),
+    # an expanded view claims 2^40 slots (arange over them took 8 TB)
+    (lambda: gather_tokens(torch.zeros(1, 1, 8).expand(1, 2 ** 40, 8), torch.zeros(1, dtype=torch.int32), 2 ** 40),
+     r"cache: at most 2\^31 - 1 slots \(int32 slot ids\), got 1 x 1099511627776"),
 ]
 
 
 @pytest.mark.parametrize("call,match", CACHE_CASES, ids=[f"cache{i}" for i in range(len(CACHE_CASES))])
 def test_cache_and_metadata(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# Sizes within every other bound that could not be allocated on a machine of 16 GiB (what these cases pretend this
+# one holds, so that a machine of any size refuses them and none tries): refused before torch or Python tries.
+MEMORY_CASES = [
+    # a top-k wider than the keys is padded with -1; here its output alone would take 32 TiB
+    (lambda: topk_indices(torch.randn(2 ** 12, 5), torch.zeros(2 ** 12, dtype=torch.long), 2 ** 31 - 1),
+     r"topk_indices: the int32 output \[n, topk\]: needs 32768.0 GiB, more than cpu holds in all \(16.0 GiB\)"),
+    (lambda: PagedKVCache(ModelConfig.preset("deepseek-v3.2"), 2 ** 16, 2 ** 14),
+     r"PagedKVCache: needs 85888.0 GiB, more than cpu holds in all"),
+    # host lists of a step or a block table
+    (lambda: AttentionMetadata.build([0], [2 ** 30], [[0]], 2 ** 31 - 1),
+     r"AttentionMetadata.build: the step's host lists \(positions, slots, requests\): needs 120.0 GiB, more than"),
+    (lambda: BlockAllocator(2 ** 31 - 1, 1).ensure(0, 2 ** 31 - 1),
+     r"BlockAllocator: sequence 0's list of 2147483647 more blocks: needs 80.0 GiB, more than cpu holds"),
+]
+
+
+@pytest.mark.parametrize("call,match", MEMORY_CASES, ids=[f"memory{i}" for i in range(len(MEMORY_CASES))])
+def test_what_cannot_fit_is_refused_before_it_is_allocated(call, match, monkeypatch):
+    monkeypatch.setattr(checks, "device_memory_bytes", lambda device: 16 * 2 ** 30)
     with pytest.raises(ValueError, match=match):
         call()
 

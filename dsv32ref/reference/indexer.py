@@ -14,11 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv32ref.checks import check_scale, check_tensor, is_int
+from dsv32ref.checks import check_fits, check_scale, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.reference.norms import LayerNorm
 from dsv32ref.reference.numerics import MAX_HADAMARD, QUANT_BLOCK, fp8_round_trip, hadamard_transform
 from dsv32ref.reference.rope import apply_rope
+
+_SCORE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # what indexer_scores multiplies
 
 
 class Indexer(nn.Module):
@@ -70,9 +72,9 @@ class Indexer(nn.Module):
 
 def indexer_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """q_idx [n, H_I, D], k_idx [S, D], weights [n, H_I] -> I [n, S] (fp32, or float64 for float64 inputs)."""
-    check_tensor("q_idx", q_idx, shape=(None, None, None))
-    check_tensor("k_idx", k_idx, shape=(None, q_idx.shape[-1]), device=q_idx.device)
-    check_tensor("weights", weights, shape=q_idx.shape[:2], device=q_idx.device)
+    check_tensor("q_idx", q_idx, shape=(None, None, None), dtype=_SCORE_DTYPES)
+    check_tensor("k_idx", k_idx, shape=(None, q_idx.shape[-1]), dtype=_SCORE_DTYPES, device=q_idx.device)
+    check_tensor("weights", weights, shape=q_idx.shape[:2], dtype=_SCORE_DTYPES, device=q_idx.device)
     check_scale("indexer_scores: softmax_scale", softmax_scale)
     dt = torch.promote_types(weights.dtype, torch.float32)
     logits = torch.einsum("nhd,sd->nhs", q_idx.to(dt), k_idx.to(dt)) * softmax_scale  # (n, H_I, S)
@@ -95,6 +97,7 @@ def topk_indices(scores: torch.Tensor, query_positions: torch.Tensor, topk: int)
     if not is_int(topk) or not 1 <= topk < 2 ** 31:
         raise ValueError(f"topk: expected an int in [1, 2^31) (int32 columns), got {topk!r}")
     n, s = scores.shape
+    check_fits("topk_indices: the int32 output [n, topk]", 4 * n * topk, scores.device)
     if query_positions.numel() and int(query_positions.min()) < 0:
         raise ValueError(f"query_positions: expected positions >= 0, got {int(query_positions.min())}")
     if query_positions.numel() and int(query_positions.max()) >= s:

@@ -44,7 +44,12 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """x @ H_n (orthonormal Sylvester Hadamard) over the last dim, computed in >= fp32."""
     check_tensor("x", x, shape=(..., None), dtype=_FLOATS)
     dt = torch.promote_types(x.dtype, torch.float32)
-    return (x.to(dt) @ _hadamard_on(x.shape[-1], x.device, dt)).to(x.dtype)
+    y = (x.to(dt) @ _hadamard_on(x.shape[-1], x.device, dt)).to(x.dtype)
+    past = torch.isfinite(x).all(-1) & ~torch.isfinite(y).all(-1)  # (...,) rows whose sums left x's dtype's range
+    if past.any():
+        raise ValueError(f"hadamard_transform: x: {int(past.sum())} rows of finite values transform past "
+                         f"{x.dtype}'s range (a row's values sum up to sqrt(n) times its largest)")
+    return y
 
 
 def pow2_scale(amax: torch.Tensor, min_exp: int) -> torch.Tensor:
@@ -105,7 +110,7 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOC
     n = q.shape[-1]
     if n % block:
         raise ValueError(f"fp8_dequantize: last dim {n} is not a multiple of the block {block}")
-    check_tensor("scale", scale, shape=tuple(q.shape[:-1]) + (n // block,), dtype=_FLOATS)
+    check_tensor("scale", scale, shape=tuple(q.shape[:-1]) + (n // block,), dtype=_FLOATS, device=q.device)
     if not (torch.isfinite(scale) & (scale > 0)).all():
         raise ValueError(f"fp8_dequantize: scale: expected finite values > 0, got "
                          f"{scale[~(torch.isfinite(scale) & (scale > 0))][:4].tolist()}")
