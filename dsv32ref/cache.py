@@ -19,8 +19,7 @@ the kernel, not the indexer, translates them through the block table.
 from __future__ import annotations
 
 from collections import Counter
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -93,7 +92,7 @@ class AttentionMetadata:
         """The plan in tensors on `device`: a plan StepPlan.build made, or one equal to what it makes of the
         plan's own lengths and block tables (a hand-made plan whose slots or positions disagree is refused)."""
         device = check_device("AttentionMetadata: device", device)
-        StepPlan.check(plan)
+        _check_plan(plan)
         return cls._on(plan, device)
 
     @classmethod
@@ -137,21 +136,6 @@ class StepPlan:
     def query_lens(self) -> list[int]:
         q = self.query_start_loc
         return [q[i + 1] - q[i] for i in range(self.num_reqs)]
-
-    def check(self) -> None:
-        """ValueError unless this plan is what build makes of its own lengths and block tables."""
-        if not isinstance(self, StepPlan):
-            raise ValueError(f"plan: expected a StepPlan, got {type(self).__name__}")
-        try:
-            lens = self.query_lens()
-            again = StepPlan.build([s - n for s, n in zip(self.seq_lens, lens)], lens, self.block_tables,
-                                   self.block_size)
-        except (TypeError, IndexError) as e:
-            raise ValueError(f"plan: its lengths do not describe a step ({type(e).__name__}: {e})") from None
-        wrong = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(again, f.name)]
-        if wrong:
-            raise ValueError(f"plan: {', '.join(wrong)} differ from what StepPlan.build makes of its seq_lens, "
-                             f"query_start_loc and block_tables")
 
     @classmethod
     def build(cls, context_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -213,6 +197,21 @@ class StepPlan:
             qsl.append(qsl[-1] + n)
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
         return cls(positions, slots, qsl, seq_lens, [list(bt) for bt in block_tables], reqs, block_size)
+
+
+def _check_plan(plan: StepPlan) -> None:
+    """ValueError unless `plan` is what StepPlan.build makes of its own lengths and block tables."""
+    if not isinstance(plan, StepPlan):
+        raise ValueError(f"plan: expected a StepPlan, got {type(plan).__name__}")
+    try:
+        lens = plan.query_lens()
+        again = StepPlan.build([s - n for s, n in zip(plan.seq_lens, lens)], lens, plan.block_tables, plan.block_size)
+    except (TypeError, IndexError) as e:
+        raise ValueError(f"plan: its lengths do not describe a step ({type(e).__name__}: {e})") from None
+    wrong = [f.name for f in fields(plan) if getattr(plan, f.name) != getattr(again, f.name)]
+    if wrong:
+        raise ValueError(f"plan: {', '.join(wrong)} differ from what StepPlan.build makes of its seq_lens, "
+                         f"query_start_loc and block_tables")
 
 
 MAX_BLOCKS = 2 ** 31 - 1  # block ids are int32 in the block tables the kernels read

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -180,8 +181,10 @@ def check_device(name: str, device) -> torch.device:
     return dev
 
 
+@functools.lru_cache(maxsize=None)
 def device_memory_bytes(device: torch.device) -> int:
-    """What `device` holds in all: a GPU's memory, or for the cpu the machine's physical memory."""
+    """What `device` holds in all: a GPU's memory, or for the cpu the machine's physical memory (asked once: the
+    engine's steps check their host lists against it)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -184,6 +184,18 @@ class PagedSparseMLAInputs:
         return self.q.dtype
 
 
+def _distinct(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """min(k, n) distinct values of range(n) in a random order, uniformly: a permutation's prefix where n is within
+    4k, else random draws until k distinct (O(k) for any n: a permutation of a 2^24-token context per query took
+    hours)."""
+    if n <= 4 * k:
+        return torch.randperm(n, generator=g)[:k]
+    picked = torch.empty(0, dtype=torch.long)
+    while picked.numel() < k:  # 2k draws from more than 4k values: k distinct, most often at the first round
+        picked = torch.cat((picked, torch.randint(n, (2 * k,), generator=g))).unique()
+    return picked[torch.randperm(picked.numel(), generator=g)[:k]]
+
+
 def _topk_row(p: int, seq_len: int, cap: int, topk: int, valid_first: bool, g: torch.Generator) -> torch.Tensor:
     """One token's top-k row: up to topk distinct positions of 0..p in a random order, -1 padded; about one row
     in eight empty; unless valid_first, a row that is not full carries out-of-range entries (>= seq_len, into
@@ -191,7 +203,7 @@ def _topk_row(p: int, seq_len: int, cap: int, topk: int, valid_first: bool, g: t
     row = torch.full((topk,), -1, dtype=torch.int32)
     if torch.rand((), generator=g) < 0.125:
         return row  # an empty row: out 0, lse +inf
-    vis = torch.randperm(p + 1, generator=g)[:topk]
+    vis = _distinct(p + 1, topk, g)
     row[: len(vis)] = vis.to(torch.int32)
     if not valid_first and len(vis) < topk:
         n_bad = min(topk - len(vis), 2)
@@ -430,8 +442,10 @@ def fp8_indexer_inputs(num_heads: int = 32, head_dim: int = 128, context_lens=(0
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(nb, generator=g).tolist()
     table = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
+    start = 0
     for b, n in enumerate(need):
-        table[b, :n] = torch.tensor(perm[sum(need[:b]): sum(need[:b]) + n], dtype=torch.int32)
+        table[b, :n] = torch.tensor(perm[start: start + n], dtype=torch.int32)
+        start += n
     k_cache = quantize_indexer_keys(torch.randn(nb, block_kv, head_dim, generator=g))
     T = sum(query_lens)
     q, q_scale = fp8_quantize(torch.randn(T, num_heads, head_dim, generator=g) * 3, block=head_dim)

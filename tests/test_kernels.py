@@ -9,6 +9,7 @@ import torch
 
 from dsv32ref import AttentionMetadata, ModelConfig
 from dsv32ref.cache import gather_tokens
+from dsv32ref.checks import check_same_device
 from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
 from dsv32ref.kernels.fused_q import fused_q
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged, indexer_topk_paged, topk_from_scores
@@ -530,8 +531,11 @@ def test_launchers_reject_bad_inputs():
         sparse_mla_paged(torch.zeros(2, 4, 44), torch.zeros(3, 4, 44), bt, req, sl, topk, 0.1, out)
     with pytest.raises(ValueError, match="out: expected dtype torch.float32, got torch.bfloat16"):
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, out.bfloat16())
-    with pytest.raises(ValueError, match="tensors on different devices: .*latent_cache on meta"):
+    with pytest.raises(ValueError, match="latent_cache: a tensor on the meta device holds no values"):
         sparse_mla_paged(q, cache.to("meta"), bt, req, sl, topk, 0.1, out)
+    # a second device (meta stands in for one here, as check_tensor refuses it before)
+    with pytest.raises(ValueError, match="tensors on different devices: q on cpu, latent_cache on meta"):
+        check_same_device(q=q, latent_cache=cache.to("meta"))
     with pytest.raises(ValueError, match=r"out: the last dim must be dense \(stride 1 at dim 2\), got strides \(256, 64, 2\)"):
         sparse_mla_paged(q, cache, bt, req, sl, topk, 0.1, torch.zeros(2, 4, 64)[..., ::2])
     with pytest.raises(ValueError, match=r"latent_cache: stride\(0\) must be a multiple of stride\(1\) > 0 .*got strides "
