@@ -158,8 +158,6 @@ class StepPlan:
                 f"AttentionMetadata.build: context_lens ({len(context_lens)}), query_lens ({len(query_lens)}) "
                 f"and block_tables ({len(block_tables)}) must have one equal, non-zero length"
             )
-        check_fits("AttentionMetadata.build: the step's host lists (positions, slots, requests)",
-                   3 * HOST_INT_BYTES * sum(n for n in query_lens if is_int(n) and n > 0), torch.device("cpu"))
         positions, slots, qsl, reqs = [], [], [0], []
         owner: dict[int, int] = {}
         for b, (ctx, n, blocks) in enumerate(zip(context_lens, query_lens, block_tables)):
@@ -190,6 +188,9 @@ class StepPlan:
                     f"request {b}: block_tables[{b}] has {len(blocks)} blocks of {block_size} for "
                     f"{ctx + n} tokens"
                 )
+            if qsl[-1] + n > UNCHECKED_HOST_INTS:  # (fewer: any host holds them; an engine's steps stay below)
+                check_fits("AttentionMetadata.build: the step's host lists (positions, slots, requests)",
+                           3 * HOST_INT_BYTES * (qsl[-1] + n), _CPU)
             for p in range(ctx, ctx + n):
                 positions.append(p)
                 reqs.append(b)
@@ -200,22 +201,32 @@ class StepPlan:
 
 
 def _check_plan(plan: StepPlan) -> None:
-    """ValueError unless `plan` is what StepPlan.build makes of its own lengths and block tables."""
+    """ValueError unless `plan` holds what StepPlan.build makes of its own lengths and block tables (lists or
+    tuples alike), naming the first field and element that differ."""
     if not isinstance(plan, StepPlan):
         raise ValueError(f"plan: expected a StepPlan, got {type(plan).__name__}")
     try:
         lens = plan.query_lens()
         again = StepPlan.build([s - n for s, n in zip(plan.seq_lens, lens)], lens, plan.block_tables, plan.block_size)
-    except (TypeError, IndexError) as e:
-        raise ValueError(f"plan: its lengths do not describe a step ({type(e).__name__}: {e})") from None
-    wrong = [f.name for f in fields(plan) if getattr(plan, f.name) != getattr(again, f.name)]
-    if wrong:
-        raise ValueError(f"plan: {', '.join(wrong)} differ from what StepPlan.build makes of its seq_lens, "
-                         f"query_start_loc and block_tables")
+    except (TypeError, IndexError, ValueError) as e:
+        raise ValueError(f"plan: its seq_lens, query_start_loc and block_tables describe no step ({e})") from None
+    for f in fields(plan):
+        have, want = getattr(plan, f.name), getattr(again, f.name)
+        if f.name == "block_tables":
+            have = [list(bt) for bt in have]
+        if f.name != "block_size":
+            have = list(have)
+        if have != want:
+            i = next((i for i, (h, w) in enumerate(zip(have, want)) if h != w), min(len(have), len(want)))
+            got, made = (v[i] if i < len(v) else "nothing" for v in (have, want))
+            raise ValueError(f"plan: {f.name}[{i}] is {got}, StepPlan.build makes {made} of the plan's seq_lens, "
+                             f"query_start_loc and block_tables")
 
 
 MAX_BLOCKS = 2 ** 31 - 1  # block ids are int32 in the block tables the kernels read
 HOST_INT_BYTES = 40  # an int in a Python list: its 8-byte slot and (past 256) a 32-byte int object
+UNCHECKED_HOST_INTS = 2 ** 20  # host lists up to this many ints are built unchecked (40 MiB at most)
+_CPU = torch.device("cpu")
 
 
 def _check_block_ids(name: str, num_blocks: int) -> None:
@@ -284,8 +295,8 @@ class BlockAllocator:
             raise RuntimeError(
                 f"BlockAllocator: sequence {seq_id} needs {need} more blocks, {len(self.free)} free"
             )
-        check_fits(f"BlockAllocator: sequence {seq_id}'s list of {need} more blocks", HOST_INT_BYTES * need,
-                   torch.device("cpu"))
+        if need > UNCHECKED_HOST_INTS:
+            check_fits(f"BlockAllocator: sequence {seq_id}'s list of {need} more blocks", HOST_INT_BYTES * need, _CPU)
         table = self.tables.setdefault(seq_id, [])
         table.extend(self.free.pop() for _ in range(need))
         return table

@@ -249,7 +249,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
         model = DeepseekV32ForCausalLM(config, form, deployed_numerics)
     model = model.to(dtype)
     check_fits(f"load_pretrained: the model of {os.path.join(path, 'config.json')} in {dtype}",
-               sum(t.numel() * t.element_size() for t in model.state_dict().values()), device)
+               sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())), device)
     model = model.to_empty(device=device)  # RotaryEmbedding recomputes its frequencies here
     expected = model.state_dict()
     names, problems = _inventory(where, config, expected)

@@ -181,13 +181,23 @@ def check_device(name: str, device) -> torch.device:
     return dev
 
 
-@functools.lru_cache(maxsize=None)
 def device_memory_bytes(device: torch.device) -> int:
-    """What `device` holds in all: a GPU's memory, or for the cpu the machine's physical memory (asked once: the
-    engine's steps check their host lists against it)."""
+    """What `device` holds in all: a GPU's memory, or for the cpu the machine's physical memory within this
+    process's cgroup limit (where Linux sets one)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return _memory_bytes("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    return _memory_bytes("cpu", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_bytes(kind: str, index: int | None) -> int:
+    if kind == "cuda":
+        return torch.cuda.get_device_properties(index).total_memory
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):  # cgroup v2's limit: a number, or "max" for none
+        with open("/sys/fs/cgroup/memory.max") as f:
+            total = min(total, int(f.read()))
+    return total
 
 
 def check_fits(name: str, nbytes: int, device: torch.device) -> None:

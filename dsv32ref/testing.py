@@ -186,8 +186,8 @@ class PagedSparseMLAInputs:
 
 def _distinct(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     """min(k, n) distinct values of range(n) in a random order, uniformly: a permutation's prefix where n is within
-    4k, else random draws until k distinct (O(k) for any n: a permutation of a 2^24-token context per query took
-    hours)."""
+    4k, else random draws until k distinct (O(k) for any n; a permutation is O(n) a row, and a generated input
+    draws a row per query token)."""
     if n <= 4 * k:
         return torch.randperm(n, generator=g)[:k]
     picked = torch.empty(0, dtype=torch.long)

@@ -1,8 +1,8 @@
 """The library of another revision beside this tree's, probe by probe, in alternating processes (GPU).
 
     git archive REV dsv32ref | tar -x -C DIR        # a copy of the package at REV (echo REV > DIR/REVISION)
-    python scripts/ab_package.py --against DIR [DIR ...] [--probes sparse_mla route add_rms_norm sparse_mla_fp8 indexer_fp8]
-                                 [--rounds 2] [--out F.json]
+    python scripts/ab_package.py --against DIR [DIR ...]
+        [--probes sparse_mla route add_rms_norm sparse_mla_fp8 indexer_fp8] [--rounds 2] [--out F.json]
 
 Each probe runs in a process of its own with one arm's package first on its path: this tree's, then each copy's,
 round after round (the order rotating), so that a change is timed against what it replaces under the same drift

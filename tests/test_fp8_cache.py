@@ -190,6 +190,8 @@ def test_the_references_read_only_what_they_select(seed):
         x = fp8_sparse_decode_inputs(num_heads=16, topk=64, context_lens=(40, 200), block_size=16, seed=s)
         if (x.indices >= 0).any():
             break
+    else:
+        pytest.fail(f"no seed in [{seed}, {seed + 100}) selects a row")
     nb, bs = x.kv_cache.shape[:2]
     want = sparse_mla_fp8(x.q, x.kv_cache, x.indices, x.sm_scale)
     flat = x.kv_cache.clone().view(nb * bs, LATENT_ROW_BYTES)
@@ -424,15 +426,16 @@ def test_sparse_mla_paged_refuses_what_fp8_rows_cannot_be():
 
 @CPU
 def test_decode_scores_over_fp8_keys_take_scores_blocks_tile_and_equal_64_key_tiles(seed):
-    """A token a program over FP8 keys (decode) takes scores_block's wider tile by default, each spanning two 64-key
-    cache blocks (every key looks up its own), the last one short: its scores are the 64-key tiles' per element
-    (interpreted, where the tile size changes no score's arithmetic); the scores past a token's position are left
-    as they were."""
-    assert scores_block(True, 1) == 128 and scores_block(True, 2) == scores_block(False, 1) == 64
-    x = fp8_indexer_inputs(num_heads=4, head_dim=16, context_lens=(0, 300, 9), query_lens=(1, 1, 1), block_kv=64,
+    """A token a program, fp8 queries over FP8 keys (decode) take scores_block's wider tile by default, each spanning
+    two 64-key cache blocks (every key looks up its own), the last one short: its scores are the 64-key tiles' per
+    element (interpreted, where the tile size changes no score's arithmetic); the scores past a token's position are
+    left as they were."""
+    assert scores_block(True, True, 1) == 128
+    assert scores_block(True, True, 2) == scores_block(False, True, 1) == scores_block(True, False, 1) == 64
+    x = fp8_indexer_inputs(num_heads=4, head_dim=32, context_lens=(0, 300, 9), query_lens=(1, 1, 1), block_kv=64,
                            seed=seed)
     cache = x.k_cache.squeeze(2)
-    args = (x.q.float(), x.weights, cache, x.block_table, x.req_indices, x.positions, x.softmax_scale)
+    args = (x.q, x.weights, cache, x.block_table, x.req_indices, x.positions, x.softmax_scale)
     wide, narrow = (torch.full((3, 310), float("nan")) for _ in range(2))
     launched = []
     with observing_launches(lambda name, run: (launched.append(run.keywords), run())[1]):

@@ -443,11 +443,12 @@ def scores_tokens(T: int, H_I: int) -> int:
     return 1 if T < 256 else max(1, 256 // H_I)
 
 
-def scores_block(fp8_keys: bool, tokens: int) -> int:
-    """Keys per tile: 64, or 128 over DeepGEMM's FP8 keys a token a program (decode, and prefills under 256 tokens),
-    whose tile then moves about the bytes of 64 bf16 keys (16.5 against 16 KiB) in half the steps. Over 64-token
-    cache blocks such a tile spans two, and each key looks up its own block."""
-    return 128 if fp8_keys and tokens == 1 else 64
+def scores_block(fp8_keys: bool, fp8_queries: bool, tokens: int) -> int:
+    """Keys per tile: 64, or 128 for fp8 queries over DeepGEMM's FP8 keys a token a program (decode, and prefills
+    under 256 tokens), whose tile then moves about the bytes of 64 bf16 keys (16.5 against 16 KiB) in half the steps.
+    Over 64-token cache blocks such a tile spans two, and each key looks up its own block. (Queries of another dtype
+    convert the keys to it: a 128-key tile would hold two to four times those bytes, and was not timed.)"""
+    return 128 if fp8_keys and fp8_queries and tokens == 1 else 64
 
 
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
@@ -471,7 +472,8 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
     check_scale("indexer_scores_paged: softmax_scale", softmax_scale)
     tokens = scores_tokens(T, H_I) if tokens is None else tokens
-    block_s = scores_block(index_cache.dtype == torch.uint8, tokens) if block_s is None else block_s
+    if block_s is None:
+        block_s = scores_block(index_cache.dtype == torch.uint8, q_idx.dtype == torch.float8_e4m3fn, tokens)
     _check_pow2("indexer_scores_paged", block_s=block_s, num_warps=num_warps, tokens=tokens)
     if block_s > 1024 or num_warps > 16:  # a key tile holds block_s x D values; a program at most 16 warps
         raise ValueError(f"indexer_scores_paged: block_s must be at most 1024 and num_warps at most 16, got "

@@ -97,7 +97,9 @@ def topk_indices(scores: torch.Tensor, query_positions: torch.Tensor, topk: int)
     if not is_int(topk) or not 1 <= topk < 2 ** 31:
         raise ValueError(f"topk: expected an int in [1, 2^31) (int32 columns), got {topk!r}")
     n, s = scores.shape
-    check_fits("topk_indices: the int32 output [n, topk]", 4 * n * topk, scores.device)
+    # the masked copy, the sort's values and int64 indices, the visibility mask; the picks and the int32 output
+    work = n * s * (2 * scores.element_size() + 8 + 1) + 16 * n * min(topk, s) + 4 * n * topk
+    check_fits("topk_indices: its work tensors and the int32 output [n, topk]", work, scores.device)
     if query_positions.numel() and int(query_positions.min()) < 0:
         raise ValueError(f"query_positions: expected positions >= 0, got {int(query_positions.min())}")
     if query_positions.numel() and int(query_positions.max()) >= s:
