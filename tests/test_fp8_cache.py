@@ -426,24 +426,30 @@ def test_sparse_mla_paged_refuses_what_fp8_rows_cannot_be():
 
 @CPU
 def test_decode_scores_over_fp8_keys_take_scores_blocks_tile_and_equal_64_key_tiles(seed):
-    """A token a program, fp8 queries over FP8 keys (decode) take scores_block's wider tile by default, each spanning
-    two 64-key cache blocks (every key looks up its own), the last one short: its scores are the 64-key tiles' per
-    element (interpreted, where the tile size changes no score's arithmetic); the scores past a token's position are
-    left as they were."""
-    assert scores_block(True, True, 1) == 128
-    assert scores_block(True, True, 2) == scores_block(False, True, 1) == scores_block(True, False, 1) == 64
-    x = fp8_indexer_inputs(num_heads=4, head_dim=32, context_lens=(0, 300, 9), query_lens=(1, 1, 1), block_kv=64,
-                           seed=seed)
+    """A token a program, fp8 queries over FP8 keys (decode) at up to 32 heads take scores_block's wider tile by
+    default where it still makes 8 programs an SM, each tile spanning two 64-key cache blocks (every key looks up its
+    own), the last one short: its scores are the 64-key tiles' per element (interpreted, where the tile size changes
+    no score's arithmetic); the scores past a token's position are left as they were. With fewer programs an SM
+    (num_sms 2 here), 64-key tiles."""
+    wide_args = dict(tokens=1, heads=32, groups=128, s_max=131072, sms=132)  # GLM-5.2, 128 requests at 128k
+    assert scores_block(True, True, **wide_args) == 128
+    assert all(scores_block(*flags, **wide_args) == 64 for flags in ((False, True), (True, False)))
+    for change in ({"tokens": 2}, {"heads": 64}, {"groups": 16, "s_max": 32768}):  # the last: 256 programs
+        assert scores_block(True, True, **{**wide_args, **change}) == 64, change
+    x = fp8_indexer_inputs(num_heads=4, head_dim=32, context_lens=(0, 300, 9, 40, 200, 1, 64, 130),
+                           query_lens=(1,) * 8, block_kv=64, seed=seed)
     cache = x.k_cache.squeeze(2)
     args = (x.q, x.weights, cache, x.block_table, x.req_indices, x.positions, x.softmax_scale)
-    wide, narrow = (torch.full((3, 310), float("nan")) for _ in range(2))
+    wide, narrow, fewer = (torch.full((8, 310), float("nan")) for _ in range(3))
     launched = []
     with observing_launches(lambda name, run: (launched.append(run.keywords), run())[1]):
-        indexer_scores_paged(*args, wide, tokens=1)
-    assert [(k["BLOCK_S"], k["TILE_IN_BLOCK"]) for k in launched] == [(128, False)], launched
+        indexer_scores_paged(*args, wide, tokens=1, num_sms=1)
+        indexer_scores_paged(*args, fewer, tokens=1, num_sms=2)
+    assert [(k["BLOCK_S"], k["TILE_IN_BLOCK"]) for k in launched] == [(128, False), (64, True)], launched
     indexer_scores_paged(*args, narrow, block_s=64, tokens=1)
-    assert torch.equal(wide.isnan(), narrow.isnan()) and int((~wide.isnan()).sum()) == int(x.positions.sum()) + 3
+    assert torch.equal(wide.isnan(), narrow.isnan()) and int((~wide.isnan()).sum()) == int(x.positions.sum()) + 8
     assert torch.equal(wide.nan_to_num(), narrow.nan_to_num())
+    assert torch.equal(fewer.nan_to_num(), narrow.nan_to_num())
 
 
 @pytest.mark.parametrize("device,dtype,tol", READER_CASES)

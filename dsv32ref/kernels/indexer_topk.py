@@ -443,12 +443,22 @@ def scores_tokens(T: int, H_I: int) -> int:
     return 1 if T < 256 else max(1, 256 // H_I)
 
 
-def scores_block(fp8_keys: bool, fp8_queries: bool, tokens: int) -> int:
+WIDE_TILE_PROGRAMS = 8  # programs an SM that 128-key tiles must still make (scores_block)
+
+
+def scores_block(fp8_keys: bool, fp8_queries: bool, tokens: int, heads: int, groups: int, s_max: int,
+                 sms: int) -> int:
     """Keys per tile: 64, or 128 for fp8 queries over DeepGEMM's FP8 keys a token a program (decode, and prefills
-    under 256 tokens), whose tile then moves about the bytes of 64 bf16 keys (16.5 against 16 KiB) in half the steps.
-    Over 64-token cache blocks such a tile spans two, and each key looks up its own block. (Queries of another dtype
-    convert the keys to it: a 128-key tile would hold two to four times those bytes, and was not timed.)"""
-    return 128 if fp8_keys and fp8_queries and tokens == 1 else 64
+    under 256 tokens) at up to 32 heads, where such tiles still make WIDE_TILE_PROGRAMS programs an SM. A 128-key
+    tile moves about the bytes of 64 bf16 keys (16.5 against 16 KiB) in half the steps; over 64-token cache blocks
+    it spans two, and each key looks up its own block. An H100 A/B (in the git history) found it faster at 32 heads
+    and 2048 programs or more, slower at 256 programs (half the programs of 64-key tiles, too few to fill the SMs)
+    and at 64 heads (187 registers a thread, built for sm_90a: two programs an SM). Queries of another dtype convert
+    the keys to it: a 128-key tile would hold two to four times those bytes, and was not timed."""
+    if not (fp8_keys and fp8_queries and tokens == 1 and heads <= 32):
+        return 64
+    programs = groups * triton.cdiv(triton.cdiv(s_max, 128), scores_tiles(groups, s_max, 128, sms))
+    return 128 if programs >= WIDE_TILE_PROGRAMS * sms else 64
 
 
 def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, positions, softmax_scale,
@@ -472,9 +482,12 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
     check_scale("indexer_scores_paged: softmax_scale", softmax_scale)
     tokens = scores_tokens(T, H_I) if tokens is None else tokens
+    _check_pow2("indexer_scores_paged", num_warps=num_warps, tokens=tokens)
+    sms = _num_sms(q_idx.device, num_sms, "indexer_scores_paged")
     if block_s is None:
-        block_s = scores_block(index_cache.dtype == torch.uint8, q_idx.dtype == torch.float8_e4m3fn, tokens)
-    _check_pow2("indexer_scores_paged", block_s=block_s, num_warps=num_warps, tokens=tokens)
+        block_s = scores_block(index_cache.dtype == torch.uint8, q_idx.dtype == torch.float8_e4m3fn, tokens, H_I,
+                               triton.cdiv(T, tokens), scores.shape[1], sms)
+    _check_pow2("indexer_scores_paged", block_s=block_s)
     if block_s > 1024 or num_warps > 16:  # a key tile holds block_s x D values; a program at most 16 warps
         raise ValueError(f"indexer_scores_paged: block_s must be at most 1024 and num_warps at most 16, got "
                          f"{block_s} and {num_warps}")
@@ -485,7 +498,6 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
         _check_pow2("indexer_scores_paged", tiles=tiles)
     if num_stages is not None and (not is_int(num_stages) or num_stages < 1):
         raise ValueError(f"indexer_scores_paged: num_stages must be None or an int >= 1, got {num_stages!r}")
-    sms = _num_sms(q_idx.device, num_sms, "indexer_scores_paged")
     if device_value_checks_on():
         check_disjoint("indexer_scores_paged", {"scores": scores},
                        dict(q_idx=q_idx, weights=weights, index_cache=index_cache, block_table=block_table,
