@@ -8,7 +8,7 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_int
+from dsv32ref.checks import check_fits, check_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import check_placement
 from dsv32ref.engine.model import EngineModel, EngineMoE, TensorParallel
@@ -115,12 +115,17 @@ def shard(model: EngineModel, tp: TensorParallel) -> EngineModel:
 
 def build_model(config: ModelConfig, boundary, device, dtype, seed: int, moe: str = "dense") -> EngineModel:
     """Dummy weights created directly on the device in the target dtype (a full-size model never touches the
-    host), fp32 where the model keeps fp32 (the router)."""
+    host), fp32 where the model keeps fp32 (the router). A model larger than the device is refused first (its
+    size read off a copy on the meta device)."""
     device = check_placement("build_model", device, dtype)
     check_int("build_model: seed", seed, low=0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
+        with torch.device("meta"):
+            probe = EngineModel(config, boundary, moe=moe)
+        check_fits(f"build_model: {config.name} in {dtype}",
+                   sum(t.numel() * t.element_size() for t in (*probe.parameters(), *probe.buffers())), device)
         with torch.device(device):
             model = EngineModel(config, boundary, moe=moe)
     finally:
