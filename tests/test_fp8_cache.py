@@ -434,7 +434,8 @@ def test_decode_scores_over_fp8_keys_take_scores_blocks_tile_and_equal_64_key_ti
     wide_args = dict(tokens=1, heads=32, groups=128, s_max=131072, sms=132)  # GLM-5.2, 128 requests at 128k
     assert scores_block(True, True, **wide_args) == 128
     assert all(scores_block(*flags, **wide_args) == 64 for flags in ((False, True), (True, False)))
-    for change in ({"tokens": 2}, {"heads": 64}, {"groups": 16, "s_max": 32768}):  # the last: 256 programs
+    # the last two: 256 and 1024 programs of 128-key tiles (512 and 2048 of 64-key tiles)
+    for change in ({"tokens": 2}, {"heads": 64}, {"groups": 16, "s_max": 32768}, {"groups": 64, "s_max": 32768}):
         assert scores_block(True, True, **{**wide_args, **change}) == 64, change
     x = fp8_indexer_inputs(num_heads=4, head_dim=32, context_lens=(0, 300, 9, 40, 200, 1, 64, 130),
                            query_lens=(1,) * 8, block_kv=64, seed=seed)

@@ -195,7 +195,7 @@ class EngineDSAAttention(nn.Module):
                 # a decode batch: each token its own request's keys, nothing for a token group to share
                 indexer_scores_paged(q_idx, w_idx, cache.indexer_k[self.layer_idx], ctx.block_table,
                                      ctx.req_indices, ctx.positions, self.D_I ** -0.5, ctx.scores,
-                                     tokens=1 if ctx.uniform_decode else None)
+                                     tokens=1 if ctx.uniform_decode else None, num_sms=ctx.num_sms)
                 topk_from_scores(ctx.scores, ctx.positions, ctx.topk)
         with region("attention"):
             sparse_mla_paged(q_mqa, cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices, ctx.seq_lens,
@@ -213,7 +213,8 @@ class EngineDSAAttention(nn.Module):
                 with region("indexer"):
                     scores = torch.empty(t1 - t0, ctx.seq_lens_cpu[b], dtype=torch.float32, device=q_mqa.device)
                     indexer_scores_paged(q_idx[t0:t1], w_idx[t0:t1], cache.indexer_k[self.layer_idx], ctx.block_table,
-                                         ctx.req_indices[t0:t1], ctx.positions[t0:t1], self.D_I ** -0.5, scores)
+                                         ctx.req_indices[t0:t1], ctx.positions[t0:t1], self.D_I ** -0.5, scores,
+                                         num_sms=ctx.num_sms)
                     topk_from_scores(scores, ctx.positions[t0:t1], ctx.topk[t0:t1])
             with region("attention"):
                 sparse_mla_paged(q_mqa[t0:t1], cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices[t0:t1],

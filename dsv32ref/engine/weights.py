@@ -11,7 +11,7 @@ import torch
 from dsv32ref.checks import check_fits, check_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import check_placement
-from dsv32ref.engine.model import EngineModel, EngineMoE, TensorParallel
+from dsv32ref.engine.model import SINGLE, EngineModel, EngineMoE, TensorParallel
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
 
 __all__ = ["build_model", "from_reference", "init_dummy", "share_weights", "shard"]
@@ -122,10 +122,11 @@ def build_model(config: ModelConfig, boundary, device, dtype, seed: int, moe: st
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
-            probe = EngineModel(config, boundary, moe=moe)
-        check_fits(f"build_model: {config.name} in {dtype}",
-                   sum(t.numel() * t.element_size() for t in (*probe.parameters(), *probe.buffers())), device)
+        probe = _on_meta(config, boundary, SINGLE, moe)
+        held = [*probe.parameters(), *probe.buffers()]
+        largest = max((t.numel() for t in held), default=0)  # init_dummy draws it in fp32, then casts a copy
+        check_fits(f"build_model: {config.name} in {dtype}", sum(t.numel() * t.element_size() for t in held)
+                   + largest * (4 + dtype.itemsize), device)
         with torch.device(device):
             model = EngineModel(config, boundary, moe=moe)
     finally:

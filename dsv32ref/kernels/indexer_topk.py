@@ -453,7 +453,8 @@ def scores_block(fp8_keys: bool, fp8_queries: bool, tokens: int, heads: int, gro
     tile moves about the bytes of 64 bf16 keys (16.5 against 16 KiB) in half the steps; over 64-token cache blocks
     it spans two, and each key looks up its own block. An H100 A/B (in the git history) found it faster at 32 heads
     and 2048 programs or more, slower at 256 programs (half the programs of 64-key tiles, too few to fill the SMs)
-    and at 64 heads (187 registers a thread, built for sm_90a: two programs an SM). Queries of another dtype convert
+    and at 64 heads (187 registers a thread, built for sm_90a: two programs an SM); between 256 and 2048 programs
+    (where the threshold of 8 an SM falls) nothing was timed. Queries of another dtype convert
     the keys to it: a 128-key tile would hold two to four times those bytes, and was not timed."""
     if not (fp8_keys and fp8_queries and tokens == 1 and heads <= 32):
         return 64

@@ -41,8 +41,8 @@ def _hadamard_on(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tens
 
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
-    """x @ H_n (orthonormal Sylvester Hadamard) over the last dim, computed in >= fp32 and returned in x's dtype; a
-    row of finite values whose transform leaves that dtype's range is refused."""
+    """x @ H_n (orthonormal Sylvester Hadamard) over the last dim (a power of two <= MAX_HADAMARD), computed in
+    >= fp32 and returned in x's dtype; a row of finite values whose transform leaves that dtype's range is refused."""
     check_tensor("x", x, shape=(..., None), dtype=_FLOATS)
     dt = torch.promote_types(x.dtype, torch.float32)
     y = (x.to(dt) @ _hadamard_on(x.shape[-1], x.device, dt)).to(x.dtype)
