@@ -449,6 +449,8 @@ def token_slots(block_table_row: torch.Tensor, seq_len: int, num_blocks: int, bl
     check_int("seq_len", seq_len, 0)
     check_int("num_blocks", num_blocks)
     check_int("block_size", block_size)
+    if num_blocks * block_size > MAX_BLOCKS:  # (an expanded cache view can claim any size)
+        raise ValueError(f"cache: at most 2^31 - 1 slots (int32 slot ids), got {num_blocks} x {block_size}")
     if seq_len > block_table_row.shape[0] * block_size:
         raise ValueError(f"block_table_row: a sequence of {seq_len} tokens needs {-(-seq_len // block_size)} blocks of "
                          f"{block_size}, the row has {block_table_row.shape[0]}")
@@ -465,7 +467,5 @@ def gather_tokens(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: i
     _check_float_cache(cache)
     nb, bs, d = check_tensor("cache", cache, shape=(None, None, None)).shape
     check_tensor("block_table_row", block_table_row, shape=(None,), dtype=(torch.int32, torch.int64))
-    if nb * bs > MAX_BLOCKS:  # (an expanded view can claim any size)
-        raise ValueError(f"cache: at most 2^31 - 1 slots (int32 slot ids), got {nb} x {bs}")
     slots = token_slots(block_table_row.to(cache.device), seq_len, nb, bs)
     return cache[slots // bs, slots % bs]

@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_bool, check_device, check_fits, check_replaceable, check_tensor, is_int
+from dsv32ref.checks import check_bool, check_device, check_fits, check_replaceable, check_tensor, is_int, module_bytes
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -249,7 +249,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
         model = DeepseekV32ForCausalLM(config, form, deployed_numerics)
     model = model.to(dtype)
     check_fits(f"load_pretrained: the model of {os.path.join(path, 'config.json')} in {dtype}",
-               sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())), device)
+               module_bytes(model), device)
     model = model.to_empty(device=device)  # RotaryEmbedding recomputes its frequencies here
     expected = model.state_dict()
     names, problems = _inventory(where, config, expected)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_eps", "check_fits", "check_int", "check_keys",
-           "check_range", "check_replaceable", "device_memory_bytes",
+           "check_range", "check_replaceable", "device_memory_bytes", "module_bytes",
            "check_rope_table", "check_scale", "checking_device_values", "device_value_checks_on", "is_int",
            "is_number", "rel_err"]
 
@@ -198,6 +198,11 @@ def _memory_bytes(kind: str, index: int | None) -> int:
         with open("/sys/fs/cgroup/memory.max") as f:
             total = min(total, int(f.read()))
     return total
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """The bytes a module's parameters (each shared one once) and buffers hold."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def check_fits(name: str, nbytes: int, device: torch.device) -> None:

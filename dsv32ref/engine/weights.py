@@ -8,7 +8,7 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_fits, check_int
+from dsv32ref.checks import check_fits, check_int, module_bytes
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import check_placement
 from dsv32ref.engine.model import SINGLE, EngineModel, EngineMoE, TensorParallel
@@ -123,10 +123,9 @@ def build_model(config: ModelConfig, boundary, device, dtype, seed: int, moe: st
     torch.set_default_dtype(dtype)
     try:
         probe = _on_meta(config, boundary, SINGLE, moe)
-        held = [*probe.parameters(), *probe.buffers()]
-        largest = max((t.numel() for t in held), default=0)  # init_dummy draws it in fp32, then casts a copy
-        check_fits(f"build_model: {config.name} in {dtype}", sum(t.numel() * t.element_size() for t in held)
-                   + largest * (4 + dtype.itemsize), device)
+        largest = max((p.numel() for p in probe.parameters()), default=0)  # init_dummy draws it in fp32, then casts
+        check_fits(f"build_model: {config.name} in {dtype}", module_bytes(probe) + largest * (4 + dtype.itemsize),
+                   device)
         with torch.device(device):
             model = EngineModel(config, boundary, moe=moe)
     finally:

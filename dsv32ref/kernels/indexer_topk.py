@@ -458,7 +458,7 @@ def scores_block(fp8_keys: bool, fp8_queries: bool, tokens: int, heads: int, gro
     the keys to it: a 128-key tile would hold two to four times those bytes, and was not timed."""
     if not (fp8_keys and fp8_queries and tokens == 1 and heads <= 32):
         return 64
-    programs = groups * triton.cdiv(triton.cdiv(s_max, 128), scores_tiles(groups, s_max, 128, sms))
+    programs = groups * triton.cdiv(s_max, 128 * scores_tiles(groups, s_max, 128, sms))  # the launcher's grid
     return 128 if programs >= WIDE_TILE_PROGRAMS * sms else 64
 
 
