@@ -2,6 +2,7 @@
 
     python scripts/ab_sparse_mla_heads.py [--heads 16 32] [--batches 1 16 64 128] [--context 32768 ...] [--out F.json]
                                           [--schedules heads_n hopper] [--against FILE ...]
+                                          [--rows selected none repeated]
 
 At a few heads per token sparse_mla_paged runs dsv32ref.kernels.sparse_mla_heads_n (the keys as the MMA's M, the
 heads as its N); dsv32ref.kernels.sparse_mla_hopper (64 heads a program on M) runs any head count too. Each is
@@ -12,6 +13,11 @@ the arms are timed interleaved (CUDA-graph replays, medians, caches rotated so t
 `--against FILE` adds an arm per file: a copy of dsv32ref/kernels/sparse_mla_heads_n.py from another revision
 (`git show REV:dsv32ref/kernels/sparse_mla_heads_n.py > FILE`), named by the file's stem, its sha256 in the output's
 provenance, so that a change to the kernel is timed against what it changes in one process, from a clean commit.
+
+`--rows` says what the top-k selects (ROWS): the decode's distinct random rows (read from HBM), no row at all
+(every entry -1: nothing is loaded, so a step costs what its compute and hand-offs do), or one row, each request's
+first, 2048 times (every load an L2 hit). A step's time over selected rows against its time over none shows how
+much of the loads the schedule hides behind its compute.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from dsv32ref.kernels import sparse_mla, sparse_mla_heads_n, sparse_mla_hopper
 from dsv32ref.kernels.launch import launch
 from dsv32ref.provenance import provenance
 
+ROWS = {"selected": "the decode's distinct random rows", "none": "every entry -1: no row is read",
+        "repeated": "each request's first row, over and over: L2 hits"}
 SCHEDULES = {"heads_n": sparse_mla_heads_n.sparse_mla_heads_n,  # the keys as the MMA's M, the heads as its N
              "hopper": sparse_mla_hopper.sparse_mla_hopper}  # 64 heads a program on M
 
@@ -50,6 +58,13 @@ def load_copy(path: str):
     return kernel, hashlib.sha256(file.read_bytes()).hexdigest()
 
 
+def rows_topk(mode: str, topk: torch.Tensor) -> torch.Tensor:
+    """The top-k [T, K] a mode of ROWS selects, from the decode's own (distinct positions)."""
+    if mode not in ROWS:
+        raise ValueError(f"--rows: expected some of {list(ROWS)}, got {mode!r}")
+    return topk if mode == "selected" else torch.full_like(topk, -1) if mode == "none" else torch.zeros_like(topk)
+
+
 def call(kernel, q, cache, r, topk, scale, splits, out, lse):
     """kernel into out and lse as sparse_mla_paged launches it: fp32 partials and their merge with splits > 1."""
     outputs = sparse_mla._kernel_outputs(out, lse, splits)
@@ -61,7 +76,11 @@ def call(kernel, q, cache, r, topk, scale, splits, out, lse):
 
 
 def reference(q, bf16_cache, r, topk, scale, d_lat, tokens=4):
-    """float64 out and lse of the first `tokens` tokens over the bf16 cache (the FP8 one dequantised)."""
+    """float64 out and lse of the first `tokens` tokens over the bf16 cache (the FP8 one dequantised); a token
+    that selects no row gets out 0 and lse +inf."""
+    if (topk[:tokens] < 0).all():
+        return q.new_zeros(tokens, q.shape[1], d_lat, dtype=torch.float64), q.new_full(
+            (tokens, q.shape[1]), float("inf"), dtype=torch.float64)
     rows = gather_rows(bf16_cache, r["block_table"], topk[:tokens].long(), r["req"][:tokens]).double()
     s = torch.einsum("thd,tkd->thk", q[:tokens].double(), rows) * scale
     return torch.einsum("thk,tkd->thd", torch.softmax(s, -1), rows[..., :d_lat]), torch.logsumexp(s, -1)
@@ -82,29 +101,41 @@ def choose_arms(schedules: list[str], against: list[str]) -> tuple[dict, dict]:
     return kernels, copies
 
 
-def case(z, B, H, ctx, ceil, kernels: dict) -> list[dict]:
-    """Each of `kernels` (name -> launcher) over both caches at B decode tokens of H heads, ctx keys: checked, timed."""
+def check(out, lse, ref, ref_lse, tokens=4) -> tuple[float, bool]:
+    """(relative error, ok) of the first `tokens` tokens against the reference: within 1e-2 and nothing NaN, or
+    exactly out 0 and lse +inf where no row was selected."""
+    if torch.isinf(ref_lse).all():
+        ok = bool((out[:tokens] == 0).all() and (lse[:tokens] == float("inf")).all())
+        return 0.0 if ok else float("inf"), ok
+    err = max(rel_err(out[:tokens], ref), rel_err(lse[:tokens], ref_lse))
+    return err, err <= 1e-2 and not out.isnan().any().item()
+
+
+def case(z, B, H, ctx, ceil, kernels: dict, mode: str = "selected") -> list[dict]:
+    """Each of `kernels` (name -> launcher) over both caches at B decode tokens of H heads, ctx keys, the top-k
+    selecting `mode`'s rows (ROWS): checked, timed."""
     r = decode_inputs(z, B, ctx)
     d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], z["k"]
     q = torch.randn(B, H, D, device=DEV, dtype=torch.bfloat16)
     scale = z["config"].softmax_scale
+    topk = rows_topk(mode, r["topk"])
+    distinct = {"selected": r["distinct"], "none": 0, "repeated": B}[mode]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = {f: sparse_mla.launch_plan(q, d_lat, k, None, sms, fp8=f == "fp8")[2] for f in ("bf16", "fp8")}
-    ref, ref_lse = reference(q, r["caches"][0][0], r, r["topk"], scale, d_lat)
+    ref, ref_lse = reference(q, r["caches"][0][0], r, topk, scale, d_lat)
     arms, rows = {}, []
     for name, kernel in kernels.items():
         for j, f in enumerate(("bf16", "fp8")):
             out = torch.full((B, H, d_lat), float("nan"), device=DEV, dtype=torch.bfloat16)
             lse = torch.full((B, H), float("nan"), device=DEV)
             fn = (lambda kernel=kernel, j=j, f=f, out=out, lse=lse:
-                  call(kernel, q, r["caches"][r["rot"]()][j], r, r["topk"], scale, splits[f], out, lse))
+                  call(kernel, q, r["caches"][r["rot"]()][j], r, topk, scale, splits[f], out, lse))
             r["rot"].i = -1
             fn()
-            err = max(rel_err(out[:4], ref), rel_err(lse[:4], ref_lse))
-            ok = err <= 1e-2 and not out.isnan().any().item()
+            err, ok = check(out, lse, ref, ref_lse)
             arms[(name, f)] = fn
-            rows.append(dict(kernel=name, cache=f, B=B, heads=H, context=ctx, splits=splits[f], rel_err=err, ok=ok,
-                             bytes=r["distinct"] * (2 * D if f == "bf16" else 656)))
+            rows.append(dict(kernel=name, cache=f, rows=mode, B=B, heads=H, context=ctx, splits=splits[f],
+                             rel_err=err, ok=ok, bytes=distinct * (2 * D if f == "bf16" else 656)))
     times = {}
     for _ in range(2):  # interleaved: the second round is kept
         for key, fn in arms.items():
@@ -112,6 +143,9 @@ def case(z, B, H, ctx, ceil, kernels: dict) -> list[dict]:
             times[key] = timed(fn)["ms"]
     for row in rows:
         row["us"] = times[(row["kernel"], row["cache"])] * 1e3
+        hb = 64 if row["kernel"] == "hopper" else sparse_mla_heads_n.heads_per_program(H)
+        waves = -(-B * -(-H // hb) * row["splits"] // sms)  # one program an SM at a time (their shared memory)
+        row["us_per_step"] = row["us"] / (waves * -(-k // (64 * row["splits"])))  # a program's 64-key steps
         row["fraction_of_copy"] = row["bytes"] / (row["us"] * 1e3) / ceil["copy_GBps"]
         row["TFLOPs"] = 2 * B * H * k * (D + d_lat) / row["us"] / 1e6
     del r["caches"]
@@ -126,20 +160,25 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[32768])
     ap.add_argument("--schedules", nargs="*", choices=sorted(SCHEDULES), default=sorted(SCHEDULES))
     ap.add_argument("--against", nargs="+", default=[], metavar="FILE")
+    ap.add_argument("--rows", nargs="+", default=["selected"],
+                    help="what the top-k selects: " + "; ".join(f"{mode}, {what}" for mode, what in ROWS.items()))
     ap.add_argument("--out")
     args = ap.parse_args()
+    for mode in args.rows:
+        rows_topk(mode, torch.empty(0, dtype=torch.int32))  # refused before anything runs
     kernels, against = choose_arms(args.schedules, args.against)
     torch.manual_seed(0)
     z = shapes("glm-5.2")
     ceil = measure_ceilings()
     print(f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
     results = []
-    for H, ctx, B in itertools.product(args.heads, args.context, args.batches):
-        for row in case(z, B, H, ctx, ceil, kernels):
+    for H, ctx, B, mode in itertools.product(args.heads, args.context, args.batches, args.rows):
+        for row in case(z, B, H, ctx, ceil, kernels, mode):
             results.append(row)
-            print(f"H={H:<3} ctx={ctx:<6} B={B:<4} {row['kernel']:<10} {row['cache']:<5} splits {row['splits']:<2} "
-                  f"{row['us']:8.1f} us  {row['fraction_of_copy']:5.0%} of copy  {row['TFLOPs']:6.1f} TFLOP/s  "
-                  f"err {row['rel_err']:.1e} ok={row['ok']}", flush=True)
+            print(f"H={H:<3} ctx={ctx:<6} B={B:<4} {mode:<8} {row['kernel']:<10} {row['cache']:<5} splits "
+                  f"{row['splits']:<2} {row['us']:8.1f} us ({row['us_per_step']:5.2f} a step)  "
+                  f"{row['fraction_of_copy']:5.0%} of copy  {row['TFLOPs']:6.1f} TFLOP/s  err {row['rel_err']:.1e} "
+                  f"ok={row['ok']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"provenance": provenance() | {"against": against}, "ceilings": ceil, "results": results}, f,

@@ -8,6 +8,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from dsv32ref.kernels import sparse_mla_heads_n
 
@@ -48,3 +49,28 @@ def test_what_is_not_a_copy_of_the_module_is_refused_by_name(ab, tmp_path):
         ab.choose_arms(["heads_n"], [str(clash)])
     with pytest.raises(ValueError, match="expected at least one arm, got none"):
         ab.choose_arms([], [])
+
+
+def test_the_rows_modes_select_what_they_say_and_an_unknown_one_is_refused(ab):
+    topk = torch.randperm(64, dtype=torch.int32).view(4, 16)
+    assert ab.rows_topk("selected", topk) is topk
+    assert torch.equal(ab.rows_topk("none", topk), torch.full((4, 16), -1, dtype=torch.int32))
+    assert torch.equal(ab.rows_topk("repeated", topk), torch.zeros(4, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"--rows: expected some of \['selected', 'none', 'repeated'\], got 'all'"):
+        ab.rows_topk("all", topk)
+
+
+def test_a_token_that_selects_no_row_must_give_exactly_out_zero_and_lse_inf(ab):
+    """The check of the none mode: the reference's empty softmax (out 0, lse +inf), held exactly, a NaN or a
+    finite lse is a failure; with rows selected the relative error decides."""
+    q = torch.randn(4, 2, 8, dtype=torch.bfloat16)
+    ref, ref_lse = ab.reference(q, None, None, torch.full((4, 3), -1), 1.0, 6)
+    assert torch.equal(ref, torch.zeros(4, 2, 6, dtype=torch.float64)) and torch.isposinf(ref_lse).all()
+    out, lse = torch.zeros(4, 2, 6, dtype=torch.bfloat16), torch.full((4, 2), float("inf"))
+    assert ab.check(out, lse, ref, ref_lse) == (0.0, True)
+    assert ab.check(out, torch.where(torch.arange(2) == 1, 3.0, lse), ref, ref_lse) == (float("inf"), False)
+    out[2, 1, 5] = float("nan")
+    assert ab.check(out, lse, ref, ref_lse)[1] is False
+    ref_lse = torch.ones(4, 2, dtype=torch.float64)
+    err, ok = ab.check(ref.to(torch.bfloat16) + 1e-3, ref_lse.float(), ref + 1e-3, ref_lse)
+    assert ok and err < 1e-2
