@@ -15,9 +15,11 @@ the arms are timed interleaved (CUDA-graph replays, medians, caches rotated so t
 provenance, so that a change to the kernel is timed against what it changes in one process, from a clean commit.
 
 `--rows` says what the top-k selects (ROWS): the decode's distinct random rows (read from HBM), no row at all
-(every entry -1: nothing is loaded, so a step costs what its compute and hand-offs do), or one row, each request's
-first, 2048 times (every load an L2 hit). A step's time over selected rows against its time over none shows how
-much of the loads the schedule hides behind its compute.
+(every entry -1: no cache row is read, so a step costs what its compute and hand-offs do), or one row, each
+request's first, in every top-k slot (every load an L2 hit). A step's time over selected rows against its time
+over none shows how much of the loads the schedule hides behind its compute. "A step" is the time over the
+programs' waves and their 64-key steps (`steps_and_waves`): with few steps a program (one request, or top-k
+splits) it carries the launch, the set-up and the write-out too.
 """
 
 from __future__ import annotations
@@ -76,11 +78,12 @@ def call(kernel, q, cache, r, topk, scale, splits, out, lse):
 
 
 def reference(q, bf16_cache, r, topk, scale, d_lat, tokens=4):
-    """float64 out and lse of the first `tokens` tokens over the bf16 cache (the FP8 one dequantised); a token
-    that selects no row gets out 0 and lse +inf."""
-    if (topk[:tokens] < 0).all():
-        return q.new_zeros(tokens, q.shape[1], d_lat, dtype=torch.float64), q.new_full(
-            (tokens, q.shape[1]), float("inf"), dtype=torch.float64)
+    """float64 out and lse of the first `tokens` tokens over the bf16 cache (the FP8 one dequantised); when no
+    token selects a row (the none mode), out 0 and lse +inf."""
+    if (topk < 0).all():
+        T = min(tokens, q.shape[0])
+        return (q.new_zeros(T, q.shape[1], d_lat, dtype=torch.float64),
+                q.new_full((T, q.shape[1]), float("inf"), dtype=torch.float64))
     rows = gather_rows(bf16_cache, r["block_table"], topk[:tokens].long(), r["req"][:tokens]).double()
     s = torch.einsum("thd,tkd->thk", q[:tokens].double(), rows) * scale
     return torch.einsum("thk,tkd->thd", torch.softmax(s, -1), rows[..., :d_lat]), torch.logsumexp(s, -1)
@@ -102,20 +105,27 @@ def choose_arms(schedules: list[str], against: list[str]) -> tuple[dict, dict]:
 
 
 def check(out, lse, ref, ref_lse, tokens=4) -> tuple[float, bool]:
-    """(relative error, ok) of the first `tokens` tokens against the reference: within 1e-2 and nothing NaN, or
-    exactly out 0 and lse +inf where no row was selected."""
-    if torch.isinf(ref_lse).all():
-        ok = bool((out[:tokens] == 0).all() and (lse[:tokens] == float("inf")).all())
+    """(relative error, ok): the first `tokens` tokens within 1e-2 of the reference and no output NaN; or, when no
+    token selects a row (the reference's lse all +inf), every token's out exactly 0 and lse exactly +inf."""
+    if torch.isposinf(ref_lse).all():
+        ok = bool((out == 0).all() and torch.isposinf(lse).all())
         return 0.0 if ok else float("inf"), ok
     err = max(rel_err(out[:tokens], ref), rel_err(lse[:tokens], ref_lse))
     return err, err <= 1e-2 and not out.isnan().any().item()
+
+
+def steps_and_waves(B: int, H: int, K: int, splits: int, heads_per_program: int, sms: int) -> tuple[int, int]:
+    """(64-key steps a program walks, waves of programs over the SMs) of a launch over B tokens of H heads and K
+    top-k slots in `splits` splits: both sm_90 schedules hold one program an SM (their shared memory)."""
+    programs = B * -(-H // heads_per_program) * splits
+    return -(-K // (64 * splits)), -(-programs // sms)
 
 
 def case(z, B, H, ctx, ceil, kernels: dict, mode: str = "selected") -> list[dict]:
     """Each of `kernels` (name -> launcher) over both caches at B decode tokens of H heads, ctx keys, the top-k
     selecting `mode`'s rows (ROWS): checked, timed."""
     r = decode_inputs(z, B, ctx)
-    d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], z["k"]
+    d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], r["topk"].shape[1]
     q = torch.randn(B, H, D, device=DEV, dtype=torch.bfloat16)
     scale = z["config"].softmax_scale
     topk = rows_topk(mode, r["topk"])
@@ -143,9 +153,10 @@ def case(z, B, H, ctx, ceil, kernels: dict, mode: str = "selected") -> list[dict
             times[key] = timed(fn)["ms"]
     for row in rows:
         row["us"] = times[(row["kernel"], row["cache"])] * 1e3
-        hb = 64 if row["kernel"] == "hopper" else sparse_mla_heads_n.heads_per_program(H)
-        waves = -(-B * -(-H // hb) * row["splits"] // sms)  # one program an SM at a time (their shared memory)
-        row["us_per_step"] = row["us"] / (waves * -(-k // (64 * row["splits"])))  # a program's 64-key steps
+        on_m = kernels[row["kernel"]] is sparse_mla_hopper.sparse_mla_hopper  # 64 heads a program on M
+        steps, waves = steps_and_waves(B, H, k, row["splits"], 64 if on_m else sparse_mla_heads_n.heads_per_program(H),
+                                       sms)
+        row["us_per_step"] = row["us"] / (waves * steps)
         row["fraction_of_copy"] = row["bytes"] / (row["us"] * 1e3) / ceil["copy_GBps"]
         row["TFLOPs"] = 2 * B * H * k * (D + d_lat) / row["us"] / 1e6
     del r["caches"]

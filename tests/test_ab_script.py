@@ -1,6 +1,8 @@
-"""scripts/ab_sparse_mla_heads.py's arms, on the CPU: the tree's schedules by name, and a copy of the kernel module
+"""scripts/ab_sparse_mla_heads.py on the CPU: its arms (the tree's schedules by name, and a copy of the kernel module
 from another revision loaded from its file, named by its stem, its sha256 kept for the provenance; what is not a
-copy of the module is refused by name. (The timing itself needs the GPU.)"""
+copy of the module is refused by name), the top-k of each --rows mode, the check of a result against the reference
+(exact where no row is selected) and the steps and waves a step's time is taken over. (The timing itself needs
+the GPU.)"""
 
 import hashlib
 import importlib.util
@@ -60,17 +62,37 @@ def test_the_rows_modes_select_what_they_say_and_an_unknown_one_is_refused(ab):
         ab.rows_topk("all", topk)
 
 
-def test_a_token_that_selects_no_row_must_give_exactly_out_zero_and_lse_inf(ab):
-    """The check of the none mode: the reference's empty softmax (out 0, lse +inf), held exactly, a NaN or a
-    finite lse is a failure; with rows selected the relative error decides."""
-    q = torch.randn(4, 2, 8, dtype=torch.bfloat16)
-    ref, ref_lse = ab.reference(q, None, None, torch.full((4, 3), -1), 1.0, 6)
+def test_where_no_row_is_selected_every_token_must_give_exactly_out_zero_and_lse_inf(ab):
+    """The check of the none mode: the reference's empty softmax (out 0, lse +inf), held exactly for every token
+    (not only the first four the reference computes); -inf (an empty split's lse before the merge), a finite lse
+    or a NaN anywhere is a failure."""
+    q = torch.randn(6, 2, 8, dtype=torch.bfloat16)
+    ref, ref_lse = ab.reference(q, None, None, torch.full((6, 3), -1), 1.0, 6)
     assert torch.equal(ref, torch.zeros(4, 2, 6, dtype=torch.float64)) and torch.isposinf(ref_lse).all()
-    out, lse = torch.zeros(4, 2, 6, dtype=torch.bfloat16), torch.full((4, 2), float("inf"))
+    assert ab.reference(q[:1], None, None, torch.full((1, 3), -1), 1.0, 6)[0].shape == (1, 2, 6)
+    out, lse = torch.zeros(6, 2, 6, dtype=torch.bfloat16), torch.full((6, 2), float("inf"))
     assert ab.check(out, lse, ref, ref_lse) == (0.0, True)
-    assert ab.check(out, torch.where(torch.arange(2) == 1, 3.0, lse), ref, ref_lse) == (float("inf"), False)
-    out[2, 1, 5] = float("nan")
-    assert ab.check(out, lse, ref, ref_lse)[1] is False
-    ref_lse = torch.ones(4, 2, dtype=torch.float64)
-    err, ok = ab.check(ref.to(torch.bfloat16) + 1e-3, ref_lse.float(), ref + 1e-3, ref_lse)
-    assert ok and err < 1e-2
+    for bad_lse in (float("-inf"), 3.0, float("nan")):
+        worse = lse.clone()
+        worse[5, 1] = bad_lse
+        assert ab.check(out, worse, ref, ref_lse) == (float("inf"), False), bad_lse
+    out[5, 1, 5] = float("nan")
+    assert ab.check(out, lse, ref, ref_lse) == (float("inf"), False)
+
+
+def test_with_rows_selected_the_relative_error_decides(ab):
+    ref, ref_lse = torch.rand(4, 2, 6, dtype=torch.float64) + 1, torch.ones(4, 2, dtype=torch.float64)
+    err, ok = ab.check(ref.float() * (1 + 1e-3), ref_lse.float(), ref, ref_lse)
+    assert ok and 5e-4 < err < 2e-3
+    assert ab.check(ref.float() * 1.05, ref_lse.float(), ref, ref_lse)[1] is False
+    out = torch.cat([ref.float(), torch.full((1, 2, 6), float("nan"))])  # a NaN past the tokens compared
+    assert ab.check(out, torch.ones(5, 2), ref, ref_lse)[1] is False
+
+
+@pytest.mark.parametrize("B,splits,steps,waves", [(1, 16, 2, 1), (16, 8, 4, 1), (64, 2, 16, 1), (128, 1, 32, 1),
+                                                  (256, 1, 32, 2), (133, 1, 32, 2)])
+def test_a_step_is_taken_over_each_programs_64_key_steps_and_the_waves_of_programs(ab, B, splits, steps, waves):
+    """The decode's shapes on 132 SMs (an H100): 2048 top-k slots, 16 heads a program, one program an SM."""
+    assert ab.steps_and_waves(B, 16, 2048, splits, 16, 132) == (steps, waves)
+    assert ab.steps_and_waves(B, 32, 2048, splits, 16, 132) == (steps, -(-2 * B * splits // 132))
+    assert ab.steps_and_waves(B, 16, 2000, splits, 64, 132) == (-(-2000 // (64 * splits)), waves)
