@@ -18,7 +18,7 @@ provenance, so that a change to the kernel is timed against what it changes in o
 (every entry -1: no cache row is read, so a step costs what its compute and hand-offs do), or one row, each
 request's first, in every top-k slot (every load an L2 hit). A step's time over selected rows against its time
 over none shows how much of the loads the schedule hides behind its compute. "A step" is the time over the
-programs' waves and their 64-key steps (`steps_and_waves`): with few steps a program (one request, or top-k
+programs' waves and their steps of 64 keys (`steps_and_waves`): with few steps a program (one request, or top-k
 splits) it carries the launch, the set-up and the write-out too.
 """
 
@@ -115,10 +115,11 @@ def check(out, lse, ref, ref_lse, tokens=4) -> tuple[float, bool]:
 
 
 def steps_and_waves(B: int, H: int, K: int, splits: int, heads_per_program: int, sms: int) -> tuple[int, int]:
-    """(64-key steps a program walks, waves of programs over the SMs) of a launch over B tokens of H heads and K
-    top-k slots in `splits` splits: both sm_90 schedules hold one program an SM (their shared memory)."""
+    """(steps of BLOCK_N keys a program walks, waves of programs over the SMs) of a launch over B tokens of H heads
+    and K top-k slots in `splits` splits: both sm_90 schedules walk sparse_mla_hopper.BLOCK_N keys a step and hold
+    one program an SM (their shared memory)."""
     programs = B * -(-H // heads_per_program) * splits
-    return -(-K // (64 * splits)), -(-programs // sms)
+    return -(-K // (sparse_mla_hopper.BLOCK_N.value * splits)), -(-programs // sms)
 
 
 def case(z, B, H, ctx, ceil, kernels: dict, mode: str = "selected") -> list[dict]:

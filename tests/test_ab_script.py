@@ -89,10 +89,12 @@ def test_with_rows_selected_the_relative_error_decides(ab):
     assert ab.check(out, torch.ones(5, 2), ref, ref_lse)[1] is False
 
 
-@pytest.mark.parametrize("B,splits,steps,waves", [(1, 16, 2, 1), (16, 8, 4, 1), (64, 2, 16, 1), (128, 1, 32, 1),
-                                                  (256, 1, 32, 2), (133, 1, 32, 2)])
-def test_a_step_is_taken_over_each_programs_64_key_steps_and_the_waves_of_programs(ab, B, splits, steps, waves):
-    """The decode's shapes on 132 SMs (an H100): 2048 top-k slots, 16 heads a program, one program an SM."""
+@pytest.mark.parametrize("B,splits,steps,waves,waves_32", [
+    (1, 16, 2, 1, 1), (16, 8, 4, 1, 2), (64, 2, 16, 1, 2), (128, 1, 32, 1, 2), (256, 1, 32, 2, 4), (133, 1, 32, 2, 3)])
+def test_a_step_is_taken_over_each_programs_64_key_steps_and_the_waves_of_programs(ab, B, splits, steps, waves,
+                                                                                    waves_32):
+    """The decode's shapes on 132 SMs (an H100): 2048 top-k slots (2000: the last step part full), 16 heads a
+    program (32 heads: two head blocks), or the 64-head schedule's one block, one program an SM."""
     assert ab.steps_and_waves(B, 16, 2048, splits, 16, 132) == (steps, waves)
-    assert ab.steps_and_waves(B, 32, 2048, splits, 16, 132) == (steps, -(-2 * B * splits // 132))
-    assert ab.steps_and_waves(B, 16, 2000, splits, 64, 132) == (-(-2000 // (64 * splits)), waves)
+    assert ab.steps_and_waves(B, 32, 2048, splits, 16, 132) == (steps, waves_32)
+    assert ab.steps_and_waves(B, 32, 2000, splits, 64, 132) == (steps, waves)
