@@ -17,7 +17,7 @@ thread at HB = 16), which leaves the producers registers to hold rows in flight.
                cp.async into a free stage, their validity flags beside it). FlashMLA's FP8 rows: two warpgroups,
                each 32 of every step's 64 rows (the first also loads q): register loads of the fp8 values (int32
                words) and scales, dequantised into the stage's bf16 by one inline-asm conversion a word; each
-               issues the next step's loads before it waits for this step's, so that two steps are in flight
+               issues the next step's loads before it waits for a free stage and stores this step's
     consumer   one warpgroup: per step wait for the stage, S^T, online softmax along the keys, P^T to shared
                memory, O^T += V^T P^T, free the stage
     shared     q HB x 576 + 2 stages of 64 x 576 + P^T 64 x HB, bf16: 164 KiB at HB = 16, 185 KiB at 32
@@ -28,8 +28,11 @@ one warpgroup converting a whole step issued a third of the time and held the co
 carried across the loop took a register a byte (hence words); a quarter warp's 16-byte stores must span two rows
 to meet the stage's 128-byte swizzle without a two-way bank conflict (the load layout below). The stage's reads
 by the MMAs (K, then V: 136 KiB a step) and the dequantised stores (64 KiB) keep the shared-memory pipe busy, so
-the FP8 step costs about what the bf16 one does even though it reads 57 % of the bytes, and a third step of loads
-in flight makes it slower, not faster (the loads are not waiting on latency). On an H100, whose HBM is slower
+the FP8 step costs about what the bf16 one does even though it reads 57 % of the bytes, and more loads in flight
+make it slower, not faster (the loads are not waiting on latency): the loop below, as compiled, waits for the next
+step's loads at its back edge, where its registers change roles, so one step's loads fly at a time; a loop over two
+steps an iteration, which kept them in flight across it (no register copies), was no faster at 16 heads and slower
+at 32 on an H100. On an H100, whose HBM is slower
 (3.0 TB/s copied), the bf16 rows are bound by their bytes and the FP8 rows win: 16 heads, 16 to 128 requests,
 8k-128k contexts, 1.17-1.20x bf16's speed (bench.fp8, graph replay), yet at 63-64 % of the copy rate at 128
 requests against bf16's 92-94 %: there, too, the FP8 step is bound inside the SM, not by its bytes.
@@ -68,7 +71,7 @@ __all__ = ["MAX_HEADS", "heads_per_program", "sparse_mla_heads_n"]
 
 MAX_HEADS = 32  # heads per token up to which sparse_mla_paged runs this kernel (past it: 64 heads on M)
 LOAD_REGS = gl.constexpr(64)  # the producer over bf16 rows: it resolves rows and issues copies
-LOAD_REGS_FP8 = gl.constexpr(152)  # each of two producers over FP8 rows: half of two steps in flight (80 registers)
+LOAD_REGS_FP8 = gl.constexpr(152)  # each of two producers over FP8 rows: half of two steps held (80 registers)
 
 
 def heads_per_program(H: int) -> int:
@@ -158,9 +161,10 @@ def _rows_slice_indices(idx_row_ptr, i, R0: gl.constexpr, ROWS: gl.constexpr, k_
 def _produce_fp8_ahead(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
                        rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, R0: gl.constexpr,
                        ROWS: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
-    """FlashMLA's FP8 rows R0 .. R0 + ROWS of every step, two steps in flight: step i + 1's fp8 values and scales
-    are loaded into registers before step i's (loaded one iteration earlier) are waited on, dequantised and
-    stored, and step i + 2's rows are resolved meanwhile. Nothing past the program's own steps is read."""
+    """FlashMLA's FP8 rows R0 .. R0 + ROWS of every step, one step ahead: step i + 1's fp8 values and scales are
+    loaded into registers while step i's (loaded one iteration earlier) wait for a free stage and are dequantised
+    and stored, and step i + 2's rows are resolved meanwhile; the back edge, where the registers change roles,
+    waits for step i + 1's loads. Nothing past the program's own steps is read."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # 16 B per thread per copy
     rows_l: gl.constexpr = gl.SliceLayout(1, ld)
     offs_pe = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld))
