@@ -10,9 +10,10 @@ launched here over the bf16 and the FP8 cache, with the top-k splits sparse_mla_
 them; every arm first runs on poisoned outputs and is checked against the float64 reference of a few tokens, then
 the arms are timed interleaved (CUDA-graph replays, medians, caches rotated so that each call reads HBM).
 
-`--against FILE` adds an arm per file: a copy of dsv32ref/kernels/sparse_mla_heads_n.py from another revision
-(`git show REV:dsv32ref/kernels/sparse_mla_heads_n.py > FILE`), named by the file's stem, its sha256 in the output's
-provenance, so that a change to the kernel is timed against what it changes in one process, from a clean commit.
+`--against FILE` adds an arm per file: a copy of dsv32ref/kernels/sparse_mla_heads_n.py or sparse_mla_hopper.py
+from another revision (`git show REV:dsv32ref/kernels/sparse_mla_heads_n.py > FILE`), named by the file's stem, its
+sha256 and schedule in the output's provenance, so that a change to a kernel is timed against what it changes in
+one process, from a clean commit.
 
 `--rows` says what the top-k selects (ROWS): the decode's distinct random rows (read from HBM), no row at all
 (every entry -1: no cache row is read, so a step costs what its compute and hand-offs do), or one row, each
@@ -47,17 +48,20 @@ SCHEDULES = {"heads_n": sparse_mla_heads_n.sparse_mla_heads_n,  # the keys as th
 
 
 def load_copy(path: str):
-    """FILE, a copy of sparse_mla_heads_n.py -> (its sparse_mla_heads_n, the file's sha256)."""
+    """FILE, a copy of sparse_mla_heads_n.py or sparse_mla_hopper.py -> (its launcher, the file's sha256, the
+    schedule it is a copy of)."""
     file = pathlib.Path(path)
     if not file.is_file():
-        raise ValueError(f"--against: expected a copy of sparse_mla_heads_n.py, got {path!r}, which is not a file")
+        raise ValueError(f"--against: expected a copy of a kernel module, got {path!r}, which is not a file")
     spec = importlib.util.spec_from_file_location(f"against_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    kernel = getattr(module, "sparse_mla_heads_n", None)
-    if not callable(kernel):
-        raise ValueError(f"--against {path}: expected a module defining sparse_mla_heads_n, found none")
-    return kernel, hashlib.sha256(file.read_bytes()).hexdigest()
+    for schedule, launcher in (("heads_n", "sparse_mla_heads_n"), ("hopper", "sparse_mla_hopper")):
+        kernel = getattr(module, launcher, None)
+        if callable(kernel):
+            return kernel, hashlib.sha256(file.read_bytes()).hexdigest(), schedule
+    raise ValueError(f"--against {path}: expected a module defining sparse_mla_heads_n or sparse_mla_hopper, "
+                     "found neither")
 
 
 def rows_topk(mode: str, topk: torch.Tensor) -> torch.Tensor:
@@ -91,14 +95,14 @@ def reference(q, bf16_cache, r, topk, scale, d_lat, tokens=4):
 
 def choose_arms(schedules: list[str], against: list[str]) -> tuple[dict, dict]:
     """The tree's schedules by name and each --against copy by its file's stem -> (name -> launcher, name ->
-    {file, sha256} of the copies)."""
+    {file, sha256, schedule} of the copies)."""
     kernels, copies = {name: SCHEDULES[name] for name in schedules}, {}
     for path in against:
         name = pathlib.Path(path).stem
         if name in kernels:
             raise ValueError(f"--against {path}: its arm's name {name!r} is taken; rename the file")
-        kernels[name], sha256 = load_copy(path)
-        copies[name] = {"file": path, "sha256": sha256}
+        kernels[name], sha256, schedule = load_copy(path)
+        copies[name] = {"file": path, "sha256": sha256, "schedule": schedule}
     if not kernels:
         raise ValueError("--schedules and --against: expected at least one arm, got none")
     return kernels, copies
@@ -122,9 +126,9 @@ def steps_and_waves(B: int, H: int, K: int, splits: int, heads_per_program: int,
     return -(-K // (sparse_mla_hopper.BLOCK_N.value * splits)), -(-programs // sms)
 
 
-def case(z, B, H, ctx, ceil, kernels: dict, mode: str = "selected") -> list[dict]:
+def case(z, B, H, ctx, ceil, kernels: dict, mode: str = "selected", on_m=("hopper",)) -> list[dict]:
     """Each of `kernels` (name -> launcher) over both caches at B decode tokens of H heads, ctx keys, the top-k
-    selecting `mode`'s rows (ROWS): checked, timed."""
+    selecting `mode`'s rows (ROWS): checked, timed. on_m names the arms that put 64 heads a program on M."""
     r = decode_inputs(z, B, ctx)
     d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], r["topk"].shape[1]
     q = torch.randn(B, H, D, device=DEV, dtype=torch.bfloat16)
@@ -154,9 +158,8 @@ def case(z, B, H, ctx, ceil, kernels: dict, mode: str = "selected") -> list[dict
             times[key] = timed(fn)["ms"]
     for row in rows:
         row["us"] = times[(row["kernel"], row["cache"])] * 1e3
-        on_m = kernels[row["kernel"]] is sparse_mla_hopper.sparse_mla_hopper  # 64 heads a program on M
-        steps, waves = steps_and_waves(B, H, k, row["splits"], 64 if on_m else sparse_mla_heads_n.heads_per_program(H),
-                                       sms)
+        heads = 64 if row["kernel"] in on_m else sparse_mla_heads_n.heads_per_program(H)
+        steps, waves = steps_and_waves(B, H, k, row["splits"], heads, sms)
         row["us_per_step"] = row["us"] / (waves * steps)
         row["fraction_of_copy"] = row["bytes"] / (row["us"] * 1e3) / ceil["copy_GBps"]
         row["TFLOPs"] = 2 * B * H * k * (D + d_lat) / row["us"] / 1e6
@@ -179,13 +182,14 @@ def main() -> None:
     for mode in args.rows:
         rows_topk(mode, torch.empty(0, dtype=torch.int32))  # refused before anything runs
     kernels, against = choose_arms(args.schedules, args.against)
+    on_m = [name for name in kernels if name == "hopper" or against.get(name, {}).get("schedule") == "hopper"]
     torch.manual_seed(0)
     z = shapes("glm-5.2")
     ceil = measure_ceilings()
     print(f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
     results = []
     for H, ctx, B, mode in itertools.product(args.heads, args.context, args.batches, args.rows):
-        for row in case(z, B, H, ctx, ceil, kernels, mode):
+        for row in case(z, B, H, ctx, ceil, kernels, mode, on_m):
             results.append(row)
             print(f"H={H:<3} ctx={ctx:<6} B={B:<4} {mode:<8} {row['kernel']:<10} {row['cache']:<5} splits "
                   f"{row['splits']:<2} {row['us']:8.1f} us ({row['us_per_step']:5.2f} a step)  "

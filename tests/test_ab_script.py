@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from dsv32ref.kernels import sparse_mla_heads_n
+from dsv32ref.kernels import sparse_mla_heads_n, sparse_mla_hopper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,17 +33,23 @@ def test_a_copy_of_the_kernel_module_is_an_arm_beside_the_tree_schedules(ab, tmp
     assert list(kernels) == ["heads_n", "base"]
     assert kernels["heads_n"] is sparse_mla_heads_n.sparse_mla_heads_n
     assert callable(kernels["base"]) and kernels["base"] is not sparse_mla_heads_n.sparse_mla_heads_n
-    assert copies == {"base": {"file": str(copy), "sha256": hashlib.sha256(copy.read_bytes()).hexdigest()}}
+    assert copies == {"base": {"file": str(copy), "sha256": hashlib.sha256(copy.read_bytes()).hexdigest(),
+                               "schedule": "heads_n"}}
+    other = tmp_path / "base_hopper.py"
+    shutil.copy(sparse_mla_hopper.__file__, other)
+    kernels, copies = ab.choose_arms(["hopper"], [str(other)])
+    assert kernels["base_hopper"] is not sparse_mla_hopper.sparse_mla_hopper
+    assert copies["base_hopper"]["schedule"] == "hopper"
     kernels, copies = ab.choose_arms(["heads_n", "hopper"], [])
     assert list(kernels) == ["heads_n", "hopper"] and copies == {}
 
 
 def test_what_is_not_a_copy_of_the_module_is_refused_by_name(ab, tmp_path):
-    with pytest.raises(ValueError, match="--against: expected a copy of sparse_mla_heads_n.py, got .*not a file"):
+    with pytest.raises(ValueError, match="--against: expected a copy of a kernel module, got .*not a file"):
         ab.choose_arms(["heads_n"], [str(tmp_path / "missing.py")])
     other = tmp_path / "other.py"
-    other.write_text("def sparse_mla_hopper():\n    pass\n")
-    with pytest.raises(ValueError, match="other.py: expected a module defining sparse_mla_heads_n"):
+    other.write_text("def sparse_mla():\n    pass\n")
+    with pytest.raises(ValueError, match="other.py: expected a module defining sparse_mla_heads_n or sparse_mla_hop"):
         ab.choose_arms([], [str(other)])
     clash = tmp_path / "heads_n.py"
     shutil.copy(sparse_mla_heads_n.__file__, clash)
