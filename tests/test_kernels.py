@@ -441,6 +441,38 @@ def test_sparse_mla_pair_kernel_on_generated_inputs(query_lens, seed):
     assert torch.isnan(out[-1, 1]).all() or not (x.topk_indices[-1] >= 0).any()  # the NaN reached its head only
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [32, 16])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_heads_as_n_over_splits_holds_a_token_that_selects_nothing(heads, kv_cache_dtype, seed):
+    """Three decode tokens on sm_90's heads-as-N kernel (top-k splits, fp32 partials merged), over bf16 rows and
+    FlashMLA's: a token whose top-k is all -1 (every split of it empty) gets out 0 and lse +inf exactly; a token
+    whose valid keys all lie in its last 64 slots (its other splits empty) and the third equal the float64
+    reference; unselected rows NaN, outputs poisoned."""
+    from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the heads-as-N kernel is sm_90's")
+    fp8 = kv_cache_dtype == "fp8"
+    x = paged_sparse_mla_inputs(num_heads=heads, topk=2048, context_lens=(3000, 5000, 100), query_lens=(1, 1, 1),
+                                block_size=64, dtype=torch.bfloat16, device="cuda", seed=seed,
+                                kv_cache_dtype=kv_cache_dtype)
+    x.topk_indices[0] = -1
+    x.topk_indices[1, :-64] = -1
+    x.topk_indices[1, -64:] = torch.randperm(5001, device="cuda")[:64].int()  # distinct visible positions
+    _, _, splits, sm90 = launch_plan(x.q, 512, 2048, None, torch.cuda.get_device_properties(0).multi_processor_count,
+                                     fp8=fp8)
+    assert sm90 and splits > 1 and kernel_choice(x.q, 512, splits, None, fp8=fp8)[0] == "sm_90 heads as N", splits
+    out = torch.full((3, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((3, heads), float("nan"), device="cuda")
+    sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,
+                     out, lse)
+    assert (out[0] == 0).all() and torch.isposinf(lse[0]).all()
+    ref, ref_lse = reference_sparse_mla_paged(x)
+    assert_close("out", out, ref, dtype=torch.bfloat16, row_dims=2, rtol=1, atol=1)
+    assert_close("lse", lse, ref_lse, dtype=torch.float32, rtol=64, atol=64)
+
+
 def _check_sm90_kernel(heads: int, valid_first: bool, k: int) -> None:
     """The cases of test_sparse_mla_hopper_kernel, at k top-k slots a token."""
     from dsv32ref.kernels.sparse_mla import DEFAULT_CONFIG, launch_plan
