@@ -63,9 +63,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from dsv32ref.kernels.launch import launch
-from dsv32ref.kernels.sparse_mla_hopper import (BLOCK_N, LOAD_WARPS, _async_copy, _cta_barrier, _program_steps,
-                                                _load_q, _produce_bf16, _release_stage, _rows_of,
-                                                _stage_barriers)
+from dsv32ref.kernels.sparse_mla_hopper import (BLOCK_N, LOAD_WARPS, _async_copy, _cta_barrier, _load_partition,
+                                                _load_q, _program_steps, _release_stage, _rows_of, _stage_barriers)
 
 __all__ = ["MAX_HEADS", "heads_per_program", "sparse_mla_heads_n"]
 
@@ -206,17 +205,6 @@ def _fp8_half_partition(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_ba
 
 
 @gluon.jit
-def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
-                    it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem,
-                    q_bar, ready, free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
-    """The producer over bf16 rows: q once, then each step's rows into a free stage (cp.async) and their validity
-    flags beside it."""
-    _load_q(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, D_LAT, D_ROPE)
-    _produce_bf16(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1, seq_len, block_size,
-                  rows_per_block, num_blocks, k_lat, k_pe, valid_smem, ready, free, D_LAT, D_ROPE)
-
-
-@gluon.jit
 def _finish(acc, m_i, l_acc, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, h0, H, split, HB: gl.constexpr,
             D_LAT: gl.constexpr, NUM_SPLITS: gl.constexpr, o_l: gl.constexpr):
     """O^T / l and the natural-log logsumexp per head (+inf where no key was valid, NaN where a score was NaN or
@@ -333,7 +321,7 @@ def _sparse_mla_heads_n_kernel(
                                   HB, D_LAT, NUM_SPLITS)),
             (_load_partition, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
                                k_end, it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat,
-                               k_pe, valid_smem, q_bar, ready, free, D_LAT, D_ROPE)),
+                               k_pe, valid_smem, q_bar, ready, free, D_LAT, D_ROPE, False)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
 
