@@ -3,14 +3,16 @@
     python -m dsv32ref.bench.fp8 --out data/fp8_speed.json [--quick]
     python -m dsv32ref.bench.fp8 --sweep --out runs/fp8_sweep.json     (the FP8 decode's tiles, SWEEP_TILES)
 
-Both caches hold the same values (the bf16 cache is the FP8 cache dequantised: an fp8 value times a power of
-two is exact in bf16), so the two kernels compute the same function and are checked against each other (outputs
-poisoned first). Decode: B requests of one token, each with its own ctx-token cache and index_topk random
-distinct visible slots, at 16, 64 and 128 heads (a TP4, TP2 and TP1 rank of GLM-5.2/DeepSeek-V3.2's heads); the bytes
-each kernel must read are its rows (1152 bf16, 656 FP8 per token) once each. Indexer: B requests of one token
-at ctx keys, bf16 queries and keys (256 bytes a key) against fp8 queries and DeepGEMM's FP8 keys (132 bytes). Caches smaller than 1 GiB rotate
-through copies (bench.kernels.Rotation), so every timed call reads HBM. Times are CUDA-graph replays, medians;
-the copy bandwidth and GEMM rate are measured in the same run.
+Both caches hold the same values (the bf16 cache is the FP8 cache dequantised: an fp8 value times a power of two is
+exact in bf16), so the two kernels compute the same function and are checked against each other (outputs poisoned
+first). Decode: B requests of one token, each with its own ctx-token cache and index_topk random distinct visible
+slots, at 16, 64 and 128 heads (a TP4, TP2 and TP1 rank of GLM-5.2/DeepSeek-V3.2's heads); the bytes each kernel
+must read are its rows (1152 bf16, 656 FP8 per token) once each. The bf16 decode is also timed over a top-k that
+selects nothing (no row read: its compute and hand-offs alone); where its bytes at the copy rate take at least that
+long, the row says it is bound by its bytes, which is where the FP8 rows must win. Indexer: B requests of one token
+at ctx keys, bf16 queries and keys (256 bytes a key) against fp8 queries and DeepGEMM's FP8 keys (132 bytes). Caches
+smaller than 1 GiB rotate through copies (bench.kernels.Rotation), so every timed call reads HBM. Times are
+CUDA-graph replays, medians; the copy bandwidth and GEMM rate are measured in the same run.
 """
 
 from __future__ import annotations
@@ -71,9 +73,14 @@ def key_caches(n_tokens: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fractions(r: dict, copy_GBps: float) -> dict:
-    """r with each arm's bytes / time as a fraction of the copy bandwidth."""
+    """r with each arm's bytes / time as a fraction of the copy bandwidth; for a decode row, also what bounds the
+    bf16 decode: "bytes" where its bytes at the copy rate take at least as long as the same call over a top-k that
+    selects nothing (its MMAs, softmax and hand-offs, no row read), else "compute"."""
     for f in ("bf16", "fp8"):
         r[f"fraction_of_copy_{f}"] = r[f"bytes_{f}"] / r[f"ms_{f}"] / 1e6 / copy_GBps
+    if "ms_bf16_no_rows" in r:
+        r["ms_bf16_bytes_at_copy"] = r["bytes_bf16"] / 1e6 / copy_GBps
+        r["bf16_bound_by"] = "bytes" if r["ms_bf16_bytes_at_copy"] >= r["ms_bf16_no_rows"] else "compute"
     return r
 
 
@@ -124,6 +131,23 @@ def decode_calls(z: dict, r: dict, H: int, configs: dict | None = None) -> tuple
     return q, calls, outs, lses
 
 
+def no_rows_call(z: dict, r: dict, q: torch.Tensor):
+    """The bf16 decode of q over a top-k that selects nothing (every entry -1), run once and checked -> (the call,
+    whether it gave out 0 and lse +inf exactly). Its time is what the decode costs besides its bytes."""
+    B, H = q.shape[:2]
+    none = torch.full_like(r["topk"], -1)
+    out = torch.full((B, H, z["d_lat"]), float("nan"), device=DEV, dtype=BF16)
+    lse = torch.full((B, H), float("nan"), device=DEV)
+
+    def call():
+        sparse_mla_paged(q, r["caches"][r["rot"]()][0], r["block_table"], r["req"], r["seq_lens"], none,
+                         z["config"].softmax_scale, out, lse)
+
+    r["rot"].i = -1
+    call()
+    return call, bool((out == 0).all().item() and torch.isposinf(lse).all().item())
+
+
 def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[dict]:
     """sparse_mla_paged decode at B requests x ctx tokens, each head count in `heads`, bf16 against FP8 rows."""
     d_lat, D, k = z["d_lat"], z["d_lat"] + z["rope"], z["k"]
@@ -138,11 +162,14 @@ def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[di
                 "splits": {f: plan[f][2] for f in calls},
                 "rel_err_fp8_vs_bf16": max(rel_err(outs["fp8"], outs["bf16"]), rel_err(lse["fp8"], lse["bf16"])),
                 "flops": 2 * B * H * k * (D + d_lat)}
-        case["ok"] = case["rel_err_fp8_vs_bf16"] <= 1e-2 and not outs["fp8"].isnan().any().item()
+        calls["no_rows"], case["no_rows_ok"] = no_rows_call(z, r, q)
+        case["ok"] = (case["rel_err_fp8_vs_bf16"] <= 1e-2 and not outs["fp8"].isnan().any().item()
+                      and case["no_rows_ok"])
         t = {}
-        for f in ("bf16", "fp8", "bf16", "fp8"):  # interleaved: the second of each pair is kept
+        for f in ("bf16", "fp8", "no_rows") * 2:  # interleaved: the second of each is kept
             r["rot"].i = -1
             t[f] = timed(calls[f])
+        case["ms_bf16_no_rows"] = t["no_rows"]["ms"]
         rows.append(_speedup_row("sparse_mla_decode", case, t["bf16"], t["fp8"], r["distinct"] * D * 2 + _fixed(z, B, H),
                                  r["distinct"] * LATENT_ROW_BYTES + _fixed(z, B, H), ceil))
     del r["caches"]
@@ -229,9 +256,10 @@ def bench_scores(z: dict, B: int, ctx: int, ceil: dict) -> dict:
 
 def _line(r: dict) -> str:
     what = f"H={r['heads']}" if "heads" in r else f"H_I={r['index_n_heads']}"
+    bound = f"  bf16 {r['bf16_bound_by']}-bound" if "bf16_bound_by" in r else ""
     return (f"{r['kernel']:<18} B={r['B']:<4} ctx={r['context']:<7} {what:<6} bf16 {r['ms_bf16'] * 1e3:8.1f} us "
             f"({r['fraction_of_copy_bf16']:4.0%} of copy)  fp8 {r['ms_fp8'] * 1e3:8.1f} us "
-            f"({r['fraction_of_copy_fp8']:4.0%})  x{r['speedup']:.2f}  ok={r['ok']}")
+            f"({r['fraction_of_copy_fp8']:4.0%})  x{r['speedup']:.2f}{bound}  ok={r['ok']}")
 
 
 def main(argv=None) -> int:
