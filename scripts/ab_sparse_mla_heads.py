@@ -13,7 +13,8 @@ the arms are timed interleaved (CUDA-graph replays, medians, caches rotated so t
 `--against FILE` adds an arm per file: a copy of dsv32ref/kernels/sparse_mla_heads_n.py or sparse_mla_hopper.py
 from another revision (`git show REV:dsv32ref/kernels/sparse_mla_heads_n.py > FILE`), named by the file's stem, its
 sha256 and schedule in the output's provenance, so that a change to a kernel is timed against what it changes in
-one process, from a clean commit.
+one process, from a clean commit. A copy imports what it shares from the tree's sparse_mla_hopper (a copy of
+sparse_mla_heads_n.py: its bf16 producer among them), so a change to those helpers is not isolated by it.
 
 `--rows` says what the top-k selects (ROWS): the decode's distinct random rows (read from HBM), no row at all
 (every entry -1: no cache row is read, so a step costs what its compute and hand-offs do), or one row, each
@@ -91,6 +92,12 @@ def reference(q, bf16_cache, r, topk, scale, d_lat, tokens=4):
     rows = gather_rows(bf16_cache, r["block_table"], topk[:tokens].long(), r["req"][:tokens]).double()
     s = torch.einsum("thd,tkd->thk", q[:tokens].double(), rows) * scale
     return torch.einsum("thk,tkd->thd", torch.softmax(s, -1), rows[..., :d_lat]), torch.logsumexp(s, -1)
+
+
+def arms_on_m(kernels: dict, copies: dict) -> list[str]:
+    """The arms that put 64 heads a program on M: the tree's hopper schedule and every copy of it, whatever the
+    copy's name."""
+    return [name for name in kernels if copies.get(name, {"schedule": name})["schedule"] == "hopper"]
 
 
 def choose_arms(schedules: list[str], against: list[str]) -> tuple[dict, dict]:
@@ -182,7 +189,7 @@ def main() -> None:
     for mode in args.rows:
         rows_topk(mode, torch.empty(0, dtype=torch.int32))  # refused before anything runs
     kernels, against = choose_arms(args.schedules, args.against)
-    on_m = [name for name in kernels if name == "hopper" or against.get(name, {}).get("schedule") == "hopper"]
+    on_m = arms_on_m(kernels, against)
     torch.manual_seed(0)
     z = shapes("glm-5.2")
     ceil = measure_ceilings()

@@ -40,6 +40,11 @@ def test_a_copy_of_the_kernel_module_is_an_arm_beside_the_tree_schedules(ab, tmp
     kernels, copies = ab.choose_arms(["hopper"], [str(other)])
     assert kernels["base_hopper"] is not sparse_mla_hopper.sparse_mla_hopper
     assert copies["base_hopper"]["schedule"] == "hopper"
+    hopper_named = tmp_path / "hopper.py"  # a copy of the heads-as-N module, named like the other schedule
+    shutil.copy(sparse_mla_heads_n.__file__, hopper_named)
+    kernels, copies = ab.choose_arms(["heads_n"], [str(other), str(hopper_named)])
+    assert ab.arms_on_m(kernels, copies) == ["base_hopper"]
+    assert ab.arms_on_m(*ab.choose_arms(["heads_n", "hopper"], [])) == ["hopper"]
     kernels, copies = ab.choose_arms(["heads_n", "hopper"], [])
     assert list(kernels) == ["heads_n", "hopper"] and copies == {}
 

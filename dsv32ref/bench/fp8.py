@@ -8,11 +8,12 @@ exact in bf16), so the two kernels compute the same function and are checked aga
 first). Decode: B requests of one token, each with its own ctx-token cache and index_topk random distinct visible
 slots, at 16, 64 and 128 heads (a TP4, TP2 and TP1 rank of GLM-5.2/DeepSeek-V3.2's heads); the bytes each kernel
 must read are its rows (1152 bf16, 656 FP8 per token) once each. The bf16 decode is also timed over a top-k that
-selects nothing (no row read: its compute and hand-offs alone); where its bytes at the copy rate take at least that
-long, the row says it is bound by its bytes, which is where the FP8 rows must win. Indexer: B requests of one token
-at ctx keys, bf16 queries and keys (256 bytes a key) against fp8 queries and DeepGEMM's FP8 keys (132 bytes). Caches
-smaller than 1 GiB rotate through copies (bench.kernels.Rotation), so every timed call reads HBM. Times are
-CUDA-graph replays, medians; the copy bandwidth and GEMM rate are measured in the same run.
+selects nothing (no row read: its compute and hand-offs alone, and with top-k splits no partials either); where its
+bytes at the copy rate take at least that long, the row says it is bound by its bytes, which is where the FP8 rows
+must win. Indexer: B requests of one token at ctx keys, bf16 queries and keys (256 bytes a key) against fp8 queries
+and DeepGEMM's FP8 keys (132 bytes). Caches smaller than 1 GiB rotate through copies (bench.kernels.Rotation), so
+every timed call reads HBM. Times are CUDA-graph replays, medians; the copy bandwidth and GEMM rate are measured in
+the same run.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def decode_calls(z: dict, r: dict, H: int, configs: dict | None = None) -> tuple
 
 def no_rows_call(z: dict, r: dict, q: torch.Tensor):
     """The bf16 decode of q over a top-k that selects nothing (every entry -1), run once and checked -> (the call,
-    whether it gave out 0 and lse +inf exactly). Its time is what the decode costs besides its bytes."""
+    whether it gave out 0 and lse +inf exactly). Its time is what the decode costs besides its rows' bytes (and,
+    with top-k splits, besides the fp32 partials, which an empty split neither writes nor the merge reads)."""
     B, H = q.shape[:2]
     none = torch.full_like(r["topk"], -1)
     out = torch.full((B, H, z["d_lat"]), float("nan"), device=DEV, dtype=BF16)
@@ -169,7 +171,7 @@ def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[di
         for f in ("bf16", "fp8", "no_rows") * 2:  # interleaved: the second of each is kept
             r["rot"].i = -1
             t[f] = timed(calls[f])
-        case["ms_bf16_no_rows"] = t["no_rows"]["ms"]
+        case["ms_bf16_no_rows"], case["timing_bf16_no_rows"] = t["no_rows"]["ms"], t["no_rows"]["timing"]
         rows.append(_speedup_row("sparse_mla_decode", case, t["bf16"], t["fp8"], r["distinct"] * D * 2 + _fixed(z, B, H),
                                  r["distinct"] * LATENT_ROW_BYTES + _fixed(z, B, H), ceil))
     del r["caches"]

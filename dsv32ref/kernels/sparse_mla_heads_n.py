@@ -13,7 +13,7 @@ and nothing is padded but the heads past H within the last program. The softmax 
 column (head). One consumer warpgroup does both products; its accumulator O^T is 512 x HB fp32 (64 registers a
 thread at HB = 16), which leaves the producers registers to hold rows in flight.
 
-    producers  bf16 rows: one warpgroup, as in sparse_mla_hopper (q once; per step the 64 keys' rows gathered by
+    producers  bf16 rows: one warpgroup, sparse_mla_hopper's own (q once; per step the 64 keys' rows gathered by
                cp.async into a free stage, their validity flags beside it). FlashMLA's FP8 rows: two warpgroups,
                each 32 of every step's 64 rows (the first also loads q): register loads of the fp8 values (int32
                words) and scales, dequantised into the stage's bf16 by one inline-asm conversion a word; each
@@ -23,19 +23,19 @@ thread at HB = 16), which leaves the producers registers to hold rows in flight.
     shared     q HB x 576 + 2 stages of 64 x 576 + P^T 64 x HB, bf16: 164 KiB at HB = 16, 185 KiB at 32
 
 Per step and program: 2 * 64 * HB * (576 + 512) FLOPs (2.2 MFLOP at HB = 16) for 72 KiB (bf16) or 41 KiB (FP8) of
-gathered rows. What the FP8 producers learned on the H200 (Nsight Compute, B = 128 decode tokens at 16 heads):
-one warpgroup converting a whole step issued a third of the time and held the consumer waiting; a byte tensor
-carried across the loop took a register a byte (hence words); a quarter warp's 16-byte stores must span two rows
-to meet the stage's 128-byte swizzle without a two-way bank conflict (the load layout below). The stage's reads
-by the MMAs (K, then V: 136 KiB a step) and the dequantised stores (64 KiB) keep the shared-memory pipe busy, so
-the FP8 step costs about what the bf16 one does even though it reads 57 % of the bytes, and more loads in flight
-make it slower, not faster (the loads are not waiting on latency): the loop below, as compiled, waits for the next
-step's loads at its back edge, where its registers change roles, so one step's loads fly at a time; a loop over two
-steps an iteration, which kept them in flight across it (no register copies), was no faster at 16 heads and slower
-at 32 on an H100. On an H100, whose HBM is slower
-(3.0 TB/s copied), the bf16 rows are bound by their bytes and the FP8 rows win: 16 heads, 16 to 128 requests,
-8k-128k contexts, 1.17-1.20x bf16's speed (bench.fp8, graph replay), yet at 63-64 % of the copy rate at 128
-requests against bf16's 92-94 %: there, too, the FP8 step is bound inside the SM, not by its bytes.
+gathered rows. What the FP8 producers learned on the H200 (Nsight Compute, B = 128 decode tokens at 16 heads): one
+warpgroup converting a whole step issued a third of the time and held the consumer waiting; a byte tensor carried
+across the loop took a register a byte (hence words); a quarter warp's 16-byte stores must span two rows to meet the
+stage's 128-byte swizzle without a two-way bank conflict (the load layout below). The stage's reads by the MMAs (K,
+then V: 136 KiB a step) and the dequantised stores (64 KiB) keep the shared-memory pipe busy, so the FP8 step costs
+about what the bf16 one does even though it reads 57 % of the bytes, and more loads in flight make it slower, not
+faster (the loads are not waiting on latency): the loop below, as compiled, waits for the next step's loads at its
+back edge, where its registers change roles, so one step's loads fly at a time; a loop over two steps an iteration,
+which kept them in flight across it (no register copies), was no faster at 16 heads and slower at 32 on an H100. On
+an H100, whose HBM is slower (3.0 TB/s copied), the bf16 rows are bound by their bytes and the FP8 rows win: 16
+heads, 16 to 128 requests, 8k-128k contexts, 1.17-1.20x bf16's speed (bench.fp8, graph replay), yet at 63-64 % of
+the copy rate at 128 requests against bf16's 92-94 %: there, too, the FP8 step is bound inside the SM, not by its
+bytes.
 A warp's load spans 8 rows x 64 bytes, and a 656-byte row starts half a sector off on every other row, so those
 rows' 64 bytes take three 32-byte sectors: a quarter more sectors than the bytes need, and under Nsight Compute
 (scripts/gpu_experiments.sh's ncu step) the L1/TEX pipe is busier than DRAM. Fewer rows a load was tried on an

@@ -34,13 +34,15 @@ issued before its stage is free, the next step's block-table loads and the top-k
 fly: one memory latency a step, where resolving a step and then loading it chains three. The producer takes 120
 registers (the consumers 192: with fewer they spill more than the 8 bytes they do; with fewer the producer spills,
 triton 3.6).
-At 64 heads a program the decode is bound by its consumers more than by its bytes: on an H100, at 128 requests, a
-step over no rows (nothing loaded) took about four fifths of a step over selected bf16 rows, so FP8's rows, whose
-dequantisation adds to the producer's part of a step, have little to win here (scripts/ab_sparse_mla_heads.py
---schedules hopper --heads 64 --rows selected none). Two alternatives were slower at 64 heads on that H100: the
-words and conversion of dsv32ref.kernels.sparse_mla_heads_n, and fp8 words staged in the stage's second half by
-cp.async and dequantised there (a 72-register producer without spills: no register holds a load in flight, but
-the conversion waits for the copies), which was a few per cent faster at 128 heads only.
+
+At 64 heads a program this kernel's step is bound by its consumers more than by its bytes: on an H100, at 128
+requests, its step over no rows (nothing loaded) took most of its step over selected bf16 rows, so FP8's rows,
+whose dequantisation adds to the producer's part of a step, have little to win here (scripts/ab_sparse_mla_heads.py
+--schedules hopper --heads 64 --rows selected none). Two other FP8 producers were slower at 64 heads on that H100:
+the word loads and conversion of dsv32ref.kernels.sparse_mla_heads_n; and fp8 words staged by cp.async in the
+stage's second half and dequantised there (a producer without spills, no register holding a load in flight, but
+its conversion waits for the copies), the only one of the two that was faster anywhere: a few per cent at 128
+heads.
 
 Top-k splits (decode: few tokens leave SMs idle) as the Triton kernel's: program_id(2) walks its share of the
 steps and writes fp32 partials, which sparse_mla_paged merges.
