@@ -172,7 +172,8 @@ def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[di
             r["rot"].i = -1
             t[f] = timed(calls[f])
         case["ms_bf16_no_rows"], case["timing_bf16_no_rows"] = t["no_rows"]["ms"], t["no_rows"]["timing"]
-        rows.append(_speedup_row("sparse_mla_decode", case, t["bf16"], t["fp8"], r["distinct"] * D * 2 + _fixed(z, B, H),
+        rows.append(_speedup_row("sparse_mla_decode", case, t["bf16"], t["fp8"],
+                                 r["distinct"] * D * 2 + _fixed(z, B, H),
                                  r["distinct"] * LATENT_ROW_BYTES + _fixed(z, B, H), ceil))
     del r["caches"]
     return rows
@@ -216,8 +217,9 @@ def sweep_decode(run: Run, z: dict, ctx: int = 32768) -> None:
                        "ok": err <= 1e-2 and not outs[a].isnan().any().item(),
                        "fraction_of_copy": nbytes[a] / ms / 1e6 / run.ceil["copy_GBps"] if ms else None}
                 run.sweep.append(row)
-                print(f"sweep B={B:<3} H={H:<3} {a:<10} {str(row['config'] or ''):<80} {ms * 1e3 if ms else float('nan'):7.1f} us "
-                      f"ok={row['ok']}", flush=True)
+                us = ms * 1e3 if ms else float("nan")
+                print(f"sweep B={B:<3} H={H:<3} {a:<10} {str(row['config'] or ''):<80} {us:7.1f} us ok={row['ok']}",
+                      flush=True)
             run.save()
         del r["caches"]
         torch.cuda.empty_cache()

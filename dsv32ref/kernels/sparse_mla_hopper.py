@@ -297,8 +297,8 @@ def _produce_fp8(cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, k_end, it0, it1,
 
 @gluon.jit
 def _load_partition(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H, k_end,
-                    it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem, q_bar, ready,
-                    free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, FP8: gl.constexpr):
+                    it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem,
+                    q_bar, ready, free, D_LAT: gl.constexpr, D_ROPE: gl.constexpr, FP8: gl.constexpr):
     """The producer: q once, then each step's rows into a free stage, and which of them are valid into the stage's
     flags, so the consumers resolve nothing."""
     _load_q(q_ptr, stride_qt, stride_qh, t, h0, H, q_lat, q_pe, q_bar, D_LAT, D_ROPE)
@@ -402,8 +402,8 @@ def _sparse_mla_ws_kernel(
                               stride_oh, lse_ptr, stride_lt, sm_scale_log2, t, h0, H, it0, it1, split, D_LAT,
                               NUM_SPLITS)),
         (_load_partition, (q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_ptr, bt_row_ptr, t, h0, H,
-                           k_end, it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe, valid_smem,
-                           q_bar, ready, free, D_LAT, D_ROPE, FP8)),
+                           k_end, it0, it1, seq_len, block_size, rows_per_block, num_blocks, q_lat, q_pe, k_lat, k_pe,
+                           valid_smem, q_bar, ready, free, D_LAT, D_ROPE, FP8)),
     ], [LOAD_WARPS], [LOAD_REGS_FP8 if FP8 else LOAD_REGS])
 
 
