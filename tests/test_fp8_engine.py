@@ -108,9 +108,10 @@ def test_what_an_fp8_cache_costs_and_refuses():
 def test_the_fp8_engine_is_the_reference_model_over_an_fp8_cache(seed):
     """The reference model, stepping through the engine's steps on its own FP8 cache (quantised on write by the
     oracle, dequantised on read), gives the engine's FP8 logits. Layer 0's bytes are equal; in deeper layers
-    the kernels' fp32 sums and torch's differ in the last bit, which flips an fp8 rounding in one or two values
-    of a few thousand, so the logits agree to about 1e-3 of the row's largest (2^13 fp32 steps), not to fp32
-    rounding: a wrong byte, scale or slot moves them by a hundred times that."""
+    the kernels' fp32 sums and torch's differ in the last bit, which flips an fp8 rounding in a few values of a
+    few thousand, so the logits agree to 2^16 fp32 steps of the row's largest, not to fp32 rounding. On the CPU,
+    over 120 seeds, the worst was 2^14.0 steps (the tail is long: 2^13 failed one); one fp8 value zeroed in
+    every latent row the engine writes moved them by at least 2^18.2, one group's scale doubled by 2^21.4."""
     ref = _fp8_model(seed)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, ref.config.vocab_size, (n,), generator=g).tolist() for n in (11, 5)]
@@ -122,8 +123,8 @@ def test_the_fp8_engine_is_the_reference_model_over_an_fp8_cache(seed):
         first = ref(ids, cache, AttentionMetadata.build([0, 0], [11, 5], tables, 8))
         ends = torch.tensor([10, 15])
         second = ref(torch.tensor(sampled), cache, AttentionMetadata.build([11, 5], [1, 1], tables, 8))
-    assert_close("prefill logits", fp8[0], first[ends], rtol=2**13, atol=2**13)
-    assert_close("decode logits", fp8[1], second, rtol=2**13, atol=2**13)
+    assert_close("prefill logits", fp8[0], first[ends], rtol=2**16, atol=2**16)
+    assert_close("decode logits", fp8[1], second, rtol=2**16, atol=2**16)
 
 
 def test_the_ttft_protocol_runs_fp8_arms_beside_the_others():
