@@ -132,6 +132,11 @@ def decode_calls(z: dict, r: dict, H: int, configs: dict | None = None) -> tuple
     return q, calls, outs, lses
 
 
+def selects_nothing(out: torch.Tensor, lse: torch.Tensor) -> bool:
+    """Whether a sparse MLA result is that of tokens that select no key: every out exactly 0, every lse +inf."""
+    return bool((out == 0).all().item() and torch.isposinf(lse).all().item())
+
+
 def no_rows_call(z: dict, r: dict, q: torch.Tensor):
     """The bf16 decode of q over a top-k that selects nothing (every entry -1), run once and checked -> (the call,
     whether it gave out 0 and lse +inf exactly). Its time is what the decode costs besides its rows' bytes (and,
@@ -147,7 +152,7 @@ def no_rows_call(z: dict, r: dict, q: torch.Tensor):
 
     r["rot"].i = -1
     call()
-    return call, bool((out == 0).all().item() and torch.isposinf(lse).all().item())
+    return call, selects_nothing(out, lse)
 
 
 def bench_decode(z: dict, B: int, ctx: int, heads: tuple, ceil: dict) -> list[dict]:
