@@ -97,12 +97,13 @@ def test_fused_q(device, dtype, tol, interleaved, seed):
     T = _shape_for(device, 5, 300)
     f = dict(device=device, dtype=dtype)
     q_lat, q = torch.randn(T, z["H"], z["d_lat"], **f), torch.randn(T, z["H"], z["nope"] + z["rope"], **f)
-    q_idx, w = torch.randn(T, z["h_i"], z["d_i"], **f), torch.randn(T, z["h_i"], device=device)
+    # the weights as the engine passes them: weights_proj's columns of the A-projections' output, in its dtype
+    q_idx, w = torch.randn(T, z["h_i"], z["d_i"], **f), torch.randn(T, 3 * z["h_i"], **f)[:, z["h_i"]: 2 * z["h_i"]]
     pos = torch.randint(0, 4000, (T,), device=device)
     cfg = ModelConfig.preset("deepseek-v3.2").replace(qk_rope_head_dim=z["rope"], index_head_dim=max(z["d_i"], z["rope"]))
     cos, sin = RotaryEmbedding(cfg).to(device)(torch.arange(4096, device=device))
     q_mqa = torch.full((T, z["H"], z["d_lat"] + z["rope"]), float("nan"), **f)
-    qi_out, w_out = torch.full_like(q_idx, float("nan")), torch.full_like(w, float("nan"))
+    qi_out, w_out = torch.full_like(q_idx, float("nan")), torch.full((T, z["h_i"]), float("nan"), device=device)
     fused_q(q_lat, q, q_mqa, pos, cos, sin, q_idx, qi_out, w, w_out, indexer_interleaved=interleaved)
     c, s = cos[pos], sin[pos]
     want = torch.cat((q_lat, apply_rope(q[..., z["nope"]:], c, s, True)), -1)
@@ -110,7 +111,7 @@ def test_fused_q(device, dtype, tol, interleaved, seed):
     close = dict(dtype=dtype, rtol=tol, atol=tol, row_dims=2)
     assert_close("q_mqa", q_mqa, want, **close)
     assert_close("q_idx", qi_out, want_i, **close)
-    assert_close("weights", w_out, w * z["h_i"] ** -0.5, rtol=2, atol=0)
+    assert_close("weights", w_out, w.double() * z["h_i"] ** -0.5, dtype=torch.float32, rtol=2, atol=0)
 
 
 # On CPU fp32 and fp16: triton 3.6's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even),

@@ -57,12 +57,12 @@ class Projection:
 
 
 def projections(model: str, device: str = "cuda") -> list[Projection]:
-    """The attention's projections of one layer at full width (every head on one GPU), and the lm_head."""
+    """The attention's projections of one layer that runs its indexer, at full width (every head on one GPU), as
+    the engine holds them (the indexer's wk and weights_proj in the A-projections' GEMM), and the lm_head."""
     c = ModelConfig.preset(model)
     H = c.num_attention_heads
     return [Projection(*args, device=device) for args in (
-        ("fused_qkv_a_proj", c.q_lora_rank + c.latent_dim, c.hidden_size),
-        ("wk_weights_proj", c.index_head_dim + c.index_n_heads, c.hidden_size),
+        ("fused_qkv_a_proj", c.q_lora_rank + c.latent_dim + c.index_head_dim + c.index_n_heads, c.hidden_size),
         ("q_b_proj", H * c.qk_head_dim, c.q_lora_rank),
         ("wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank),
         ("W_UK", c.kv_lora_rank, c.qk_nope_head_dim, H),

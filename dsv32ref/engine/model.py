@@ -106,34 +106,30 @@ class EngineDSAAttention(nn.Module):
         self.H = tp.split("num_attention_heads", c.num_attention_heads)  # this rank's heads
         self.nope, self.rope, self.v = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.q_lora, self.kv_lora = c.q_lora_rank, c.kv_lora_rank
-        self.fused_qkv_a_proj = _param(c.q_lora_rank + c.latent_dim, c.hidden_size)  # [q_a_proj ; kv_a_proj_with_mqa]
+        self.has_indexer = c.runs_indexer(layer_idx)
+        self.H_I, self.D_I = c.index_n_heads, c.index_head_dim
+        # the indexer's key and weight projections read the hidden state as the A-projections do: one GEMM,
+        # fused_qkv_a_proj [q_a_proj ; kv_a_proj_with_mqa ; indexer wk ; indexer weights_proj]
+        self.a_split = [c.q_lora_rank, c.latent_dim] + ([self.D_I, self.H_I] if self.has_indexer else [])
+        self.fused_qkv_a_proj = _param(sum(self.a_split), c.hidden_size)
         self.q_a_layernorm = _param(c.q_lora_rank)
         self.kv_a_layernorm = _param(c.kv_lora_rank)
         self.q_b_proj = _param(self.H * c.qk_head_dim, c.q_lora_rank)
         self.W_UK = _param(self.H, c.qk_nope_head_dim, c.kv_lora_rank)
         self.W_UV = _param(self.H, c.kv_lora_rank, c.v_head_dim)  # stored [H, lora, v] for bmm
         self.o_proj = _param(c.hidden_size, self.H * c.v_head_dim)
-        self.has_indexer = c.runs_indexer(layer_idx)
-        self.H_I, self.D_I = c.index_n_heads, c.index_head_dim
         if self.has_indexer:
             self.wq_b = _param(c.index_n_heads * c.index_head_dim, c.q_lora_rank)
-            self.wk_weights_proj = _param(c.index_head_dim + c.index_n_heads, c.hidden_size)  # [wk ; weights_proj]
             self.k_norm_weight = _param(c.index_head_dim)
             self.k_norm_bias = _param(c.index_head_dim)
 
     # ---- the graph-safe part ------------------------------------------------------------------------
     def _a_proj(self, x):
         """x [T, hidden] -> q_c_raw [T, q_lora], kv [T, kv_lora + rope], and for layers that run their indexer
-        the raw indexer key k_raw [T, D_I] and weights w_raw [T, H_I] (fp32); None otherwise."""
+        the raw indexer key k_raw [T, D_I] and weights w_raw [T, H_I]; None otherwise. Views of one GEMM's output."""
         with region("a_proj"):
-            qkv = project(x, self.fused_qkv_a_proj)
-        q_c_raw, kv = qkv.split([self.q_lora, self.kv_lora + self.rope], dim=-1)
-        if not self.has_indexer:
-            return q_c_raw, kv, None, None
-        with region("a_proj"):
-            kw = project(x, self.wk_weights_proj)
-        with region("cast"):
-            return q_c_raw, kv, kw[:, : self.D_I], kw[:, self.D_I:].float()
+            parts = project(x, self.fused_qkv_a_proj).split(self.a_split, dim=-1)
+        return parts if self.has_indexer else (*parts, None, None)
 
     def _prepare(self, q_c_raw, kv, k_raw, w_raw):
         """Norms, RoPE, cache writes, q_b GEMM, W_UK BMM, indexer wq_b GEMM, fused-Q. Returns the MQA query
@@ -162,7 +158,7 @@ class EngineDSAAttention(nn.Module):
         # over FP8 keys the indexer's queries are fp8 too, rotated as the keys are (fused_q, fused_norm_rope)
         fp8_keys = cache.indexer_k[self.layer_idx].dtype == torch.uint8
         q_idx = torch.empty_like(q_i_raw, dtype=torch.float8_e4m3fn if fp8_keys else None)
-        w_idx = torch.empty_like(w_raw)
+        w_idx = torch.empty_like(w_raw, dtype=torch.float32)
         with region("fused_q"):
             fused_q(q_lat, q, q_mqa, ctx.positions, ctx.cos, ctx.sin, q_i_raw, q_idx, w_raw, w_idx,
                     self.config.indexer_rope_interleave)

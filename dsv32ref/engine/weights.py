@@ -33,7 +33,10 @@ def from_reference(ref, boundary: str = "narrow", moe: str = "dense") -> EngineM
             L.input_layernorm.copy_(R.input_layernorm.weight)
             L.post_attention_layernorm.copy_(R.post_attention_layernorm.weight)
             a, r = L.self_attn, R.self_attn
-            a.fused_qkv_a_proj.copy_(torch.cat((r.q_a_proj.weight, r.kv_a_proj_with_mqa.weight)))
+            rows = [r.q_a_proj.weight, r.kv_a_proj_with_mqa.weight]  # EngineDSAAttention.a_split's order
+            if a.has_indexer:
+                rows += [r.indexer.wk.weight, r.indexer.weights_proj.weight]
+            a.fused_qkv_a_proj.copy_(torch.cat(rows))
             a.q_a_layernorm.copy_(r.q_a_layernorm.weight)
             a.kv_a_layernorm.copy_(r.kv_a_layernorm.weight)
             a.q_b_proj.copy_(r.q_b_proj.weight)
@@ -42,7 +45,6 @@ def from_reference(ref, boundary: str = "narrow", moe: str = "dense") -> EngineM
             a.o_proj.copy_(r.o_proj.weight)
             if a.has_indexer:
                 a.wq_b.copy_(r.indexer.wq_b.weight)
-                a.wk_weights_proj.copy_(torch.cat((r.indexer.wk.weight, r.indexer.weights_proj.weight)))
                 a.k_norm_weight.copy_(r.indexer.k_norm.weight)
                 a.k_norm_bias.copy_(r.indexer.k_norm.bias)
             if isinstance(L.mlp, EngineMoE):

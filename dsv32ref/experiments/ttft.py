@@ -186,7 +186,7 @@ def weight_read(model, copy_GBps: float | None) -> dict:
 # an MLP's weights are read in "moe" or "mlp" (which module holds them says), lm_head and the final norm in the
 # logits, outside the forward: "other"
 _WEIGHT_REGION = {
-    "fused_qkv_a_proj": "a_proj", "wk_weights_proj": "a_proj", "q_b_proj": "q_gemm", "wq_b": "q_gemm",
+    "fused_qkv_a_proj": "a_proj", "q_b_proj": "q_gemm", "wq_b": "q_gemm",
     "W_UK": "wuk_bmm", "W_UV": "uv_bmm", "o_proj": "o_proj", "q_a_layernorm": "norm_rope",
     "kv_a_layernorm": "norm_rope", "k_norm_weight": "norm_rope", "k_norm_bias": "norm_rope",
     "input_layernorm": "layer_norm", "post_attention_layernorm": "layer_norm", "lm_head": "other", "norm": "other",

@@ -6,7 +6,7 @@ needs: RoPE (interleaved) on each head's q_pe; the MQA query [q~ | q_pe] that sp
 DeepSeek-V3.2, interleaved on GLM-5.x); the indexer weights scaled by index_n_heads^-1/2. One program per
 (token, head) does MLA head h (h < H) and indexer head h with its weight (h < index_n_heads); under tensor
 parallelism a rank has fewer MLA heads than the replicated indexer, so the grid covers the larger count.
-Memory-bound: per token, 2 (H (D_LAT + 2 D_ROPE) + 2 H_I D_I) bytes of bf16 plus 8 H_I of fp32 weights.
+Memory-bound: per token, 2 (H (D_LAT + 2 D_ROPE) + 2 H_I D_I + H_I) bytes of bf16 plus 4 H_I of fp32 weights.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _fused_q_kernel(
     q_mqa_ptr, stride_mt, stride_mh,  # out [T, H, D_LAT + ROPE]
     qi_ptr, stride_it, stride_ih,  # indexer q [T, H_I, D_I] (wq_b output)
     qi_out_ptr, stride_ot, stride_oh,  # out [T, H_I, D_I]
-    w_ptr, stride_wt, w_out_ptr, stride_wo,  # weights_proj output [T, H_I] fp32 -> scaled
+    w_ptr, stride_wt, w_out_ptr, stride_wo,  # weights_proj output [T, H_I] -> fp32, scaled
     pos_ptr, cos_ptr, sin_ptr, stride_cs, n_pos, weight_scale, hadamard_scale, H, H_I,
     NOPE: tl.constexpr, ROPE: tl.constexpr, D_LAT: tl.constexpr, D_I: tl.constexpr,
     INDEXER_INTERLEAVED: tl.constexpr, HAS_INDEXER: tl.constexpr, FP8: tl.constexpr, LOG2_D_I: tl.constexpr,
@@ -68,7 +68,7 @@ def _fused_q_kernel(
             src = qi_ptr + t * stride_it + h * stride_ih
             out = qi_out_ptr + t * stride_ot + h * stride_oh
             oi = tl.arange(0, D_I)
-            w = tl.load(w_ptr + t * stride_wt + h)
+            w = tl.load(w_ptr + t * stride_wt + h).to(tl.float32)
             if FP8:
                 q8, q_scale = _rope_hadamard_fp8(src, cos, sin, hadamard_scale, ROPE, D_I, LOG2_D_I,
                                                  INDEXER_INTERLEAVED, qi_ptr.dtype.element_ty)
@@ -91,7 +91,7 @@ def _check_indexer(q_idx, q_idx_out, weights, weights_out, T: int, rope: int) ->
     floats = (torch.bfloat16, torch.float16, torch.float32)
     _, h_i, d_i = check_tensor("q_idx", q_idx, shape=(T, None, None), dtype=floats, dense_dims=1).shape
     check_tensor("q_idx_out", q_idx_out, shape=(T, h_i, d_i), dtype=(q_idx.dtype, torch.float8_e4m3fn), dense_dims=1)
-    check_tensor("weights", weights, shape=(T, h_i), dtype=torch.float32, dense_dims=1)
+    check_tensor("weights", weights, shape=(T, h_i), dtype=floats, dense_dims=1)
     check_tensor("weights_out", weights_out, shape=(T, h_i), dtype=torch.float32, dense_dims=1)
     if d_i < rope:
         raise ValueError(f"fused_q: index_head_dim ({d_i}) must be >= qk_rope_head_dim ({rope})")
@@ -109,7 +109,8 @@ def fused_q(
     weights_out = weights * index_n_heads^-1/2.
 
     q_lat [T, H, D_LAT]; q [T, H, nope + rope]; q_mqa [T, H, D_LAT + rope]; cos/sin fp32 [max_pos, rope/2];
-    q_idx / q_idx_out [T, H_I, D_I]; weights / weights_out fp32 [T, H_I].
+    q_idx / q_idx_out [T, H_I, D_I]; weights [T, H_I] (weights_proj's output, in any float dtype: taken in
+    fp32); weights_out fp32 [T, H_I].
     Deployed numerics: a float8_e4m3fn q_idx_out (D_I <= 128) receives fp8(Hadamard(RoPE(q_idx)) / s), with
     one ue8m0 scale s per head folded into weights_out (weights * index_n_heads^-1/2 * s), as DeepSeek's
     inference code does. fp8_round_trip(hadamard_transform(.)) in dsv32ref.reference is the same numerics.
