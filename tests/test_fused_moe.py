@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dsv32ref.config import ModelConfig
-from dsv32ref.kernels.fused_moe import MAX_PAIRS, Tiles, fused_moe, route_kernel
+from dsv32ref.kernels.fused_moe import MAX_PAIRS, SELECT_BLOCK_T, Tiles, fused_moe, route_kernel
+from dsv32ref.kernels.launch import observing_launches
 from dsv32ref.reference.moe import MoE, route
 from dsv32ref.testing import assert_close
 
@@ -67,7 +68,8 @@ def test_router_kernel_picks_the_references_experts(device, preset, T, hidden, s
 
 
 @pytest.mark.parametrize("device,preset", PRESETS[:2] + [PRESETS[3]])
-@pytest.mark.parametrize("T", [1, 5, 40, 200])  # 200 tokens: 600 pairs over 9 experts, blocks of 64
+# up to 16 tokens the selection and the alignment share a launch, from 17 they take one each
+@pytest.mark.parametrize("T", [1, 5, 16, 17, 40, 200])  # 200 tokens: 600 pairs over 9 experts, blocks of 64
 def test_fused_moe_equals_the_reference(device, preset, T, seed):
     """The layer per element: fp32 against the reference module in float64; bf16 against the reference module in
     bf16 (the same roundings: 2 units of bf16), and against float64 within bf16's accumulated rounding."""
@@ -84,6 +86,23 @@ def test_fused_moe_equals_the_reference(device, preset, T, seed):
         assert_close(f"out {dtype}", out, exp, dtype=dtype, row_dims=1, rtol=tol, atol=tol)
         if dtype == torch.bfloat16:
             assert_close("out vs float64", out, exact(x.double()), dtype=dtype, row_dims=1, rtol=8, atol=8)
+
+
+@pytest.mark.parametrize("T,launched", [
+    (SELECT_BLOCK_T, ["_router_logits_kernel", "_select_align_kernel", "_gate_up_kernel", "_down_kernel",
+                      "_combine_kernel"]),
+    (SELECT_BLOCK_T + 1, ["_router_logits_kernel", "_router_kernel", "_align_kernel", "_gate_up_kernel",
+                          "_down_kernel", "_combine_kernel"])])
+@CPU
+def test_fused_moe_launches(T, launched, seed):
+    """Five launches while one program selects every token's experts (it aligns the pairs too), six past that."""
+    c = ModelConfig.preset("tiny-glm-5.2")
+    m = _moe(c, "cpu", torch.float32, seed)
+    x = torch.randn(T, c.hidden_size)
+    names = []
+    with observing_launches(lambda name, run: (names.append(name), run())[1]):
+        fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, *_weights(m), torch.empty_like(x))
+    assert names == launched
 
 
 @pytest.mark.parametrize("device,preset", [PRESETS[1], PRESETS[3]])

@@ -1,5 +1,6 @@
 """The MoE layer in six launches: the router (two), the alignment of (token, expert) pairs, then grouped GEMMs over the
-tokens each expert received (gate/up, then down) and the combine. Graph-safe: nothing on the host depends on the
+tokens each expert received (gate/up, then down) and the combine; five in a step of at most SELECT_BLOCK_T tokens,
+where the one program of the router's selection aligns the pairs too. Graph-safe: nothing on the host depends on the
 routing, every size is the step's.
 
 Motivation. Written as PyTorch ops, a DeepSeek-V3 MoE layer is a router of about a dozen small kernels, a
@@ -49,6 +50,7 @@ __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "Tiles", "align_pairs", "block_m", "defau
 MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment sorts them in one program
 MAX_EXPERTS = 1 << 12  # local experts (and the shared one) the alignment's int32 sort keys hold beside the pairs
 ROUTER_BLOCK_K = 32  # hidden's columns a router-logits step multiplies
+SELECT_BLOCK_T = 16  # tokens a selection program takes: a step of at most this many selects and aligns in one launch
 
 
 def block_m(n_pairs: int, n_experts: int) -> int:
@@ -123,13 +125,13 @@ def _router_logits_kernel(x_ptr, stride_xt, w_ptr, partial_ptr, T, E, hidden, E_
 
 
 @triton.jit
-def _router_kernel(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, routed_scaling_factor,
-                   N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                   NORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                   SPLITS_PAD: tl.constexpr):
-    """The logits (the splits' partial sums, loaded at once and summed), then s = sigmoid, the group-limited top-k
-    of s + bias and the weights, per token."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _select(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, routed_scaling_factor, block,
+            N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+            NORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+            SPLITS_PAD: tl.constexpr):
+    """The router's selection for the BLOCK_T tokens from block x BLOCK_T: the logits (the splits' partial sums,
+    loaded at once and summed), then s = sigmoid, the group-limited top-k of s + bias and the weights, per token."""
+    offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
     t_ok, e_ok = offs_t < T, cols < E
     sp = tl.arange(0, SPLITS_PAD)[None, :, None]
@@ -173,9 +175,9 @@ def _router_kernel(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, ro
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, offsets_ptr, n_pairs, expert0, n_local, max_slots,
-                  max_blocks, TOP_K: tl.constexpr, SHARED: tl.constexpr, NE_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
+def _align(ids_ptr, sorted_pair_ptr, block_expert_ptr, offsets_ptr, n_pairs, expert0, n_local, max_slots,
+           max_blocks, TOP_K: tl.constexpr, SHARED: tl.constexpr, NE_PAD: tl.constexpr, P_PAD: tl.constexpr,
+           BLOCK_M: tl.constexpr):
     """Pair p = t * (TOP_K + SHARED) + j: token t's j-th routed expert (j < TOP_K) or its shared expert (virtual
     expert n_local). Experts of other ranks go to bucket NE = n_local + SHARED, which gets no slot."""
     KS: tl.constexpr = TOP_K + SHARED
@@ -204,6 +206,41 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, offsets_ptr, n_pai
     slot = tl.load(offsets_ptr + e_safe) + i - tl.load(offsets_ptr + NE_PAD + e_safe)
     tl.store(sorted_pair_ptr + slot, p_s, mask=ok)
     tl.store(block_expert_ptr + slot // BLOCK_M, e_s, mask=ok)  # every block of an expert holds >= 1 of its pairs
+
+
+@triton.jit
+def _router_kernel(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, routed_scaling_factor,
+                   N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                   NORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                   SPLITS_PAD: tl.constexpr):
+    """The selection, one program per BLOCK_T tokens."""
+    _select(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, routed_scaling_factor, tl.program_id(0),
+            N_GROUP, PER_GROUP, TOPK_GROUP, TOP_K, NORM, E_PAD, K_PAD, BLOCK_T, SPLITS_PAD)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, offsets_ptr, n_pairs, expert0, n_local, max_slots,
+                  max_blocks, TOP_K: tl.constexpr, SHARED: tl.constexpr, NE_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """The alignment, one program."""
+    _align(ids_ptr, sorted_pair_ptr, block_expert_ptr, offsets_ptr, n_pairs, expert0, n_local, max_slots, max_blocks,
+           TOP_K, SHARED, NE_PAD, P_PAD, BLOCK_M)
+
+
+@triton.jit
+def _select_align_kernel(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, routed_scaling_factor,
+                         sorted_pair_ptr, block_expert_ptr, offsets_ptr, n_pairs, expert0, n_local, max_slots,
+                         max_blocks, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                         TOP_K: tl.constexpr, NORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                         BLOCK_T: tl.constexpr, SPLITS_PAD: tl.constexpr, SHARED: tl.constexpr, NE_PAD: tl.constexpr,
+                         P_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The selection of every token (T <= BLOCK_T), then the alignment of their pairs, in one program: the
+    alignment reads the ids this program has just stored (visible to its threads after the barrier)."""
+    _select(partial_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, splits, routed_scaling_factor, 0,
+            N_GROUP, PER_GROUP, TOPK_GROUP, TOP_K, NORM, E_PAD, K_PAD, BLOCK_T, SPLITS_PAD)
+    tl.debug_barrier()
+    _align(ids_ptr, sorted_pair_ptr, block_expert_ptr, offsets_ptr, n_pairs, expert0, n_local, max_slots, max_blocks,
+           TOP_K, SHARED, NE_PAD, P_PAD, BLOCK_M)
 
 
 @triton.jit
@@ -312,26 +349,25 @@ def _dtype_code(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
-def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
-                 ids: torch.Tensor, weights: torch.Tensor) -> None:
-    """The router in two launches (the logits over many programs, then the selection per token), into ids int32
-    [T, k] and weights fp32 [T, k] (dsv32ref.reference.moe.route's results). x [T, hidden]; weight fp32 [E, hidden];
-    bias fp32 [E]."""
-    c = _check_config("route_kernel", config)
-    T, hidden = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
-                             dense_dims=1).shape
+def _check_router(c: ModelConfig, launcher: str, x, weight, e_score_correction_bias, ids, weights) -> None:
+    """route_kernel's arguments (its docstring), refused by name."""
+    T, hidden = x.shape
     E, k = c.n_routed_experts, c.num_experts_per_tok
     check_tensor("weight", weight, shape=(E, hidden), dtype=torch.float32, dense_dims=2)
     check_tensor("e_score_correction_bias", e_score_correction_bias, shape=(E,), dtype=torch.float32, dense_dims=1)
     check_tensor("ids", ids, shape=(T, k), dtype=torch.int32, dense_dims=2)
     check_tensor("weights", weights, shape=(T, k), dtype=torch.float32, dense_dims=2)
     check_same_device(x=x, weight=weight, e_score_correction_bias=e_score_correction_bias, ids=ids, weights=weights)
-    if T == 0:
-        return
-    per = E // c.n_group
-    if c.n_group > 1 and (E % c.n_group or per < 2 or per & (per - 1)):
-        raise ValueError(f"route_kernel: n_routed_experts {E} must split into n_group {c.n_group} groups of a power "
+    if c.n_group > 1 and (E % c.n_group or E // c.n_group < 2 or (E // c.n_group) & (E // c.n_group - 1)):
+        raise ValueError(f"{launcher}: n_routed_experts {E} must split into n_group {c.n_group} groups of a power "
                          f"of two >= 2 experts")
+
+
+def _router_logits(c: ModelConfig, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int, dict]:
+    """The logits launch (T >= 1) -> (the splits' partial sums [splits, T, E_PAD], splits, the selection's
+    constexprs)."""
+    T, hidden = x.shape
+    E = c.n_routed_experts
     e_pad = max(16, triton.next_power_of_2(E))
     # splits of hidden of 8 x 32 columns (up to 32 of them, then wider): 16 experts x 256 columns of fp32 weights
     # (16 KiB) a program at DeepSeek-V3.2's and GLM-5.2's sizes, its eight loads in flight together; up to 8 tokens
@@ -342,10 +378,26 @@ def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_s
     partial = torch.empty(splits, T, e_pad, dtype=torch.float32, device=x.device)
     launch(_router_logits_kernel, (triton.cdiv(T, block_t), e_pad // 16, splits), x, x.stride(0), weight, partial, T,
            E, hidden, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=16, BLOCK_K=ROUTER_BLOCK_K, STEPS=steps)
-    launch(_router_kernel, (triton.cdiv(T, 16),), partial, e_score_correction_bias, ids, weights, T, E, splits,
-           float(c.routed_scaling_factor), N_GROUP=c.n_group, PER_GROUP=per, TOPK_GROUP=c.topk_group, TOP_K=k,
-           NORM=bool(c.norm_topk_prob), E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), BLOCK_T=16,
-           SPLITS_PAD=triton.next_power_of_2(splits))
+    k = c.num_experts_per_tok
+    return partial, splits, dict(N_GROUP=c.n_group, PER_GROUP=E // c.n_group, TOPK_GROUP=c.topk_group, TOP_K=k,
+                                 NORM=bool(c.norm_topk_prob), E_PAD=e_pad, K_PAD=triton.next_power_of_2(k),
+                                 BLOCK_T=SELECT_BLOCK_T, SPLITS_PAD=triton.next_power_of_2(splits))
+
+
+def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
+                 ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """The router in two launches (the logits over many programs, then the selection per token), into ids int32
+    [T, k] and weights fp32 [T, k] (dsv32ref.reference.moe.route's results). x [T, hidden]; weight fp32 [E, hidden];
+    bias fp32 [E]."""
+    c = _check_config("route_kernel", config)
+    T = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
+                     dense_dims=1).shape[0]
+    _check_router(c, "route_kernel", x, weight, e_score_correction_bias, ids, weights)
+    if T == 0:
+        return
+    partial, splits, meta = _router_logits(c, x, weight)
+    launch(_router_kernel, (triton.cdiv(T, SELECT_BLOCK_T),), partial, e_score_correction_bias, ids, weights, T,
+           c.n_routed_experts, splits, float(c.routed_scaling_factor), **meta)
 
 
 def _check_experts(x, w13, w2, shared, n_local: int, inter: int):
@@ -399,9 +451,16 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
         return
     ids = torch.empty(T, k, dtype=torch.int32, device=x.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
-    route_kernel(c, x, gate_weight, e_score_correction_bias, ids, weights)
     bm = block_m(T * ks, n_local + (shared is not None))
-    sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared is not None, bm)
+    if T > SELECT_BLOCK_T:
+        route_kernel(c, x, gate_weight, e_score_correction_bias, ids, weights)
+        sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared is not None, bm)
+    else:  # one selection program: it aligns the pairs too
+        _check_router(c, "fused_moe", x, gate_weight, e_score_correction_bias, ids, weights)
+        partial, splits, meta = _router_logits(c, x, gate_weight)
+        sorted_pair, block_expert, align = _alignment(ids, n_local, expert0, shared is not None, bm)
+        launch(_select_align_kernel, (1,), partial, e_score_correction_bias, ids, weights, T, c.n_routed_experts,
+               splits, float(c.routed_scaling_factor), *align["args"], **(meta | align["meta"]))
     tiles = tiles or default_tiles(bm)
     _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks, bm, tiles)
 
@@ -414,6 +473,14 @@ def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool 
     slots in pair order, padded with -1 to whole blocks of bm, the runs in expert order; block_expert names each
     block's expert, -1 past the last. max_blocks = cdiv(T (k + shared), bm) + n_local + shared, the most the runs
     can take."""
+    sorted_pair, block_expert, align = _alignment(ids, n_local, expert0, shared, bm)
+    launch(_align_kernel, (1,), ids, *align["args"], **align["meta"])
+    return sorted_pair, block_expert
+
+
+def _alignment(ids: torch.Tensor, n_local: int, expert0: int, shared: bool, bm: int) -> tuple:
+    """align_pairs' arguments checked -> (sorted_pair, block_expert, the alignment's arguments after ids: "args"
+    and its constexprs "meta")."""
     T, k = check_tensor("ids", ids, shape=(None, None), dtype=torch.int32, dense_dims=2).shape
     if not isinstance(shared, bool):
         raise ValueError(f"align_pairs: shared: expected a bool, got {shared!r}")
@@ -432,10 +499,10 @@ def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool 
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     ne_pad = triton.next_power_of_2(ne + 1)
     offsets = torch.empty(2 * ne_pad, dtype=torch.int32, device=ids.device)
-    launch(_align_kernel, (1,), ids, sorted_pair, block_expert, offsets, n_pairs, expert0, n_local,
-           max_blocks * bm, max_blocks, TOP_K=k, SHARED=shared, NE_PAD=ne_pad,
-           P_PAD=triton.next_power_of_2(max(n_pairs, 1)), BLOCK_M=bm)
-    return sorted_pair, block_expert
+    return sorted_pair, block_expert, {
+        "args": (sorted_pair, block_expert, offsets, n_pairs, expert0, n_local, max_blocks * bm, max_blocks),
+        "meta": dict(TOP_K=k, SHARED=shared, NE_PAD=ne_pad, P_PAD=triton.next_power_of_2(max(n_pairs, 1)),
+                     BLOCK_M=bm)}
 
 
 def _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks, bm,
