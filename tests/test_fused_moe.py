@@ -121,12 +121,13 @@ def test_fused_moe_tiles_compute_the_same_layer(device, preset, tiles, seed):
 
 
 @CPU
-def test_fused_moe_expert_parallel_computes_this_ranks_experts_only(seed):
+@pytest.mark.parametrize("T", [9, 23])  # one selection program that aligns too, and separate launches
+def test_fused_moe_expert_parallel_computes_this_ranks_experts_only(T, seed):
     """Experts 4..7 on this rank (expert0 4), no shared expert: the sum over the pairs routed to those experts,
     and zero for a token none of whose experts is here."""
     c = ModelConfig.preset("tiny-deepseek-v3.2")
     m = _moe(c, "cpu", torch.float32, seed)
-    x = torch.randn(23, c.hidden_size)
+    x = torch.randn(T, c.hidden_size)
     w13, w2, _ = _weights(m, slice(4, 8))
     out = torch.full_like(x, float("nan"))
     fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, w13, w2, None, out, expert0=4)
@@ -252,13 +253,14 @@ def poisoned_empty(monkeypatch):
 
 
 @CPU
-def test_fused_moe_reads_only_what_it_wrote(poisoned_empty, seed):
+@pytest.mark.parametrize("T", [11, 19])
+def test_fused_moe_reads_only_what_it_wrote(poisoned_empty, T, seed):
     """Every workspace poisoned (the routing, the alignment, h, the pairs' outputs), expert parallel with
     tokens whose experts are all on other ranks: the output is still exact."""
     c = ModelConfig.preset("tiny-deepseek-v3.2")
     m = _moe(c, "cpu", torch.float32, seed)
     md = _moe(c, "cpu", torch.float64, seed)  # the same weights in float64
-    x = torch.randn(19, c.hidden_size)
+    x = torch.randn(T, c.hidden_size)
     for sl, e0, with_shared in ((slice(None), 0, True), (slice(6, 8), 6, False), (slice(0, 3), 0, True)):
         w13, w2, shared = _weights(m, sl)
         out = torch.full_like(x, float("nan"))
@@ -335,6 +337,25 @@ def test_fused_moe_takes_strided_rows(seed):
     dense = torch.empty_like(x.contiguous())
     fused_moe(c, x.contiguous(), m.gate.weight, m.gate.e_score_correction_bias, *_weights(m), dense)
     assert torch.equal(out, dense) and out_wide[:, c.hidden_size:].isnan().all()
+
+
+@CPU
+def test_a_group_layout_the_router_kernel_cannot_hold_is_refused_by_name():
+    """12 experts in 2 groups of 6 (not a power of two): fused_moe says so on either side of SELECT_BLOCK_T, before
+    any launch, and route_kernel names itself, at 0 tokens too."""
+    c = ModelConfig.preset("tiny-deepseek-v3.2").replace(n_routed_experts=12, n_group=2, topk_group=1)
+    m = _moe(c, "cpu", torch.float32, 0)
+    launched = []
+    for T in (1, SELECT_BLOCK_T + 1):
+        x = torch.randn(T, c.hidden_size)
+        with observing_launches(lambda name, run: launched.append(name)), pytest.raises(
+                ValueError, match="fused_moe: n_routed_experts 12 must split into n_group 2 groups of a power of two"):
+            fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, *_weights(m), torch.empty_like(x))
+    assert launched == []
+    k = c.num_experts_per_tok
+    with pytest.raises(ValueError, match="route_kernel: n_routed_experts 12 must split into n_group 2"):
+        route_kernel(c, torch.zeros(0, c.hidden_size), m.gate.weight, m.gate.e_score_correction_bias,
+                     torch.empty(0, k, dtype=torch.int32), torch.empty(0, k))
 
 
 @CPU

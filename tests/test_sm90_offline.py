@@ -76,6 +76,20 @@ def test_the_router_logits_kernel_builds_for_sm90_without_spills_under_its_launc
     assert num_warps != 4 or r["registers"] <= 72, r["registers"]
 
 
+@pytest.mark.parametrize("router", [dict(N_GROUP=1, PER_GROUP=256, TOPK_GROUP=1),  # GLM-5.2's
+                                    dict(N_GROUP=8, PER_GROUP=32, TOPK_GROUP=4)], ids=["glm-5.2", "deepseek-v3.2"])
+def test_the_one_program_router_and_alignment_builds_for_sm90_with_little_spilled(router):
+    """fused_moe's selection and alignment in one program (steps of up to 16 tokens) at the full routers' sizes
+    (256 experts, 32 splits of hidden, 16 tokens of 8 routed experts and a shared one, 257 local experts), under
+    its 8 warps: at most 24 bytes spilled (4 warps spilled 60)."""
+    r = _build("dsv32ref.kernels.fused_moe:_select_align_kernel",
+               {"partial_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
+                "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32", "offsets_ptr": "*i32"}, gluon=False,
+               **router, TOP_K=8, NORM=True, E_PAD=256, K_PAD=8, BLOCK_T=16, SPLITS_PAD=32, SHARED=True, NE_PAD=512,
+               P_PAD=256, BLOCK_M=16, num_warps=8)
+    assert r["spill_store_bytes"] <= 24, r
+
+
 def test_the_offline_build_refuses_pointer_types_that_are_not_pointers():
     """Checked before anything is imported or built."""
     from dsv32ref.kernels.sm90_offline import main

@@ -46,7 +46,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": FlashMLA's latent rows and DeepGEMM's
     # indexer keys (dsv32ref.cache), quantised on write, read by the kernels
     moe: str = "dense"  # how MoE layers run: "dense" (every local expert on every token, PyTorch ops) or "fused"
-    # (dsv32ref.kernels.fused_moe: grouped GEMMs over the tokens each expert received, six launches a layer)
+    # (dsv32ref.kernels.fused_moe: grouped GEMMs over the tokens each expert received, six launches a layer, five
+    # at steps of at most 16 tokens)
     gemm: str = "torch"  # the projections of steps of at most 16 tokens (dsv32ref.engine.model.SKINNY_ROWS):
     # "torch" (F.linear, torch.bmm: cuBLAS) or "skinny" (dsv32ref.kernels.skinny_gemm: one launch a projection)
     skip_short_topk: bool = False  # a step whose requests all have <= index_topk keys skips the indexer's

@@ -287,7 +287,7 @@ class EngineMoE(nn.Module):
     (dsv32ref.reference.moe.Router: the same `route`, fp32 weights), then every expert of this rank on every token,
     combined with the routing weights (zero for unselected experts), in PyTorch ops: for a reduced expert count.
     "fused": dsv32ref.kernels.fused_moe, the router and grouped GEMMs over the tokens each expert received, the
-    shared expert among them, in six launches (five at decode-sized steps)."""
+    shared expert among them, in six launches (five at steps of at most 16 tokens)."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE, impl: str = "dense"):
         super().__init__()

@@ -358,7 +358,8 @@ def _check_router(c: ModelConfig, launcher: str, x, weight, e_score_correction_b
     check_tensor("ids", ids, shape=(T, k), dtype=torch.int32, dense_dims=2)
     check_tensor("weights", weights, shape=(T, k), dtype=torch.float32, dense_dims=2)
     check_same_device(x=x, weight=weight, e_score_correction_bias=e_score_correction_bias, ids=ids, weights=weights)
-    if c.n_group > 1 and (E % c.n_group or E // c.n_group < 2 or (E // c.n_group) & (E // c.n_group - 1)):
+    per = E // c.n_group
+    if c.n_group > 1 and (E % c.n_group or per < 2 or per & (per - 1)):
         raise ValueError(f"{launcher}: n_routed_experts {E} must split into n_group {c.n_group} groups of a power "
                          f"of two >= 2 experts")
 
@@ -452,15 +453,18 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     ids = torch.empty(T, k, dtype=torch.int32, device=x.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     bm = block_m(T * ks, n_local + (shared is not None))
-    if T > SELECT_BLOCK_T:
-        route_kernel(c, x, gate_weight, e_score_correction_bias, ids, weights)
-        sorted_pair, block_expert = align_pairs(ids, n_local, expert0, shared is not None, bm)
-    else:  # one selection program: it aligns the pairs too
-        _check_router(c, "fused_moe", x, gate_weight, e_score_correction_bias, ids, weights)
-        partial, splits, meta = _router_logits(c, x, gate_weight)
-        sorted_pair, block_expert, align = _alignment(ids, n_local, expert0, shared is not None, bm)
-        launch(_select_align_kernel, (1,), partial, e_score_correction_bias, ids, weights, T, c.n_routed_experts,
-               splits, float(c.routed_scaling_factor), *align["args"], **(meta | align["meta"]))
+    _check_router(c, "fused_moe", x, gate_weight, e_score_correction_bias, ids, weights)
+    sorted_pair, block_expert, align = _alignment("fused_moe", ids, n_local, expert0, shared is not None, bm)
+    partial, splits, meta = _router_logits(c, x, gate_weight)
+    select = (partial, e_score_correction_bias, ids, weights, T, c.n_routed_experts, splits,
+              float(c.routed_scaling_factor))
+    if T <= SELECT_BLOCK_T:  # one selection program: it aligns the pairs too, over 8 warps (at the full routers'
+        # sizes, 256 experts and 24-32 splits of hidden, sm_90a holds it in 136-254 registers and spills at most
+        # 24 bytes, where 4 warps spilled 60)
+        launch(_select_align_kernel, (1,), *select, *align["args"], **(meta | align["meta"]), num_warps=8)
+    else:
+        launch(_router_kernel, (triton.cdiv(T, SELECT_BLOCK_T),), *select, **meta)
+        launch(_align_kernel, (1,), ids, *align["args"], **align["meta"])
     tiles = tiles or default_tiles(bm)
     _expert_gemms(x, w13, w2, shared, ids, weights, sorted_pair, block_expert, out, expert0, inter, i_s, ks, bm, tiles)
 
@@ -473,26 +477,26 @@ def align_pairs(ids: torch.Tensor, n_local: int, expert0: int = 0, shared: bool 
     slots in pair order, padded with -1 to whole blocks of bm, the runs in expert order; block_expert names each
     block's expert, -1 past the last. max_blocks = cdiv(T (k + shared), bm) + n_local + shared, the most the runs
     can take."""
-    sorted_pair, block_expert, align = _alignment(ids, n_local, expert0, shared, bm)
+    sorted_pair, block_expert, align = _alignment("align_pairs", ids, n_local, expert0, shared, bm)
     launch(_align_kernel, (1,), ids, *align["args"], **align["meta"])
     return sorted_pair, block_expert
 
 
-def _alignment(ids: torch.Tensor, n_local: int, expert0: int, shared: bool, bm: int) -> tuple:
+def _alignment(launcher: str, ids: torch.Tensor, n_local: int, expert0: int, shared: bool, bm: int) -> tuple:
     """align_pairs' arguments checked -> (sorted_pair, block_expert, the alignment's arguments after ids: "args"
     and its constexprs "meta")."""
     T, k = check_tensor("ids", ids, shape=(None, None), dtype=torch.int32, dense_dims=2).shape
     if not isinstance(shared, bool):
-        raise ValueError(f"align_pairs: shared: expected a bool, got {shared!r}")
-    check_int("align_pairs: n_local", n_local)
-    check_int("align_pairs: expert0", expert0, low=0)
+        raise ValueError(f"{launcher}: shared: expected a bool, got {shared!r}")
+    check_int(f"{launcher}: n_local", n_local)
+    check_int(f"{launcher}: expert0", expert0, low=0)
     if bm not in (16, 32, 64, 128):
-        raise ValueError(f"align_pairs: bm expected 16, 32, 64 or 128, got {bm!r}")
+        raise ValueError(f"{launcher}: bm expected 16, 32, 64 or 128, got {bm!r}")
     n_pairs, ne = T * (k + shared), n_local + shared
     if ne > MAX_EXPERTS:
-        raise ValueError(f"align_pairs: n_local expected <= {MAX_EXPERTS - shared}, got {n_local}")
+        raise ValueError(f"{launcher}: n_local expected <= {MAX_EXPERTS - shared}, got {n_local}")
     if n_pairs > MAX_PAIRS:
-        raise ValueError(f"align_pairs: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x "
+        raise ValueError(f"{launcher}: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x "
                          f"{k + shared}")
     max_blocks = triton.cdiv(n_pairs, bm) + ne  # each expert's run is padded to a whole block
     sorted_pair = torch.empty(max_blocks * bm, dtype=torch.int32, device=ids.device)
