@@ -438,9 +438,11 @@ def bench_fused_q(z, T, ceil, fp8=False):
     pos = torch.randint(0, 100_000, (T,), device=DEV)
     cos, sin = RotaryEmbedding(z["config"]).to(DEV)(torch.arange(100_000, device=DEV))
     q_lat, q = torch.randn(T, z["H"], z["d_lat"], **f), torch.randn(T, z["H"], z["nope"] + z["rope"], **f)
-    q_idx, w = torch.randn(T, z["h_i"], z["d_i"], **f), torch.randn(T, z["h_i"], device=DEV)
+    # the weights as the engine passes them: weights_proj's columns of the A-projections' bf16 output
+    q_idx, w = torch.randn(T, z["h_i"], z["d_i"], **f), torch.randn(T, z["d_i"] + z["h_i"], **f)[:, z["d_i"]:]
     q_mqa = torch.empty(T, z["H"], z["d_lat"] + z["rope"], **f)
-    qi_out, w_out = torch.empty_like(q_idx, dtype=torch.float8_e4m3fn if fp8 else BF16), torch.empty_like(w)
+    qi_out = torch.empty_like(q_idx, dtype=torch.float8_e4m3fn if fp8 else BF16)
+    w_out = torch.empty(T, z["h_i"], device=DEV)
     run = lambda: fused_q(q_lat, q, q_mqa, pos, cos, sin, q_idx, qi_out, w, w_out, z["interleaved"])
 
     def torch_path():
@@ -449,8 +451,8 @@ def bench_fused_q(z, T, ceil, fp8=False):
         b = torch.cat((apply_rope(q_idx[..., : z["rope"]], c, s, z["interleaved"]), q_idx[..., z["rope"]:]), -1)
         if fp8:
             b8, scale = fp8_quantize(hadamard_transform(b), block=z["d_i"])
-            return a, b8, w * z["h_i"] ** -0.5 * scale[..., 0]
-        return a, b, w * z["h_i"] ** -0.5
+            return a, b8, w.float() * z["h_i"] ** -0.5 * scale[..., 0]
+        return a, b, w.float() * z["h_i"] ** -0.5
 
     q_mqa.fill_(float("nan"))
     qi_out.fill_(float("nan"))
@@ -469,7 +471,7 @@ def bench_fused_q(z, T, ceil, fp8=False):
     tp = timed(torch_path, capturable=not fp8)  # the reference fp8 quantiser checks its input on the host
     out_i = 1 if fp8 else 2  # bytes per indexer-query element written
     nbytes = (2 * T * (z["H"] * (z["d_lat"] + z["rope"] + z["d_lat"] + z["rope"]) + z["h_i"] * z["d_i"])
-              + out_i * T * z["h_i"] * z["d_i"] + 8 * T * z["h_i"] + 8 * T)
+              + out_i * T * z["h_i"] * z["d_i"] + 6 * T * z["h_i"] + 8 * T)  # weights: bf16 in, fp32 out
     flops = 6 * T * (z["H"] + z["h_i"]) * z["rope"] + (2 * T * z["h_i"] * z["d_i"] * (z["d_i"].bit_length() - 1) if fp8 else 0)
     res.update(torch_ms=tp["ms"], torch_ms_eager=tp["ms_eager"], **roofline(flops, nbytes, res["ms"], ceil))
     return res
