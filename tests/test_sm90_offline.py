@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from dsv32ref.kernels import sparse_mla_hopper
+from dsv32ref.kernels.fused_moe import SELECT_ALIGN_WARPS
 from dsv32ref.kernels.sm90_offline import MAX_SHARED_BYTES, have_ptxas
 
 pytestmark = pytest.mark.skipif(
@@ -81,12 +82,12 @@ def test_the_router_logits_kernel_builds_for_sm90_without_spills_under_its_launc
 def test_the_one_program_router_and_alignment_builds_for_sm90_with_little_spilled(router):
     """fused_moe's selection and alignment in one program (steps of up to 16 tokens) at the full routers' sizes
     (256 experts, 32 splits of hidden, 16 tokens of 8 routed experts and a shared one, 257 local experts), under
-    its 8 warps: at most 24 bytes spilled (4 warps spilled 60)."""
+    the warps fused_moe launches it with: at most 24 bytes spilled (4 warps spilled 60)."""
     r = _build("dsv32ref.kernels.fused_moe:_select_align_kernel",
                {"partial_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
                 "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32", "offsets_ptr": "*i32"}, gluon=False,
                **router, TOP_K=8, NORM=True, E_PAD=256, K_PAD=8, BLOCK_T=16, SPLITS_PAD=32, SHARED=True, NE_PAD=512,
-               P_PAD=256, BLOCK_M=16, num_warps=8)
+               P_PAD=256, BLOCK_M=16, num_warps=SELECT_ALIGN_WARPS)
     assert r["spill_store_bytes"] <= 24, r
 
 

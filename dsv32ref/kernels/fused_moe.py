@@ -51,6 +51,9 @@ MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment so
 MAX_EXPERTS = 1 << 12  # local experts (and the shared one) the alignment's int32 sort keys hold beside the pairs
 ROUTER_BLOCK_K = 32  # hidden's columns a router-logits step multiplies
 SELECT_BLOCK_T = 16  # tokens a selection program takes: a step of at most this many selects and aligns in one launch
+# that one program's warps: at the full routers' sizes (256 experts, 24-32 splits of hidden) sm_90a holds it in
+# 136-254 registers and spills at most 24 bytes, where 4 warps spilled 60
+SELECT_ALIGN_WARPS = 8
 
 
 def block_m(n_pairs: int, n_experts: int) -> int:
@@ -458,10 +461,9 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     partial, splits, meta = _router_logits(c, x, gate_weight)
     select = (partial, e_score_correction_bias, ids, weights, T, c.n_routed_experts, splits,
               float(c.routed_scaling_factor))
-    if T <= SELECT_BLOCK_T:  # one selection program: it aligns the pairs too, over 8 warps (at the full routers'
-        # sizes, 256 experts and 24-32 splits of hidden, sm_90a holds it in 136-254 registers and spills at most
-        # 24 bytes, where 4 warps spilled 60)
-        launch(_select_align_kernel, (1,), *select, *align["args"], **(meta | align["meta"]), num_warps=8)
+    if T <= SELECT_BLOCK_T:  # one selection program: it aligns the pairs too
+        launch(_select_align_kernel, (1,), *select, *align["args"], **(meta | align["meta"]),
+               num_warps=SELECT_ALIGN_WARPS)
     else:
         launch(_router_kernel, (triton.cdiv(T, SELECT_BLOCK_T),), *select, **meta)
         launch(_align_kernel, (1,), ids, *align["args"], **align["meta"])
