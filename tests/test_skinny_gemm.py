@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv32ref.checks import checking_device_values
-from dsv32ref.kernels.skinny_gemm import MAX_BATCH, MAX_ROWS, skinny_gemm
+from dsv32ref.kernels.skinny_gemm import MAX_BATCH, MAX_ROWS, MAX_SPLITS, skinny_gemm, skinny_gemm_counters
 from dsv32ref.testing import assert_close
 
 CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on CPU-only machines")
@@ -33,16 +33,21 @@ def _untouched_outside(view, big) -> bool:
     return bool(big[~inside].isnan().all())
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("device,dtype,shapes", CASES)
-def test_skinny_gemm_equals_linear(device, dtype, shapes, seed):
+def test_skinny_gemm_equals_linear(device, dtype, shapes, split, seed):
     """Per element: within a unit of the dtype of float64 (one rounding of an fp32 sum), within two of F.linear
-    in the same dtype; x's rows strided; nothing outside out's view written."""
+    in the same dtype; x's rows strided; nothing outside out's view written. split-k: with counters, at the
+    planned splits (block_k 16 on the CPU, so that small K splits too); the counters are zero again after."""
     gen = torch.Generator().manual_seed(seed)
+    counters = skinny_gemm_counters(device) if split else None
+    tiles = dict(block_k=16) if split and device == "cpu" else {}
     for T, N, K in shapes:
         x = torch.randn(T, K + 8, generator=gen).to(dtype).to(device)[:, :K]
         w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(dtype).to(device)
         out, big = _poisoned_view((T, N), dtype, device)
-        skinny_gemm(x, w, out)
+        skinny_gemm(x, w, out, counters=counters, **tiles)
+        assert counters is None or not counters.any()
         tol = 64 if dtype == torch.float32 else 1  # fp32 output: the fp32 sum's own rounding, in fp32 units
         assert_close(f"out {T}x{N}x{K} vs float64", out, x.double() @ w.double().T, dtype=dtype, rtol=tol, atol=tol)
         assert_close(f"out {T}x{N}x{K} vs F.linear", out, F.linear(x, w), dtype=dtype, rtol=2 * tol, atol=2 * tol)
@@ -82,6 +87,28 @@ def test_skinny_gemm_tiles_compute_the_same_product(tiles, seed):
 
 
 @CPU
+@pytest.mark.parametrize("splits", [2, 3, 7, MAX_SPLITS])
+def test_skinny_gemm_split_k_sums_every_split_once(splits, seed):
+    """Split-K over a batch (strided x, W as a transposed view, out a view of a poisoned buffer), twice through one
+    counters buffer that another shape used before: within a unit of float64 each time, each split's columns
+    counted once (a split that overran into the next one's, or a partial left out, is many units off), and the
+    counters zero after every call."""
+    gen = torch.Generator().manual_seed(seed)
+    counters = skinny_gemm_counters("cpu", 64)
+    skinny_gemm(torch.randn(2, 40).bfloat16(), torch.randn(70, 40).bfloat16(), torch.empty(2, 70, dtype=torch.bfloat16),
+                counters=counters, splits=2, block_k=16)
+    B, T, N, K = 3, 5, 40, 16 * 23
+    x = torch.randn(B, T, K + 4, generator=gen).bfloat16()[..., :K]
+    w_t = (torch.randn(B, K, N, generator=gen) * K ** -0.5).bfloat16()  # stored [B, K, N], passed as [B, N, K]
+    exact = x.double() @ w_t.double()
+    for _ in range(2):
+        out, big = _poisoned_view((B, T, N), torch.bfloat16, "cpu")
+        skinny_gemm(x, w_t.transpose(1, 2), out, counters=counters, splits=splits, block_n=16, block_k=16)
+        assert_close(f"out, {splits} splits", out, exact, dtype=torch.bfloat16, row_dims=2, rtol=1, atol=1)
+        assert _untouched_outside(out, big) and not counters.any()
+
+
+@CPU
 def test_skinny_gemm_empty_sizes():
     """No rows, no columns: nothing to do; K = 0: zeros (the empty sum), as F.linear gives."""
     x, w = torch.randn(0, 8).bfloat16(), torch.randn(4, 8).bfloat16()
@@ -111,7 +138,17 @@ def test_skinny_gemm_refuses_what_it_cannot_compute():
                             ((x, w, out), {"block_k": 512}, "block_k"),
                             ((x, w, out), {"num_warps": 3}, "num_warps"),
                             ((x, w, out), {"num_stages": 0}, "num_stages"),
-                            (("x", w, out), {}, "x: expected")):
+                            (("x", w, out), {}, "x: expected"),
+                            ((x, w, out), {"splits": 2}, "splits 2 needs counters"),
+                            ((x, w, out), {"splits": 0, "counters": torch.zeros(8, dtype=torch.int32)}, "splits"),
+                            ((x, w, out), {"splits": MAX_SPLITS + 1, "counters": torch.zeros(8, dtype=torch.int32)},
+                             "splits expected"),
+                            ((x, w, out), {"splits": 2.0, "counters": torch.zeros(8, dtype=torch.int32)}, "splits"),
+                            ((x, w, out), {"counters": torch.zeros(8)}, "counters: expected dtype"),
+                            ((x, w, out), {"counters": torch.zeros(2, 4, dtype=torch.int32)}, "counters: expected"),
+                            ((x, w, out), {"counters": torch.zeros(0, dtype=torch.int32)}, "counters: expected at "
+                                                                                           "least 1"),
+                            ((x, w, out), {"counters": "zeros"}, "counters: expected")):
         with pytest.raises(ValueError, match=match):
             skinny_gemm(*args, **kw)
     many = torch.zeros(MAX_BATCH + 1, 1, 16, dtype=torch.bfloat16)
@@ -122,6 +159,10 @@ def test_skinny_gemm_refuses_what_it_cannot_compute():
         skinny_gemm(square, torch.randn(16, 16).bfloat16(), square)
     with checking_device_values(), pytest.raises(ValueError, match="out has elements that share memory"):
         skinny_gemm(x, w, torch.empty(1, 16, dtype=torch.bfloat16).expand(4, 16))
+    dirty = torch.zeros(8, dtype=torch.int32)
+    dirty[3] = 1
+    with checking_device_values(), pytest.raises(ValueError, match="counters: expected all zeros"):
+        skinny_gemm(x, w, out, counters=dirty)
 
 
 @CPU
@@ -133,18 +174,22 @@ def test_projection_benchmark_checks_what_it_times(seed):
     for p in projections("tiny-glm-5.2", device="cpu"):
         r = bench_projection("tiny-glm-5.2", p, 3, timer)
         assert r["ok"] and r["bytes"] == (p.batch or 1) * p.N * p.K * 2, r
+        assert r["launch"]["splits"] >= 1 and r["launch"]["block_n"] in (16, 32, 64), r
     broken = Projection("broken", 24, 40, device="cpu")
-    broken.skinny = lambda x, w, out, **tiles: out.zero_()
+    broken.skinny = lambda x, w, out, counters=None, **tiles: out.zero_()
     assert not bench_projection("tiny-glm-5.2", broken, 3, timer)["ok"]
 
 
 @CPU
-def test_engine_projections_through_skinny_gemm_equal_the_reference_model(seed):
+def test_engine_projections_through_skinny_gemm_equal_the_reference_model(monkeypatch, seed):
     """EngineConfig(gemm="skinny"): an 8-token prefill's projections (the attention's, W_UK and W_UV per head, the
     dense MLP's and the shared expert's) run through skinny_gemm, eagerly and replayed from (emulated) FULL and
-    PIECEWISE graphs; the logits equal the reference model's in float64 as the torch GEMMs' do."""
+    PIECEWISE graphs, and once with K split in two (16-column steps: the tiny model's K is a few steps) over the
+    step's counters; the logits equal the reference model's in float64 as the torch GEMMs' do."""
     import copy
+    import functools
 
+    import dsv32ref.engine.model as engine_model
     from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, from_reference
     from dsv32ref.graphs.runner import CUDAGraphMode
     from dsv32ref.kernels.launch import observing_launches
@@ -152,17 +197,24 @@ def test_engine_projections_through_skinny_gemm_equal_the_reference_model(seed):
     ref = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32, seed=seed, num_hidden_layers=2)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     logits, launched = {}, {}
-    for gemm, boundary, mode in (("torch", "none", CUDAGraphMode.NONE), ("skinny", "none", CUDAGraphMode.NONE),
-                                 ("skinny", "none", CUDAGraphMode.FULL), ("skinny", "narrow", CUDAGraphMode.PIECEWISE)):
+    for gemm, boundary, mode, split in (("torch", "none", CUDAGraphMode.NONE, False),
+                                        ("skinny", "none", CUDAGraphMode.NONE, False),
+                                        ("skinny", "none", CUDAGraphMode.FULL, False),
+                                        ("skinny", "narrow", CUDAGraphMode.PIECEWISE, False),
+                                        ("skinny", "none", CUDAGraphMode.FULL, True)):
         ec = EngineConfig(boundary=boundary, mode=mode, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
                           block_size=4, capture_sizes=[8, 16], gemm=gemm)
+        if split:
+            monkeypatch.setattr(engine_model, "skinny_gemm", functools.partial(skinny_gemm, splits=2, block_k=16))
         eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, boundary))
         eng.capture()
         names = []
         with observing_launches(lambda name, run: (names.append(name), run())[1]):
             eng.step(StepInput([(r, p, 0) for r, p in enumerate(prompts)]))
-        key = f"{gemm} {boundary} {mode.name}"
+        key = f"{gemm} {boundary} {mode.name}" + (" split" if split else "")
         logits[key], launched[key] = eng.last_logits, names.count("_skinny_gemm_kernel")
+        assert eng.runner.batch.gemm_counters is None if gemm == "torch" else \
+            not eng.runner.batch.gemm_counters.any()
     exact = copy.deepcopy(ref).double()
     with torch.no_grad():
         expected = torch.stack([exact(torch.tensor(p, dtype=torch.long))[-1] for p in prompts])

@@ -1,5 +1,7 @@
 """The attention's projections at a few tokens (dsv32ref.kernels.skinny_gemm beside F.linear / torch.bmm): time
 against the weight read, at the engine's shapes. Called by the kernel benchmark (dsv32ref.bench.kernels).
+skinny_gemm runs as the engine runs it, over a counters buffer (K split at `skinny_plan`'s splits), unless the
+tiles say otherwise (splits=1: one pass).
 
 At T <= 16 tokens a projection is its weight read: bytes = the weight's (x and y are a few rows). Each call reads
 one of several copies of the weight (together at least twice the 50 MB L2), so that replays read them from HBM.
@@ -14,14 +16,13 @@ import torch.nn.functional as F
 
 from dsv32ref.checks import rel_err
 from dsv32ref.config import ModelConfig
-from dsv32ref.kernels.skinny_gemm import skinny_gemm
+from dsv32ref.kernels.skinny_gemm import skinny_gemm, skinny_gemm_counters, skinny_plan
 
 __all__ = ["LINEAR_TILES", "Projection", "bench_projection", "projection_line", "projections"]
 
 BF16 = torch.bfloat16
 L2_BYTES = 50e6  # the H200's L2: the copies a graph reads in turn hold at least twice this
-LINEAR_TILES = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s) for bn in (16, 32, 64, 128)
-                for bk in (64, 128, 256) for w, s in ((4, 3), (4, 4), (8, 4))]
+LINEAR_TILES = [dict(block_n=bn, block_k=bk, splits=sp) for bn in (32, 64) for bk in (128, 256) for sp in (1, 2, 4, 8)]
 
 
 class Projection:
@@ -48,8 +49,14 @@ class Projection:
     def torch_path(self, x, w, out):
         return torch.mm(x, w.T, out=out) if self.batch is None else torch.bmm(x, w, out=out)
 
-    def skinny(self, x, w, out, **tiles):
-        return skinny_gemm(x, w if self.batch is None else w.transpose(1, 2), out, **tiles)
+    def skinny(self, x, w, out, counters=None, **tiles):
+        return skinny_gemm(x, w if self.batch is None else w.transpose(1, 2), out, counters=counters, **tiles)
+
+    def plan(self, tiles: dict | None) -> dict:
+        """The launch skinny_gemm makes over counters: its columns a program and K splits (tiles over the plan)."""
+        bn, splits = skinny_plan(self.N, self.K, self.batch or 1, torch.device(self.device),
+                                 block_k=(tiles or {}).get("block_k", 128))
+        return dict(dict(block_n=bn, splits=splits), **(tiles or {}))
 
     @property
     def nbytes(self) -> int:
@@ -79,22 +86,24 @@ def bench_projection(model: str, p: Projection, T: int, timed, tiles: dict | Non
     shape = (T, p.N) if p.batch is None else (p.batch, T, p.N)
     ref = torch.empty(shape, dtype=BF16, device=p.device)
     out = torch.full(shape, float("nan"), dtype=BF16, device=p.device)
+    counters = skinny_gemm_counters(p.device)
     p.torch_path(x, ws[0], ref)
-    p.skinny(x, ws[0], out, **(tiles or {}))
+    p.skinny(x, ws[0], out, counters, **(tiles or {}))
     exact = torch.matmul(x.double(), (ws[0].double().T if p.batch is None else ws[0].double()))
     err, err_torch = rel_err(out, exact), rel_err(ref, exact)
     i, n = iter(range(10 ** 9)), len(ws)
     t_torch = timed(lambda: p.torch_path(x, ws[next(i) % n], ref), n_inner=n)
-    t_skinny = timed(lambda: p.skinny(x, ws[next(i) % n], out, **(tiles or {})), n_inner=n)
+    t_skinny = timed(lambda: p.skinny(x, ws[next(i) % n], out, counters, **(tiles or {})), n_inner=n)
     return {"kernel": "skinny_gemm", "model": model, "projection": p.name, "T": T, "N": p.N, "K": p.K,
-            "batch": p.batch, "tiles": tiles, "ms": t_skinny["ms"], "ms_eager": t_skinny.get("ms_eager"),
+            "batch": p.batch, "tiles": tiles, "launch": p.plan(tiles), "ms": t_skinny["ms"],
+            "ms_eager": t_skinny.get("ms_eager"),
             "torch_ms": t_torch["ms"],
             "timing": t_skinny.get("timing"), "bytes": p.nbytes, "flops": 2 * (p.batch or 1) * T * p.N * p.K,
-            "rel_err": err, "torch_rel_err": err_torch, "ok": err <= 2 * err_torch + 1e-6}
+            "rel_err": err, "torch_rel_err": err_torch, "ok": err <= 2 * err_torch + 1e-6 and not counters.any()}
 
 
 def projection_line(r: dict) -> str:
-    tiles = "" if not r["tiles"] else " " + ",".join(f"{k}={v}" for k, v in r["tiles"].items())
+    tiles = " " + ",".join(f"{k}={v}" for k, v in r["launch"].items())
     return (f"{r['model']} {r['projection']:<16} T={r['T']:<3} skinny {r['ms'] * 1e3:7.1f} us "
             f"({r['bytes'] / r['ms'] / 1e6:5.0f} GB/s), torch {r['torch_ms'] * 1e3:7.1f} us "
             f"({r['bytes'] / r['torch_ms'] / 1e6:5.0f} GB/s), rel_err {r['rel_err']:.1e} ok={r['ok']}{tiles}")

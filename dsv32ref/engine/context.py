@@ -48,6 +48,7 @@ class ForwardContext:
     num_sms: int | None = None  # SMs the attention's split-K and the indexer's grid fill (None: the device's)
     skip_topk: bool = False  # every request has <= index_topk keys: the indexer may skip scoring and selection
     gemm: str = "torch"  # EngineConfig.gemm: which kernel the projections of a step of few tokens take
+    gemm_counters: torch.Tensor | None = None  # int32 zeros: skinny_gemm's split-K counters (gemm "skinny")
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ from dsv32ref.checks import check_int, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import EngineConfig
 from dsv32ref.engine.context import ForwardContext
+from dsv32ref.kernels.skinny_gemm import skinny_gemm_counters
 from dsv32ref.reference.rope import RotaryEmbedding
 
 __all__ = ["InputBatch", "PreparedStep", "StepInput"]
@@ -113,7 +114,7 @@ class InputBatch:
         input_ids, positions, slot_mapping  int64 [n_max]          logits_indices  int64 [max_num_seqs]
         req_indices  int32 [n_max]          seq_lens  int32 [seqs + 1]     block_table  int32 [seqs + 1, blocks]
         topk  int32 [n_max, index_topk]     scores  fp32 [scores_rows, max_model_len] (the graph-safe indexer)
-        cos, sin  [max_model_len, rope / 2]
+        cos, sin  [max_model_len, rope / 2]       gemm_counters  int32 zeros (skinny_gemm's split-K; gemm "skinny")
     n_max = EngineConfig.max_step_tokens; the int64 and int32 buffers are views of StepBuffers' two."""
 
     def __init__(self, config: ModelConfig, ec: EngineConfig, device: torch.device):
@@ -132,6 +133,7 @@ class InputBatch:
         self.req_indices.fill_(seqs)
         self.topk = torch.full((n_max, config.index_topk), -1, dtype=torch.int32, device=device)
         self.scores = torch.zeros(ec.scores_rows, ec.max_model_len, dtype=torch.float32, device=device)
+        self.gemm_counters = skinny_gemm_counters(device) if ec.gemm == "skinny" else None
         self._views: dict[int, tuple] = {}
 
     @property
@@ -176,7 +178,8 @@ class InputBatch:
             kv_cache=kv_cache, cos=self.cos, sin=self.sin, positions=positions, slot_mapping=slot_mapping,
             req_indices=req_indices, seq_lens=self.seq_lens, block_table=self.block_table, topk=topk, scores=scores,
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, uniform_decode=uniform, num_sms=self.ec.num_sms,
-            skip_topk=skip_topk, gemm=self.ec.gemm)
+            skip_topk=skip_topk, gemm=self.ec.gemm,
+            gemm_counters=self.gemm_counters)
 
     def dummy(self, kv_cache: PagedKVCache, size: int, uniform: bool) -> ForwardContext:
         """Capture-time metadata, written on the device: padding everywhere (no cache writes); for prefill

@@ -22,7 +22,7 @@ from dsv32ref.checks import check_int, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.boundary import FUSED_ATTENTION, SPARSE_INDEXER_AND_ATTN, Boundary, StaticOutputs, get_boundary
 from dsv32ref.engine.config import MOE_IMPLS
-from dsv32ref.engine.context import current_forward_context, get_forward_context
+from dsv32ref.engine.context import ForwardContext, current_forward_context, get_forward_context
 from dsv32ref.graphs.breakable import eager_break
 from dsv32ref.instrument import region
 from dsv32ref.kernels import (add_rms_norm, fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged,
@@ -81,20 +81,29 @@ def _param(*shape) -> nn.Parameter:
 SKINNY_ROWS = 16  # EngineConfig.gemm "skinny": steps of at most this many tokens take skinny_gemm
 
 
-def _skinny(x: torch.Tensor) -> bool:
-    ctx = current_forward_context()  # (none: a module called outside a step takes torch's GEMMs)
-    return ctx is not None and ctx.gemm == "skinny" and x.shape[-2] <= SKINNY_ROWS
+def _skinny(x: torch.Tensor) -> ForwardContext | None:
+    """The step's context where its projections take skinny_gemm (EngineConfig.gemm "skinny", at most SKINNY_ROWS
+    tokens), else None (also outside a step: a module called on its own takes torch's GEMMs)."""
+    ctx = current_forward_context()
+    return ctx if ctx is not None and ctx.gemm == "skinny" and x.shape[-2] <= SKINNY_ROWS else None
 
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) (x [T, K], w [N, K]), or skinny_gemm where the step asks for it (EngineConfig.gemm)."""
-    return skinny_gemm(x, w, x.new_empty(x.shape[0], w.shape[0])) if _skinny(x) else F.linear(x, w)
+    """F.linear(x, w) (x [T, K], w [N, K]), or skinny_gemm, K split over the step's counters, where the step asks
+    for it (EngineConfig.gemm)."""
+    ctx = _skinny(x)
+    if ctx is None:
+        return F.linear(x, w)
+    return skinny_gemm(x, w, x.new_empty(x.shape[0], w.shape[0]), counters=ctx.gemm_counters)
 
 
 def per_head(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = torch.bmm(x, w) (x [H, T, K], w stored [H, K, N], out [H, T, N], any strides), or skinny_gemm over w's
     [H, N, K] view where the step asks for it."""
-    return skinny_gemm(x, w.transpose(1, 2), out) if _skinny(x) else torch.bmm(x, w, out=out)
+    ctx = _skinny(x)
+    if ctx is None:
+        return torch.bmm(x, w, out=out)
+    return skinny_gemm(x, w.transpose(1, 2), out, counters=ctx.gemm_counters)
 
 
 class EngineDSAAttention(nn.Module):

@@ -5,13 +5,19 @@
 Motivation. At T <= 16 tokens a projection does 2 T N K FLOPs on N K weights it reads once: it is bound by the
 weight read, and the time over that read is the launch's ramp, its tail and how many loads each SM keeps in flight.
 cuBLAS answers such shapes with split-K kernels and a separate reduce launch (o_proj at 8 tokens in the TTFT ledger,
-data/ttft_*.json). Here each program streams BLOCK_N rows of W through the K loop, BLOCK_K at a step, and keeps x's
-T rows (padded to the MMA's 16) beside them: no split, no second launch, the grid as many programs as N has tiles.
-The batched form (a leading dim b on x, W and y, any strides) takes the attention's per-head absorptions, W_UK and
-W_UV, stored [H, K, N]: pass W as its transposed view.
+data/ttft_*.json). Here each program streams BLOCK_N rows of W through its part of the K loop, BLOCK_K at a step,
+and keeps x's T rows (padded to the MMA's 16) beside them. The batched form (a leading dim b on x, W and y, any
+strides) takes the attention's per-head absorptions, W_UK and W_UV, stored [H, K, N]: pass W as its transposed view.
 
-Numerics: the sum of bf16 products in fp32, in K order within a program, rounded once: equal to F.linear up to the
-fp32 summation order.
+Split-K in the same launch. A projection whose N has few tiles (the A-projections: 44 of 64 columns at GLM-5.2's
+sizes) leaves most SMs idle or each with little in flight; with a `counters` buffer, K is split across SPLITS
+programs per tile. Each writes its fp32 partial, then counts itself in on the tile's counter (an atomic add:
+release of its partial, acquire of the others'); the program that arrives last sums the SPLITS partials in split
+order, rounds once, writes y and sets the counter back to zero. No second launch, and the result does not depend
+on which program arrived last.
+
+Numerics: the sum of bf16 products in fp32, in K order within a program (and a split), the splits' partials added
+in split order, rounded once: equal to F.linear up to the fp32 summation order.
 """
 
 from __future__ import annotations
@@ -25,37 +31,70 @@ from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.grid import dot_precision, mma, num_sms
 from dsv32ref.kernels.launch import launch
 
-__all__ = ["MAX_ROWS", "skinny_gemm", "skinny_block_n"]
+__all__ = ["MAX_ROWS", "MAX_SPLITS", "skinny_gemm", "skinny_gemm_counters", "skinny_plan"]
 
 MAX_ROWS = 64  # rows of x a program holds beside its W tile (a skinny GEMM; more rows are a GEMM's job)
 MAX_BATCH = 65535  # CUDA's limit on a grid's second axis
+MAX_SPLITS = 16  # programs a tile's K is split across (the last one sums this many partials)
+MIN_SPLIT_STEPS = 4  # BLOCK_K steps a split walks at least
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, T, N, K, sxb, sxt, sxk, swb, swn, swk, syb, syt, syn,
-                        DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    """Program (n tile, b): y[b, :T, n tile] over the whole K."""
-    n0, b = tl.program_id(0) * BLOCK_N, tl.program_id(1).to(tl.int64)
-    offs_m, offs_n = tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N)
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, k_split, sxb, sxt, sxk, swb, swn, swk,
+                        syb, syt, syn, DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
+    """Program (n tile, b, split): y[b, :T, n tile] over the split's k_split columns of K (a multiple of BLOCK_K;
+    all of K without splits). With splits: fp32 partials part [B, tiles, SPLITS, BLOCK_M, BLOCK_N] and a zeroed
+    int32 counter per (b, tile) in count_ptr, left zero."""
+    tile, b, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    offs_m, offs_n = tl.arange(0, BLOCK_M), tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < T, offs_n < N
     x_rows = x_ptr + b * sxb + offs_m[:, None].to(tl.int64) * sxt  # (BLOCK_M, 1)
     w_rows = w_ptr + b * swb + offs_n[None, :].to(tl.int64) * swn  # (1, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * k_split
+    for k0 in range(k_lo, tl.minimum(K, k_lo + k_split), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
+        k_ok = offs_k < K  # a split's last step ends at the next split's first column (k_split: whole steps)
         x = tl.load(x_rows + offs_k[None, :].to(tl.int64) * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[:, None].to(tl.int64) * swk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = mma(x, w, PRECISION) + acc  # (BLOCK_M, BLOCK_K) x (BLOCK_K, BLOCK_N)
     y = y_ptr + b * syb + offs_m[:, None].to(tl.int64) * syt + offs_n[None, :].to(tl.int64) * syn
-    tl.store(y, cast(acc, DTYPE), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLITS > 1:
+        counter = count_ptr + b * tl.num_programs(0) + tile
+        parts = part_ptr + (b * tl.num_programs(0) + tile) * (SPLITS * BLOCK_M * BLOCK_N)
+        in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # (BLOCK_M, BLOCK_N)
+        tl.store(parts + split * (BLOCK_M * BLOCK_N) + in_tile, acc)
+        tl.debug_barrier()  # every thread's partial written before the release below
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:  # the last: every partial is written
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for j in tl.static_range(SPLITS):  # in split order, whichever program arrived last
+                acc += tl.load(parts + j * (BLOCK_M * BLOCK_N) + in_tile, cache_modifier=".cg")
+            tl.store(y, cast(acc, DTYPE), mask=m_ok[:, None] & n_ok[None, :])
+            tl.atomic_xchg(counter, 0, sem="relaxed")  # zero again for the next launch (stream order)
+    else:
+        tl.store(y, cast(acc, DTYPE), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def skinny_block_n(N: int, batch: int, device: torch.device) -> int:
-    """Columns a program: the widest of 64, 32, 16 that still gives every SM two programs (16 if none does)."""
+def skinny_plan(N: int, K: int, batch: int, device: torch.device, split: bool = True, block_k: int = 128
+                ) -> tuple[int, int]:
+    """(columns a program, K splits). Without split: the widest of 64, 32, 16 that still gives every SM two
+    programs (16 if none does), one split. With split: 64 columns (N's power of two if smaller) and as many
+    splits as give every SM two programs, each of at least MIN_SPLIT_STEPS steps of block_k, at most
+    MAX_SPLITS."""
     sms = num_sms(device, None, "skinny_gemm")
-    return next((bn for bn in (64, 32) if triton.cdiv(N, bn) * batch >= 2 * sms), 16)
+    if not split:
+        return next((bn for bn in (64, 32) if triton.cdiv(N, bn) * batch >= 2 * sms), 16), 1
+    bn = min(64, max(16, triton.next_power_of_2(N)))
+    programs = triton.cdiv(N, bn) * batch
+    by_k = max(1, triton.cdiv(K, block_k) // MIN_SPLIT_STEPS)
+    return bn, max(1, min(triton.cdiv(2 * sms, programs), by_k, MAX_SPLITS))
+
+
+def skinny_gemm_counters(device: torch.device | str, n: int = 1 << 16) -> torch.Tensor:
+    """A counters buffer for skinny_gemm's split-K: int32 zeros [n]; every call leaves it zero. Calls that share
+    one must run one after another (one stream): a graph or an engine step owns one."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def _as_batched(name: str, t, rank: int) -> torch.Tensor:
@@ -76,12 +115,15 @@ def _check_tiles(block_n, block_k, num_warps, num_stages) -> None:
         raise ValueError(f"skinny_gemm: num_stages expected an int in [1, 8], got {num_stages!r}")
 
 
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, block_n: int | None = None,
-                block_k: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, counters: torch.Tensor | None = None,
+                splits: int | None = None, block_n: int | None = None, block_k: int = 128, num_warps: int = 4,
+                num_stages: int = 3) -> torch.Tensor:
     """out = x wᵀ (F.linear without a bias): x [T, K] and w [N, K] into out [T, N], or batched, x [B, T, K], w
     [B, N, K] into out [B, T, N]; any strides; T <= MAX_ROWS; x, w and out of one dtype (bf16, fp16 or fp32).
-    block_n (default `skinny_block_n`), block_k, num_warps and num_stages: the launch's tiles, for tuning. Returns
-    out."""
+    counters: int32 zeros (`skinny_gemm_counters`, at least B x cdiv(N, block_n) of them), which split-K needs
+    and every call leaves zero; without them K is not split. splits (default `skinny_plan`'s, 1 without
+    counters), block_n (default `skinny_plan`'s), block_k, num_warps and num_stages: the launch, for tuning; every
+    choice computes the same product up to fp32 summation order. Returns out."""
     xb, wb, ob = _as_batched("x", x, 2), _as_batched("w", w, 2), _as_batched("out", out, 2)
     if x.dim() != w.dim() or x.dim() != out.dim():
         raise ValueError(f"skinny_gemm: x, w and out must all be 2-D or all 3-D, got {x.dim()}, {w.dim()} and "
@@ -94,19 +136,43 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, block_n:
     if B > MAX_BATCH:
         raise ValueError(f"x: expected at most {MAX_BATCH} batches (the grid's second axis), got {B}")
     _check_tiles(block_n, block_k, num_warps, num_stages)
-    check_same_device(x=x, w=w, out=out)
+    bn, k_split, splits = _split_plan(N, K, B, x.device, counters, splits, block_n, block_k)
+    check_same_device(x=x, w=w, out=out, counters=counters)
     if device_value_checks_on():  # debug mode (dsv32ref.checks.checking_device_values): host time on every call
-        check_disjoint("skinny_gemm", {"out": out}, {"x": x, "w": w})
+        check_disjoint("skinny_gemm", {"out": out, "counters": counters}, {"x": x, "w": w})
+        if counters is not None and bool(counters.any()):
+            raise ValueError("skinny_gemm: counters: expected all zeros (each call leaves them so), got "
+                             f"{int(counters.count_nonzero())} nonzero")
     if T == 0 or N == 0 or B == 0:
         return out
     if K == 0:
         return out.zero_()
-    bn = block_n or skinny_block_n(N, B, x.device)
-    launch(_skinny_gemm_kernel, (triton.cdiv(N, bn), B), xb, wb, ob, T, N, K, *xb.stride(), *wb.stride(),
-           *ob.stride(), DTYPE=_DTYPES[x.dtype], PRECISION=dot_precision(x.dtype, x.device),
-           BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps,
-           num_stages=num_stages)
+    bm, tiles = max(16, triton.next_power_of_2(T)), triton.cdiv(N, bn)
+    part = torch.empty(B * tiles * splits * bm * bn if splits > 1 else 0, dtype=torch.float32, device=x.device)
+    launch(_skinny_gemm_kernel, (tiles, B, splits), xb, wb, ob, part, counters if splits > 1 else part, T, N, K,
+           k_split, *xb.stride(), *wb.stride(), *ob.stride(), DTYPE=_DTYPES[x.dtype],
+           PRECISION=dot_precision(x.dtype, x.device), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLITS=splits,
+           num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def _split_plan(N: int, K: int, B: int, device, counters, splits, block_n, block_k) -> tuple[int, int, int]:
+    """The launch's (block_n, K columns a split: whole BLOCK_K steps, splits: none of them empty), checked."""
+    if splits is not None and (not is_int(splits) or not 1 <= splits <= MAX_SPLITS):
+        raise ValueError(f"skinny_gemm: splits expected None or an int in [1, {MAX_SPLITS}], got {splits!r}")
+    if counters is None and splits not in (None, 1):
+        raise ValueError(f"skinny_gemm: splits {splits} needs counters (skinny_gemm_counters)")
+    bn, planned = skinny_plan(N, K, B, device, split=counters is not None, block_k=block_k)
+    bn = block_n or bn
+    k_split = triton.cdiv(triton.cdiv(max(K, 1), splits or planned), block_k) * block_k
+    splits = triton.cdiv(max(K, 1), k_split)
+    if counters is not None:
+        need = B * triton.cdiv(N, bn)
+        check_tensor("counters", counters, shape=(None,), dtype=torch.int32, dense_dims=1)
+        if counters.numel() < need:
+            raise ValueError(f"counters: expected at least {need} (batches x tiles of {bn} columns), got "
+                             f"{counters.numel()}")
+    return bn, k_split, splits
 
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
