@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from dsv32ref.checks import rel_err
 from dsv32ref.config import ModelConfig
+from dsv32ref.engine.model import a_split
 from dsv32ref.kernels.skinny_gemm import skinny_gemm, skinny_gemm_counters, skinny_plan
 
 __all__ = ["LINEAR_TILES", "Projection", "bench_projection", "projection_line", "projections"]
@@ -69,7 +70,7 @@ def projections(model: str, device: str = "cuda") -> list[Projection]:
     c = ModelConfig.preset(model)
     H = c.num_attention_heads
     return [Projection(*args, device=device) for args in (
-        ("fused_qkv_a_proj", c.q_lora_rank + c.latent_dim + c.index_head_dim + c.index_n_heads, c.hidden_size),
+        ("fused_qkv_a_proj", sum(a_split(c, has_indexer=True)), c.hidden_size),
         ("q_b_proj", H * c.qk_head_dim, c.q_lora_rank),
         ("wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank),
         ("W_UK", c.kv_lora_rank, c.qk_nope_head_dim, H),

@@ -31,7 +31,7 @@ from dsv32ref.kernels.fused_moe import fused_moe
 from dsv32ref.kernels.skinny_gemm import skinny_gemm
 from dsv32ref.reference.moe import Router
 
-__all__ = ["EngineDSAAttention", "EngineModel", "TensorParallel", "causal_topk"]
+__all__ = ["EngineDSAAttention", "EngineModel", "TensorParallel", "a_split", "causal_topk"]
 
 
 class TensorParallel:
@@ -106,6 +106,14 @@ def per_head(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     return skinny_gemm(x, w.transpose(1, 2), out, counters=ctx.gemm_counters)
 
 
+def a_split(config: ModelConfig, has_indexer: bool) -> list[int]:
+    """The rows of fused_qkv_a_proj, part by part. The indexer's key and weight projections read the hidden state
+    as the A-projections do, so a layer that runs its indexer has them in the same GEMM: [q_a_proj ;
+    kv_a_proj_with_mqa ; indexer wk ; indexer weights_proj], otherwise the first two."""
+    c = config
+    return [c.q_lora_rank, c.latent_dim] + ([c.index_head_dim, c.index_n_heads] if has_indexer else [])
+
+
 class EngineDSAAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, boundary: Boundary, outputs: StaticOutputs,
                  tp: TensorParallel = SINGLE):
@@ -117,9 +125,7 @@ class EngineDSAAttention(nn.Module):
         self.q_lora, self.kv_lora = c.q_lora_rank, c.kv_lora_rank
         self.has_indexer = c.runs_indexer(layer_idx)
         self.H_I, self.D_I = c.index_n_heads, c.index_head_dim
-        # the indexer's key and weight projections read the hidden state as the A-projections do: one GEMM,
-        # fused_qkv_a_proj [q_a_proj ; kv_a_proj_with_mqa ; indexer wk ; indexer weights_proj]
-        self.a_split = [c.q_lora_rank, c.latent_dim] + ([self.D_I, self.H_I] if self.has_indexer else [])
+        self.a_split = a_split(c, self.has_indexer)
         self.fused_qkv_a_proj = _param(sum(self.a_split), c.hidden_size)
         self.q_a_layernorm = _param(c.q_lora_rank)
         self.kv_a_layernorm = _param(c.kv_lora_rank)

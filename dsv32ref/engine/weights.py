@@ -33,7 +33,7 @@ def from_reference(ref, boundary: str = "narrow", moe: str = "dense") -> EngineM
             L.input_layernorm.copy_(R.input_layernorm.weight)
             L.post_attention_layernorm.copy_(R.post_attention_layernorm.weight)
             a, r = L.self_attn, R.self_attn
-            rows = [r.q_a_proj.weight, r.kv_a_proj_with_mqa.weight]  # EngineDSAAttention.a_split's order
+            rows = [r.q_a_proj.weight, r.kv_a_proj_with_mqa.weight]  # a_split's order
             if a.has_indexer:
                 rows += [r.indexer.wk.weight, r.indexer.weights_proj.weight]
             a.fused_qkv_a_proj.copy_(torch.cat(rows))
