@@ -9,8 +9,8 @@ data/ttft_*.json). Here each program streams BLOCK_N rows of W through its part 
 and keeps x's T rows (padded to the MMA's 16) beside them. The batched form (a leading dim b on x, W and y, any
 strides) takes the attention's per-head absorptions, W_UK and W_UV, stored [H, K, N]: pass W as its transposed view.
 
-Split-K in the same launch. A projection whose N has few tiles (the A-projections: 44 of 64 columns at GLM-5.2's
-sizes) leaves most SMs idle or each with little in flight; with a `counters` buffer, K is split across SPLITS
+Split-K in the same launch. A projection whose N has few tiles (GLM-5.2's packed A-projections: 44 tiles of 64
+columns) leaves most SMs idle or each with little in flight; with a `counters` buffer, K is split across SPLITS
 programs per tile. Each writes its fp32 partial, then counts itself in on the tile's counter (an atomic add:
 release of its partial, acquire of the others'); the program that arrives last sums the SPLITS partials in split
 order, rounds once, writes y and sets the counter back to zero. No second launch, and the result does not depend
