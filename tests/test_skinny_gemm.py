@@ -5,8 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsv32ref.bench.linear import projections
 from dsv32ref.checks import checking_device_values
-from dsv32ref.kernels.skinny_gemm import MAX_BATCH, MAX_ROWS, MAX_SPLITS, skinny_gemm, skinny_gemm_counters
+from dsv32ref.kernels.skinny_gemm import (MAX_BATCH, MAX_ROWS, MAX_SPLITS, skinny_gemm, skinny_gemm_counters,
+                                          skinny_plan)
 from dsv32ref.testing import assert_close
 
 CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on CPU-only machines")
@@ -38,10 +40,11 @@ def _untouched_outside(view, big) -> bool:
 def test_skinny_gemm_equals_linear(device, dtype, shapes, split, seed):
     """Per element: within a unit of the dtype of float64 (one rounding of an fp32 sum), within two of F.linear
     in the same dtype; x's rows strided; nothing outside out's view written. split-k: with counters, at the
-    planned splits (block_k 16 on the CPU, so that small K splits too); the counters are zero again after."""
+    planned splits on the GPU, at three splits of 16-column steps on the CPU (whose 4 SMs the plan would leave
+    unsplit); the counters are zero again after."""
     gen = torch.Generator().manual_seed(seed)
     counters = skinny_gemm_counters(device) if split else None
-    tiles = dict(block_k=16) if split and device == "cpu" else {}
+    tiles = dict(block_k=16, splits=3) if split and device == "cpu" else {}
     for T, N, K in shapes:
         x = torch.randn(T, K + 8, generator=gen).to(dtype).to(device)[:, :K]
         w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(dtype).to(device)
@@ -108,6 +111,25 @@ def test_skinny_gemm_split_k_sums_every_split_once(splits, seed):
         assert _untouched_outside(out, big) and not counters.any()
 
 
+def test_skinny_plan_splits_k_only_where_the_tiles_leave_sms_idle():
+    """The plan at 132 SMs over the engine's projections at full width (tiles of 64 columns): the A-projections
+    (44 and 36 tiles over 6-7k columns of K) and o_proj (96 tiles) split; q_b_proj (256, 384 tiles) and the
+    per-head absorptions (64 and 128 heads x their tiles) do not; wq_b (64, 128 tiles) splits as far as its short K
+    allows (2048 columns: two splits, 1536: one); without counters nothing splits."""
+    cpu, plan = torch.device("cpu"), {}
+    for model in ("glm-5.2", "deepseek-v3.2"):
+        for p in projections(model, device="cpu"):
+            plan[model[:3], p.name] = skinny_plan(p.N, p.K, p.batch or 1, cpu, sms=132)
+    assert plan["glm", "fused_qkv_a_proj"] == (64, 6) and plan["dee", "fused_qkv_a_proj"] == (64, 7), plan
+    assert plan["glm", "o_proj"] == (64, 3) == plan["dee", "o_proj"], plan
+    assert plan["glm", "wq_b"] == (64, 2) and plan["dee", "wq_b"] == (64, 1), plan
+    for name in ("q_b_proj", "W_UK", "W_UV", "lm_head"):
+        assert plan["glm", name][1] == 1 == plan["dee", name][1], (name, plan)
+    assert skinny_plan(2784, 6144, 1, cpu, split=False, sms=132) == (64, 1)
+    assert skinny_plan(40, 6144, 1, cpu, sms=132) == (64, 6) and skinny_plan(40, 32768, 1, cpu, sms=132) == (64, 16)
+    assert skinny_plan(8, 6144, 1, cpu, sms=132)[0] == 16
+
+
 @CPU
 def test_skinny_gemm_empty_sizes():
     """No rows, no columns: nothing to do; K = 0: zeros (the empty sum), as F.linear gives."""
@@ -169,7 +191,7 @@ def test_skinny_gemm_refuses_what_it_cannot_compute():
 def test_projection_benchmark_checks_what_it_times(seed):
     """dsv32ref.bench.linear on the CPU (a stand-in timer, a tiny model's projections): skinny_gemm and torch's
     GEMM agree (ok), the bytes are the weight's, and a wrong product is reported as not ok."""
-    from dsv32ref.bench.linear import Projection, bench_projection, projections
+    from dsv32ref.bench.linear import Projection, bench_projection
     timer = lambda fn, n_inner=10: (fn(), {"ms": 1.0, "ms_eager": 1.0})[1]  # noqa: E731
     for p in projections("tiny-glm-5.2", device="cpu"):
         r = bench_projection("tiny-glm-5.2", p, 3, timer)

@@ -36,7 +36,7 @@ __all__ = ["MAX_ROWS", "MAX_SPLITS", "skinny_gemm", "skinny_gemm_counters", "ski
 MAX_ROWS = 64  # rows of x a program holds beside its W tile (a skinny GEMM; more rows are a GEMM's job)
 MAX_BATCH = 65535  # CUDA's limit on a grid's second axis
 MAX_SPLITS = 16  # programs a tile's K is split across (the last one sums this many partials)
-MIN_SPLIT_STEPS = 4  # BLOCK_K steps a split walks at least
+MIN_SPLIT_STEPS = 8  # BLOCK_K steps a split walks at least
 
 
 @triton.jit
@@ -76,17 +76,18 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, k_spl
         tl.store(y, cast(acc, DTYPE), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def skinny_plan(N: int, K: int, batch: int, device: torch.device, split: bool = True, block_k: int = 128
-                ) -> tuple[int, int]:
-    """(columns a program, K splits). Without split: the widest of 64, 32, 16 that still gives every SM two
-    programs (16 if none does), one split. With split: 64 columns (N's power of two if smaller) and as many
-    splits as give every SM two programs, each of at least MIN_SPLIT_STEPS steps of block_k, at most
-    MAX_SPLITS."""
-    sms = num_sms(device, None, "skinny_gemm")
-    if not split:
-        return next((bn for bn in (64, 32) if triton.cdiv(N, bn) * batch >= 2 * sms), 16), 1
+def skinny_plan(N: int, K: int, batch: int, device: torch.device, split: bool = True, block_k: int = 128,
+                sms: int | None = None) -> tuple[int, int]:
+    """(columns a program, K splits): 64 columns (N's power of two if smaller); with split, where the tiles are
+    fewer than the SMs, as many splits as give every SM two programs, each of at least MIN_SPLIT_STEPS steps of
+    block_k, at most MAX_SPLITS. On one H100 at 8 tokens (graph replay, the projection probe of
+    dsv32ref.bench.kernels) splitting K gained where the tiles left SMs idle (the A-projections over 6-7k columns
+    of K, o_proj) and lost where they already covered them (q_b_proj's 256 tiles) or K was short (wq_b's 2048).
+    sms: the SMs to fill (default: the device's)."""
     bn = min(64, max(16, triton.next_power_of_2(N)))
-    programs = triton.cdiv(N, bn) * batch
+    programs, sms = triton.cdiv(N, bn) * batch, num_sms(device, sms, "skinny_gemm")
+    if not split or programs >= sms:
+        return bn, 1
     by_k = max(1, triton.cdiv(K, block_k) // MIN_SPLIT_STEPS)
     return bn, max(1, min(triton.cdiv(2 * sms, programs), by_k, MAX_SPLITS))
 
