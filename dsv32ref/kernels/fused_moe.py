@@ -400,8 +400,13 @@ def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_s
     if T == 0:
         return
     partial, splits, meta = _router_logits(c, x, weight)
-    launch(_router_kernel, (triton.cdiv(T, SELECT_BLOCK_T),), partial, e_score_correction_bias, ids, weights, T,
-           c.n_routed_experts, splits, float(c.routed_scaling_factor), **meta)
+    launch(_router_kernel, (triton.cdiv(T, SELECT_BLOCK_T),), *_selection(c, partial, splits, e_score_correction_bias,
+                                                                          ids, weights), **meta)
+
+
+def _selection(c: ModelConfig, partial, splits: int, bias, ids, weights) -> tuple:
+    """The selection's arguments (the router kernel's, and the one-program kernel's before the alignment's)."""
+    return partial, bias, ids, weights, ids.shape[0], c.n_routed_experts, splits, float(c.routed_scaling_factor)
 
 
 def _check_experts(x, w13, w2, shared, n_local: int, inter: int):
@@ -459,8 +464,7 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     _check_router(c, "fused_moe", x, gate_weight, e_score_correction_bias, ids, weights)
     sorted_pair, block_expert, align = _alignment("fused_moe", ids, n_local, expert0, shared is not None, bm)
     partial, splits, meta = _router_logits(c, x, gate_weight)
-    select = (partial, e_score_correction_bias, ids, weights, T, c.n_routed_experts, splits,
-              float(c.routed_scaling_factor))
+    select = _selection(c, partial, splits, e_score_correction_bias, ids, weights)
     if T <= SELECT_BLOCK_T:  # one selection program: it aligns the pairs too
         launch(_select_align_kernel, (1,), *select, *align["args"], **(meta | align["meta"]),
                num_warps=SELECT_ALIGN_WARPS)
