@@ -400,8 +400,8 @@ def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_s
     if T == 0:
         return
     partial, splits, meta = _router_logits(c, x, weight)
-    launch(_router_kernel, (triton.cdiv(T, SELECT_BLOCK_T),), *_selection(c, partial, splits, e_score_correction_bias,
-                                                                          ids, weights), **meta)
+    launch(_router_kernel, (triton.cdiv(T, SELECT_BLOCK_T),),
+           *_selection(c, partial, splits, e_score_correction_bias, ids, weights), **meta)
 
 
 def _selection(c: ModelConfig, partial, splits: int, bias, ids, weights) -> tuple:
