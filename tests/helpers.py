@@ -1,3 +1,6 @@
+import contextlib
+import random
+
 import torch
 
 from dsv32ref.checks import rel_err  # noqa: F401  (re-exported for the tests)
@@ -24,6 +27,28 @@ def hadamard_butterflies_fp32(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2).reshape(*lead, n)
         h *= 2
     return y * torch.tensor(n ** -0.5)
+
+
+@contextlib.contextmanager
+def programs_in_random_order(seed: int):
+    """Under the interpreter, each launch inside runs its programs in a random order (seeded), not the interpreter's
+    nested loops over the grid: a kernel whose programs hand work to each other (a last-arrival reduction) is then
+    tested with programs of other tiles, batches and splits between its own."""
+    from triton.runtime import interpreter
+
+    builder, rng, order = interpreter.interpreter_builder, random.Random(seed), []
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+
+    def grid_dim(nx, ny, nz):
+        order[:] = [(x, y, z) for x in range(nx) for y in range(ny) for z in range(nz)]
+        rng.shuffle(order)
+        set_dim(nx, ny, nz)
+
+    builder.set_grid_dim, builder.set_grid_idx = grid_dim, lambda x, y, z: set_idx(*order.pop())
+    try:
+        yield
+    finally:
+        builder.set_grid_dim, builder.set_grid_idx = set_dim, set_idx
 
 
 class Runner:

@@ -4,12 +4,14 @@ interpreted on CPU, compiled on a GPU at GLM-5.2's projection shapes. Outputs ar
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from dsv32ref.bench.linear import projections
 from dsv32ref.checks import checking_device_values
 from dsv32ref.kernels.skinny_gemm import (MAX_BATCH, MAX_ROWS, MAX_SPLITS, skinny_gemm, skinny_gemm_counters,
                                           skinny_plan)
 from dsv32ref.testing import assert_close
+from helpers import programs_in_random_order
 
 CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on CPU-only machines")
 # (device, dtype, [(T, N, K)]): odd sizes interpreted; on the GPU the engine's projections at 8-token steps
@@ -40,8 +42,8 @@ def _untouched_outside(view, big) -> bool:
 def test_skinny_gemm_equals_linear(device, dtype, shapes, split, seed):
     """Per element: within a unit of the dtype of float64 (one rounding of an fp32 sum), within two of F.linear
     in the same dtype; x's rows strided; nothing outside out's view written. split-k: with counters, at the
-    planned splits on the GPU, at three splits of 16-column steps on the CPU (whose 4 SMs the plan would leave
-    unsplit); the counters are zero again after."""
+    planned splits on the GPU, at up to three splits of 16-column steps on the CPU (whose 4 SMs the plan would
+    leave unsplit); the counters are zero again after."""
     gen = torch.Generator().manual_seed(seed)
     counters = skinny_gemm_counters(device) if split else None
     tiles = dict(block_k=16, splits=3) if split and device == "cpu" else {}
@@ -92,23 +94,51 @@ def test_skinny_gemm_tiles_compute_the_same_product(tiles, seed):
 @CPU
 @pytest.mark.parametrize("splits", [2, 3, 7, MAX_SPLITS])
 def test_skinny_gemm_split_k_sums_every_split_once(splits, seed):
-    """Split-K over a batch (strided x, W as a transposed view, out a view of a poisoned buffer), twice through one
-    counters buffer that another shape used before: within a unit of float64 each time, each split's columns
-    counted once (a split that overran into the next one's, or a partial left out, is many units off), and the
-    counters zero after every call."""
+    """Split-K over a batch (strided x, W as a transposed view, out a view of a poisoned buffer), its programs in a
+    random order, twice through one counters buffer (exactly batches x tiles of them, inside -7 sentinels) that
+    another shape used before: within a unit of float64 each time, each split's columns counted once (a split that
+    overran into the next one's, or a partial left out, is many units off), the tiles' and batches' counters and
+    partials apart, the counters zero after every call and nothing outside them touched. K is 48 steps: every
+    split count asked for launches."""
     gen = torch.Generator().manual_seed(seed)
-    counters = skinny_gemm_counters("cpu", 64)
+    B, T, N, K = 3, 5, 40, 16 * 48
+    tiles = B * triton.cdiv(N, 16)
+    assert skinny_plan(N, K, B, torch.device("cpu"), block_n=16, block_k=16, splits=splits)[2] == splits
+    fenced = torch.full((tiles + 8,), -7, dtype=torch.int32)
+    counters = fenced[4:4 + tiles].zero_()
     skinny_gemm(torch.randn(2, 40).bfloat16(), torch.randn(70, 40).bfloat16(), torch.empty(2, 70, dtype=torch.bfloat16),
                 counters=counters, splits=2, block_k=16)
-    B, T, N, K = 3, 5, 40, 16 * 23
     x = torch.randn(B, T, K + 4, generator=gen).bfloat16()[..., :K]
     w_t = (torch.randn(B, K, N, generator=gen) * K ** -0.5).bfloat16()  # stored [B, K, N], passed as [B, N, K]
     exact = x.double() @ w_t.double()
-    for _ in range(2):
+    for call in range(2):
         out, big = _poisoned_view((B, T, N), torch.bfloat16, "cpu")
-        skinny_gemm(x, w_t.transpose(1, 2), out, counters=counters, splits=splits, block_n=16, block_k=16)
+        with programs_in_random_order(seed + call):
+            skinny_gemm(x, w_t.transpose(1, 2), out, counters=counters, splits=splits, block_n=16, block_k=16)
         assert_close(f"out, {splits} splits", out, exact, dtype=torch.bfloat16, row_dims=2, rtol=1, atol=1)
         assert _untouched_outside(out, big) and not counters.any()
+        assert (fenced[:4] == -7).all() and (fenced[4 + tiles:] == -7).all()
+
+
+@pytest.mark.gpu
+def test_skinny_gemm_split_k_gives_the_same_bits_every_launch(seed):
+    """Compiled, a tile's split programs race to its counter: over 200 launches at GLM-5.2's A-projection shape (6
+    and 16 splits) and o_proj's (3), 8 tokens, every output equals the first one bit for bit (the partials are
+    summed in split order whoever arrives last), that one is within a unit of float64, and the counters are zero
+    after every launch."""
+    gen = torch.Generator().manual_seed(seed)
+    counters = skinny_gemm_counters("cuda")
+    for N, K, splits in ((2784, 6144, 6), (2784, 6144, 16), (6144, 16384, 3)):
+        x = torch.randn(8, K, generator=gen).bfloat16().cuda()
+        w = (torch.randn(N, K, generator=gen) * K ** -0.5).bfloat16().cuda()
+        first = skinny_gemm(x, w, torch.empty(8, N, dtype=torch.bfloat16, device="cuda"), counters=counters,
+                            splits=splits)
+        assert_close(f"{N}x{K}, {splits} splits", first, x.double() @ w.double().T, dtype=torch.bfloat16, rtol=1,
+                     atol=1)
+        for _ in range(200):
+            out = torch.full_like(first, float("nan"))
+            skinny_gemm(x, w, out, counters=counters, splits=splits)
+            assert torch.equal(out, first) and not counters.any(), (N, K, splits)
 
 
 def test_skinny_plan_splits_k_only_where_the_tiles_leave_sms_idle():
@@ -119,25 +149,35 @@ def test_skinny_plan_splits_k_only_where_the_tiles_leave_sms_idle():
     cpu, plan = torch.device("cpu"), {}
     for model in ("glm-5.2", "deepseek-v3.2"):
         for p in projections(model, device="cpu"):
-            plan[model[:3], p.name] = skinny_plan(p.N, p.K, p.batch or 1, cpu, sms=132)
+            bn, _, splits = skinny_plan(p.N, p.K, p.batch or 1, cpu, sms=132)
+            plan[model[:3], p.name] = bn, splits
     assert plan["glm", "fused_qkv_a_proj"] == (64, 6) and plan["dee", "fused_qkv_a_proj"] == (64, 7), plan
     assert plan["glm", "o_proj"] == (64, 3) == plan["dee", "o_proj"], plan
     assert plan["glm", "wq_b"] == (64, 2) and plan["dee", "wq_b"] == (64, 1), plan
     for name in ("q_b_proj", "W_UK", "W_UV", "lm_head"):
         assert plan["glm", name][1] == 1 == plan["dee", name][1], (name, plan)
-    assert skinny_plan(2784, 6144, 1, cpu, split=False, sms=132) == (64, 1)
-    assert skinny_plan(40, 6144, 1, cpu, sms=132) == (64, 6) and skinny_plan(40, 32768, 1, cpu, sms=132) == (64, 16)
-    assert skinny_plan(8, 6144, 1, cpu, sms=132)[0] == 16
+    assert skinny_plan(2784, 6144, 1, cpu, split=False, sms=132) == (64, 6144, 1)
+    assert skinny_plan(40, 6144, 1, cpu, sms=132) == (64, 1024, 6)
+    assert skinny_plan(40, 32768, 1, cpu, sms=132) == (64, 2048, 16) and skinny_plan(8, 64, 1, cpu)[0] == 16
+    assert skinny_plan(40, 128 * 25, 1, cpu, splits=3) == (64, 128 * 9, 3)  # 9, 9 and 7 steps
+    assert skinny_plan(40, 128 * 81, 1, cpu, splits=10) == (64, 128 * 9, 9)  # asked for 10: 9 of 9 steps launch
+    assert skinny_plan(0, 6144, 1, cpu, sms=132)[2] == skinny_plan(64, 6144, 0, cpu, sms=132)[2] == 1  # nothing to do
 
 
 @CPU
-def test_skinny_gemm_empty_sizes():
-    """No rows, no columns: nothing to do; K = 0: zeros (the empty sum), as F.linear gives."""
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-k"])
+def test_skinny_gemm_empty_sizes(split):
+    """No rows, no columns, no batches: nothing to do; K = 0: zeros (the empty sum), as F.linear gives; with
+    counters or without."""
+    kw = dict(counters=skinny_gemm_counters("cpu", 8)) if split else {}
     x, w = torch.randn(0, 8).bfloat16(), torch.randn(4, 8).bfloat16()
-    skinny_gemm(x, w, torch.empty(0, 4, dtype=torch.bfloat16))
-    skinny_gemm(torch.randn(3, 8).bfloat16(), torch.randn(0, 8).bfloat16(), torch.empty(3, 0, dtype=torch.bfloat16))
+    skinny_gemm(x, w, torch.empty(0, 4, dtype=torch.bfloat16), **kw)
+    skinny_gemm(torch.randn(3, 8).bfloat16(), torch.randn(0, 8).bfloat16(), torch.empty(3, 0, dtype=torch.bfloat16),
+                **kw)
+    none = torch.empty(0, 3, 8, dtype=torch.bfloat16)
+    skinny_gemm(none, torch.empty(0, 4, 8, dtype=torch.bfloat16), torch.empty(0, 3, 4, dtype=torch.bfloat16), **kw)
     out = torch.full((3, 4), float("nan"), dtype=torch.bfloat16)
-    assert (skinny_gemm(torch.randn(3, 0).bfloat16(), torch.randn(4, 0).bfloat16(), out) == 0).all()
+    assert (skinny_gemm(torch.randn(3, 0).bfloat16(), torch.randn(4, 0).bfloat16(), out, **kw) == 0).all()
 
 
 @CPU
@@ -170,7 +210,13 @@ def test_skinny_gemm_refuses_what_it_cannot_compute():
                             ((x, w, out), {"counters": torch.zeros(2, 4, dtype=torch.int32)}, "counters: expected"),
                             ((x, w, out), {"counters": torch.zeros(0, dtype=torch.int32)}, "counters: expected at "
                                                                                            "least 1"),
-                            ((x, w, out), {"counters": "zeros"}, "counters: expected")):
+                            ((x, w, out), {"counters": "zeros"}, "counters: expected"),
+                            ((x, w, out), {"counters": torch.zeros(8, dtype=torch.int32), "num_sms": 0}, "num_sms"),
+                            ((x.expand(3, 4, 32), w.expand(3, 16, 32), out.expand(3, 4, 16).clone()),
+                             {"counters": torch.zeros(2, dtype=torch.int32)}, "counters: expected at least 3"),
+                            ((x, torch.randn(64, 32).bfloat16(), torch.empty(4, 64, dtype=torch.bfloat16)),
+                             {"counters": torch.zeros(2, dtype=torch.int32), "block_n": 16},
+                             "counters: expected at least 4 .batches x tiles of 16 columns")):
         with pytest.raises(ValueError, match=match):
             skinny_gemm(*args, **kw)
     many = torch.zeros(MAX_BATCH + 1, 1, 16, dtype=torch.bfloat16)
@@ -235,8 +281,8 @@ def test_engine_projections_through_skinny_gemm_equal_the_reference_model(monkey
             eng.step(StepInput([(r, p, 0) for r, p in enumerate(prompts)]))
         key = f"{gemm} {boundary} {mode.name}" + (" split" if split else "")
         logits[key], launched[key] = eng.last_logits, names.count("_skinny_gemm_kernel")
-        assert eng.runner.batch.gemm_counters is None if gemm == "torch" else \
-            not eng.runner.batch.gemm_counters.any()
+        counters = eng.runner.batch.gemm_counters
+        assert counters is None if gemm == "torch" else not counters.any()
     exact = copy.deepcopy(ref).double()
     with torch.no_grad():
         expected = torch.stack([exact(torch.tensor(p, dtype=torch.long))[-1] for p in prompts])

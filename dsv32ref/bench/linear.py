@@ -54,10 +54,11 @@ class Projection:
         return skinny_gemm(x, w if self.batch is None else w.transpose(1, 2), out, counters=counters, **tiles)
 
     def plan(self, tiles: dict | None) -> dict:
-        """The launch skinny_gemm makes over counters: its columns a program and K splits (tiles over the plan)."""
-        bn, splits = skinny_plan(self.N, self.K, self.batch or 1, torch.device(self.device),
-                                 block_k=(tiles or {}).get("block_k", 128))
-        return dict(dict(block_n=bn, splits=splits), **(tiles or {}))
+        """The launch skinny_gemm makes over counters under these tiles: its columns a program, K splits."""
+        t = tiles or {}
+        bn, _, splits = skinny_plan(self.N, self.K, self.batch or 1, torch.device(self.device), True,
+                                    t.get("block_n"), t.get("block_k", 128), t.get("splits"))
+        return {**t, "block_n": bn, "splits": splits}
 
     @property
     def nbytes(self) -> int:

@@ -178,8 +178,7 @@ class InputBatch:
             kv_cache=kv_cache, cos=self.cos, sin=self.sin, positions=positions, slot_mapping=slot_mapping,
             req_indices=req_indices, seq_lens=self.seq_lens, block_table=self.block_table, topk=topk, scores=scores,
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, uniform_decode=uniform, num_sms=self.ec.num_sms,
-            skip_topk=skip_topk, gemm=self.ec.gemm,
-            gemm_counters=self.gemm_counters)
+            skip_topk=skip_topk, gemm=self.ec.gemm, gemm_counters=self.gemm_counters)
 
     def dummy(self, kv_cache: PagedKVCache, size: int, uniform: bool) -> ForwardContext:
         """Capture-time metadata, written on the device: padding everywhere (no cache writes); for prefill

@@ -94,7 +94,8 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ctx = _skinny(x)
     if ctx is None:
         return F.linear(x, w)
-    return skinny_gemm(x, w, x.new_empty(x.shape[0], w.shape[0]), counters=ctx.gemm_counters)
+    out = x.new_empty(x.shape[0], w.shape[0])
+    return skinny_gemm(x, w, out, counters=ctx.gemm_counters, num_sms=ctx.num_sms)
 
 
 def per_head(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,7 @@ def per_head(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     ctx = _skinny(x)
     if ctx is None:
         return torch.bmm(x, w, out=out)
-    return skinny_gemm(x, w.transpose(1, 2), out, counters=ctx.gemm_counters)
+    return skinny_gemm(x, w.transpose(1, 2), out, counters=ctx.gemm_counters, num_sms=ctx.num_sms)
 
 
 def a_split(config: ModelConfig, has_indexer: bool) -> list[int]:

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_disjoint, check_same_device, check_tensor, device_value_checks_on, is_int
+from dsv32ref.checks import (check_disjoint, check_int, check_same_device, check_tensor, device_value_checks_on,
+                             is_int)
 from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.grid import dot_precision, mma, num_sms
 from dsv32ref.kernels.launch import launch
@@ -36,7 +37,7 @@ __all__ = ["MAX_ROWS", "MAX_SPLITS", "skinny_gemm", "skinny_gemm_counters", "ski
 MAX_ROWS = 64  # rows of x a program holds beside its W tile (a skinny GEMM; more rows are a GEMM's job)
 MAX_BATCH = 65535  # CUDA's limit on a grid's second axis
 MAX_SPLITS = 16  # programs a tile's K is split across (the last one sums this many partials)
-MIN_SPLIT_STEPS = 8  # BLOCK_K steps a split walks at least
+MIN_SPLIT_STEPS = 8  # K's BLOCK_K steps per split the plan asks for at least
 
 
 @triton.jit
@@ -76,25 +77,30 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, K, k_spl
         tl.store(y, cast(acc, DTYPE), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def skinny_plan(N: int, K: int, batch: int, device: torch.device, split: bool = True, block_k: int = 128,
-                sms: int | None = None) -> tuple[int, int]:
-    """(columns a program, K splits): 64 columns (N's power of two if smaller); with split, where the tiles are
-    fewer than the SMs, as many splits as give every SM two programs, each of at least MIN_SPLIT_STEPS steps of
-    block_k, at most MAX_SPLITS. On one H100 at 8 tokens (graph replay, the projection probe of
-    dsv32ref.bench.kernels) splitting K gained where the tiles left SMs idle (the A-projections over 6-7k columns
-    of K, o_proj) and lost where they already covered them (q_b_proj's 256 tiles) or K was short (wq_b's 2048).
-    sms: the SMs to fill (default: the device's)."""
-    bn = min(64, max(16, triton.next_power_of_2(N)))
-    programs, sms = triton.cdiv(N, bn) * batch, num_sms(device, sms, "skinny_gemm")
-    if not split or programs >= sms:
-        return bn, 1
-    by_k = max(1, triton.cdiv(K, block_k) // MIN_SPLIT_STEPS)
-    return bn, max(1, min(triton.cdiv(2 * sms, programs), by_k, MAX_SPLITS))
+def skinny_plan(N: int, K: int, batch: int, device: torch.device, split: bool = True, block_n: int | None = None,
+                block_k: int = 128, splits: int | None = None, sms: int | None = None) -> tuple[int, int, int]:
+    """The launch skinny_gemm makes -> (columns a program, K columns a split: whole steps of block_k, splits as
+    launched). Columns: block_n, else 64 (N's power of two if smaller, at least 16). Splits: `splits` if given, else
+    with split, where the tiles are fewer than the SMs (`sms`, default the device's), as many as give every SM two
+    programs, at most one per MIN_SPLIT_STEPS steps of K and at most MAX_SPLITS, else one. K is cut into whole steps
+    of block_k, the same number a split but the last, so fewer splits than asked may launch (never an empty one).
+    On one H100 at 8 tokens (graph replay, the projection probe of dsv32ref.bench.kernels) splitting K gained where
+    the tiles left SMs idle (the A-projections over 6-7k columns of K, o_proj) and lost where they already covered
+    them (q_b_proj's 256 tiles) or K was short (wq_b's 2048)."""
+    bn, sms = block_n or min(64, max(16, triton.next_power_of_2(N))), num_sms(device, sms, "skinny_gemm")
+    steps = max(1, triton.cdiv(K, block_k))
+    if splits is None:
+        programs, splits = triton.cdiv(N, bn) * batch, 1
+        if split and 0 < programs < sms:
+            splits = max(1, min(triton.cdiv(2 * sms, programs), steps // MIN_SPLIT_STEPS, MAX_SPLITS))
+    per_split = triton.cdiv(steps, splits)
+    return bn, per_split * block_k, triton.cdiv(steps, per_split)
 
 
 def skinny_gemm_counters(device: torch.device | str, n: int = 1 << 16) -> torch.Tensor:
     """A counters buffer for skinny_gemm's split-K: int32 zeros [n]; every call leaves it zero. Calls that share
     one must run one after another (one stream): a graph or an engine step owns one."""
+    check_int("skinny_gemm_counters: n", n, low=1)
     return torch.zeros(n, dtype=torch.int32, device=device)
 
 
@@ -118,13 +124,14 @@ def _check_tiles(block_n, block_k, num_warps, num_stages) -> None:
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, counters: torch.Tensor | None = None,
                 splits: int | None = None, block_n: int | None = None, block_k: int = 128, num_warps: int = 4,
-                num_stages: int = 3) -> torch.Tensor:
+                num_stages: int = 3, num_sms: int | None = None) -> torch.Tensor:
     """out = x wᵀ (F.linear without a bias): x [T, K] and w [N, K] into out [T, N], or batched, x [B, T, K], w
     [B, N, K] into out [B, T, N]; any strides; T <= MAX_ROWS; x, w and out of one dtype (bf16, fp16 or fp32).
     counters: int32 zeros (`skinny_gemm_counters`, at least B x cdiv(N, block_n) of them), which split-K needs
-    and every call leaves zero; without them K is not split. splits (default `skinny_plan`'s, 1 without
+    and every call leaves zero; without them K is not split. splits (at most; default `skinny_plan`'s, 1 without
     counters), block_n (default `skinny_plan`'s), block_k, num_warps and num_stages: the launch, for tuning; every
-    choice computes the same product up to fp32 summation order. Returns out."""
+    choice computes the same product up to fp32 summation order. num_sms: the SMs the plan fills (default: the
+    device's). Returns out."""
     xb, wb, ob = _as_batched("x", x, 2), _as_batched("w", w, 2), _as_batched("out", out, 2)
     if x.dim() != w.dim() or x.dim() != out.dim():
         raise ValueError(f"skinny_gemm: x, w and out must all be 2-D or all 3-D, got {x.dim()}, {w.dim()} and "
@@ -137,7 +144,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, counters
     if B > MAX_BATCH:
         raise ValueError(f"x: expected at most {MAX_BATCH} batches (the grid's second axis), got {B}")
     _check_tiles(block_n, block_k, num_warps, num_stages)
-    bn, k_split, splits = _split_plan(N, K, B, x.device, counters, splits, block_n, block_k)
+    bn, k_split, splits = _split_plan(N, K, B, x.device, counters, splits, block_n, block_k, num_sms)
     check_same_device(x=x, w=w, out=out, counters=counters)
     if device_value_checks_on():  # debug mode (dsv32ref.checks.checking_device_values): host time on every call
         check_disjoint("skinny_gemm", {"out": out, "counters": counters}, {"x": x, "w": w})
@@ -157,23 +164,20 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, counters
     return out
 
 
-def _split_plan(N: int, K: int, B: int, device, counters, splits, block_n, block_k) -> tuple[int, int, int]:
-    """The launch's (block_n, K columns a split: whole BLOCK_K steps, splits: none of them empty), checked."""
+def _split_plan(N: int, K: int, B: int, device, counters, splits, block_n, block_k, sms) -> tuple[int, int, int]:
+    """skinny_plan's launch for these arguments, checked (counters: enough for every tile's)."""
     if splits is not None and (not is_int(splits) or not 1 <= splits <= MAX_SPLITS):
         raise ValueError(f"skinny_gemm: splits expected None or an int in [1, {MAX_SPLITS}], got {splits!r}")
     if counters is None and splits not in (None, 1):
         raise ValueError(f"skinny_gemm: splits {splits} needs counters (skinny_gemm_counters)")
-    bn, planned = skinny_plan(N, K, B, device, split=counters is not None, block_k=block_k)
-    bn = block_n or bn
-    k_split = triton.cdiv(triton.cdiv(max(K, 1), splits or planned), block_k) * block_k
-    splits = triton.cdiv(max(K, 1), k_split)
+    plan = skinny_plan(N, K, B, device, counters is not None, block_n, block_k, splits, sms)
     if counters is not None:
-        need = B * triton.cdiv(N, bn)
+        need = B * triton.cdiv(N, plan[0])
         check_tensor("counters", counters, shape=(None,), dtype=torch.int32, dense_dims=1)
         if counters.numel() < need:
-            raise ValueError(f"counters: expected at least {need} (batches x tiles of {bn} columns), got "
+            raise ValueError(f"counters: expected at least {need} (batches x tiles of {plan[0]} columns), got "
                              f"{counters.numel()}")
-    return bn, k_split, splits
+    return plan
 
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
