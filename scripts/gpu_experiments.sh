@@ -9,8 +9,9 @@
 #   main       the main job, `python -m dsv32ref --quick`, timed; data/ must be unchanged afterwards -> main.log
 #   kernels    the kernel benchmark                                           -> kernels.json
 #   ttft       TTFT + ledger of every boundary and the top-k skip (MODELS), the fused MoE's arms (FUSED, default
-#              every boundary; FUSED= for none), the instrument A/B and the FP8 KV cache's arms (narrow, none) for
-#              AB_MODEL (default glm-5.2)                                     -> ttft_<model>.json
+#              every boundary; FUSED= for none), none+fused+skinny (the floor with skinny_gemm's projections), the
+#              instrument A/B and the FP8 KV cache's arms (narrow, none) for AB_MODEL (default glm-5.2)
+#                                                                             -> ttft_<model>.json
 #   fp8        the FP8 KV cache against bf16: decode and indexer scores       -> fp8_speed.json
 #   capture    start-up memory at one TP4 rank's heads (16), every boundary   -> capture_memory_glm-5.2_h16.json
 #   capture8   the same with the FP8 KV cache                                 -> capture_memory_glm-5.2_h16_fp8.json
@@ -68,7 +69,8 @@ for step in "$@"; do
       for model in ${MODELS:-glm-5.2 deepseek-v3.2}; do
         ab=$([ "$model" = "${AB_MODEL:-glm-5.2}" ] && echo --instrument-ab --fp8-kv narrow none)
         fused=${FUSED-wide narrow narrow_out none}
-        dsv 480 ttft --model "$model" $ab ${fused:+--fused-moe $fused} --out "$OUT/ttft_$model.json" > "$OUT/ttft_$model.log"
+        dsv 480 ttft --model "$model" $ab ${fused:+--fused-moe $fused} --fused-skinny none --out "$OUT/ttft_$model.json" \
+          > "$OUT/ttft_$model.log"
         tail -14 "$OUT/ttft_$model.log"
       done ;;
     fp8)

@@ -50,8 +50,9 @@ PRESETS = {
     )),
     "full": Plan("full", (  # data/README.md's commands, file by file (tests/test_data.py holds them equal)
         ("ttft_glm-5.2.json", ("ttft", "--model", "glm-5.2", "--instrument-ab", "--fp8-kv", "narrow", "none",
-                               "--fused-moe", *BOUNDARIES_BUT_COPIES)),
-        ("ttft_deepseek-v3.2.json", ("ttft", "--model", "deepseek-v3.2", "--fused-moe", *BOUNDARIES_BUT_COPIES)),
+                               "--fused-moe", *BOUNDARIES_BUT_COPIES, "--fused-skinny", "none")),
+        ("ttft_deepseek-v3.2.json", ("ttft", "--model", "deepseek-v3.2", "--fused-moe", *BOUNDARIES_BUT_COPIES,
+                                     "--fused-skinny", "none")),
         (CAPTURE, ("capture", "--model", "glm-5.2", "--heads-per-rank", "16", "--no-threshold")),
         ("capture_memory_glm-5.2_h16_fp8.json", ("capture", "--model", "glm-5.2", "--heads-per-rank", "16",
                                                  "--kv-cache-dtype", "fp8", "--no-threshold")),
