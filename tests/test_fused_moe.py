@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv32ref.config import ModelConfig
-from dsv32ref.kernels.fused_moe import MAX_PAIRS, SELECT_BLOCK_T, Tiles, fused_moe, route_kernel
+from dsv32ref.kernels.fused_moe import MAX_PAIRS, SELECT_BLOCK_T, Tiles, fused_moe, route_kernel, router_steps
 from dsv32ref.kernels.launch import observing_launches
 from dsv32ref.reference.moe import MoE, route
 from dsv32ref.testing import assert_close
@@ -86,6 +86,31 @@ def test_fused_moe_equals_the_reference(device, preset, T, seed):
         assert_close(f"out {dtype}", out, exp, dtype=dtype, row_dims=1, rtol=tol, atol=tol)
         if dtype == torch.bfloat16:
             assert_close("out vs float64", out, exact(x.double()), dtype=dtype, row_dims=1, rtol=8, atol=8)
+
+
+def test_router_steps_spread_a_few_tokens_over_the_sms():
+    """At 132 SMs the reduced MoE's router (4 experts) at a few tokens takes two steps a program, the full routers
+    (256 experts) and 64 tokens the eight that keep a program's loads in flight together."""
+    for hidden in (6144, 7168):  # GLM-5.2, DeepSeek-V3.2
+        assert [router_steps(T, 4, hidden, 132) for T in (1, 8, 16, 64)] == [2, 2, 4, 8]
+        assert router_steps(8, 256, hidden, 132) == 8
+        assert router_steps(8, 4, hidden, 4) == 8  # the interpreter's SMs
+    assert router_steps(64, 4, 64 * 1024, 132) == 64  # past 32 splits of eight steps: wider ones
+
+
+@CPU
+@pytest.mark.parametrize("T", [5, 17])  # the one selection program that aligns too; the router kernel
+def test_fused_moe_over_the_routers_short_steps(T, seed):
+    """num_sms 4096: the router's logits at two steps a program (25 splits of hidden 1600, the last one short),
+    their partial sums added by the selection: the layer equals the reference module per element, outputs
+    poisoned."""
+    c = ModelConfig.preset("tiny-glm-5.2").replace(hidden_size=1600)
+    assert router_steps(T, c.n_routed_experts, c.hidden_size, 4096) == 2
+    m = _moe(c, "cpu", torch.bfloat16, seed)
+    x = torch.randn(T, c.hidden_size).to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    fused_moe(c, x, m.gate.weight, m.gate.e_score_correction_bias, *_weights(m), out, num_sms=4096)
+    assert_close("out", out, m(x), dtype=torch.bfloat16, row_dims=1, rtol=2, atol=2)
 
 
 @pytest.mark.parametrize("T,launched", [

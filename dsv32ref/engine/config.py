@@ -41,8 +41,8 @@ class EngineConfig:
     num_blocks: int | None = None  # None: sized from the memory budget (capped at what max_num_seqs can use)
     estimate_graph_memory: bool = True  # subtract the serving engine's graph-memory estimate from the KV budget
     seed: int = 0
-    num_sms: int | None = None  # SMs sparse_mla's split-K and the indexer's grid fill (None: the device's; set it to
-    # predict a GPU's launches on a CPU)
+    num_sms: int | None = None  # SMs sparse_mla's split-K, the indexer's grid, skinny_gemm's split-K and the MoE
+    # router's logits fill (None: the device's; set it to predict a GPU's launches on a CPU)
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": FlashMLA's latent rows and DeepGEMM's
     # indexer keys (dsv32ref.cache), quantised on write, read by the kernels
     moe: str = "dense"  # how MoE layers run: "dense" (every local expert on every token, PyTorch ops) or "fused"

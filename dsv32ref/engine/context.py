@@ -45,7 +45,7 @@ class ForwardContext:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     uniform_decode: bool
-    num_sms: int | None = None  # SMs the attention's split-K and the indexer's grid fill (None: the device's)
+    num_sms: int | None = None  # SMs the launches that split their work fill (EngineConfig.num_sms)
     skip_topk: bool = False  # every request has <= index_topk keys: the indexer may skip scoring and selection
     gemm: str = "torch"  # EngineConfig.gemm: which kernel the projections of a step of few tokens take
     gemm_counters: torch.Tensor | None = None  # int32 zeros: skinny_gemm's split-K counters (gemm "skinny")

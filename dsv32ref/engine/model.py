@@ -323,8 +323,9 @@ class EngineMoE(nn.Module):
         if self.impl == "fused":
             out = torch.empty_like(x)
             shared = None if self.shared is None else (self.shared.gate_up_proj, self.shared.down_proj)
+            ctx = current_forward_context()
             fused_moe(self.config, x, self.gate.weight, self.gate.e_score_correction_bias, self.w13, self.w2, shared,
-                      out, expert0=self.expert0)
+                      out, expert0=self.expert0, num_sms=ctx.num_sms if ctx is not None else None)
             return out
         ids, w = self.gate(x)  # (T, k), (T, k)
         dense_w = torch.zeros(x.shape[0], self.config.n_routed_experts, dtype=w.dtype, device=x.device)

@@ -43,6 +43,7 @@ from dsv32ref.checks import check_int, check_same_device, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.grid import dot_precision, mma
+from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.launch import launch
 
 __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "Tiles", "align_pairs", "block_m", "default_tiles", "fused_moe", "route_kernel"]
@@ -50,6 +51,7 @@ __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "Tiles", "align_pairs", "block_m", "defau
 MAX_PAIRS = 1 << 14  # (token, expert) pairs one step may hold: the alignment sorts them in one program
 MAX_EXPERTS = 1 << 12  # local experts (and the shared one) the alignment's int32 sort keys hold beside the pairs
 ROUTER_BLOCK_K = 32  # hidden's columns a router-logits step multiplies
+ROUTER_MIN_STEPS = 2  # the fewest steps a router-logits program takes (router_steps)
 SELECT_BLOCK_T = 16  # tokens a selection program takes: a step of at most this many selects and aligns in one launch
 # that one program's warps: at the full routers' sizes (256 experts, 24-32 splits of hidden) sm_90a holds it in
 # 136-254 registers and spills at most 24 bytes, where 4 warps spilled 60
@@ -367,17 +369,30 @@ def _check_router(c: ModelConfig, launcher: str, x, weight, e_score_correction_b
                          f"of two >= 2 experts")
 
 
-def _router_logits(c: ModelConfig, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int, dict]:
+def router_steps(T: int, E: int, hidden: int, sms: int) -> int:
+    """K steps of ROUTER_BLOCK_K columns a router-logits program takes. Eight (its eight loads in flight together;
+    more where hidden would need more than 32 splits), halved down to ROUTER_MIN_STEPS while the programs (token
+    blocks x expert blocks x splits of hidden) number fewer than half the SMs: a few tokens over a few experts (the
+    reduced MoE) then spread the weights' read over more SMs. Fewer steps mean more partial sums for the selection
+    to add (it loads them all at once), which is why the halving stops there."""
+    programs = triton.cdiv(T, min(8, triton.next_power_of_2(T))) * (max(16, triton.next_power_of_2(E)) // 16)
+    steps = max(8, triton.cdiv(hidden, 32 * ROUTER_BLOCK_K))
+    while steps > ROUTER_MIN_STEPS and 2 * programs * triton.cdiv(hidden, steps * ROUTER_BLOCK_K) < sms:
+        steps //= 2
+    return steps
+
+
+def _router_logits(c: ModelConfig, x: torch.Tensor, weight: torch.Tensor, sms: int) -> tuple[torch.Tensor, int, dict]:
     """The logits launch (T >= 1) -> (the splits' partial sums [splits, T, E_PAD], splits, the selection's
     constexprs)."""
     T, hidden = x.shape
     E = c.n_routed_experts
     e_pad = max(16, triton.next_power_of_2(E))
-    # splits of hidden of 8 x 32 columns (up to 32 of them, then wider): 16 experts x 256 columns of fp32 weights
-    # (16 KiB) a program at DeepSeek-V3.2's and GLM-5.2's sizes, its eight loads in flight together; up to 8 tokens
-    # a program: sm_90a holds 8 x 16 x 32 sums in 71 registers (7 programs an SM), 16 tokens' in 141 (3 an SM,
-    # and DeepSeek-V3.2's 448 programs of 16 tokens then take two waves)
-    steps = max(8, triton.cdiv(hidden, 32 * ROUTER_BLOCK_K))
+    # splits of hidden of `router_steps` x 32 columns: 16 experts x 256 columns of fp32 weights (16 KiB) a program
+    # at DeepSeek-V3.2's and GLM-5.2's full routers; up to 8 tokens a program: sm_90a holds 8 x 16 x 32 sums in 71
+    # registers (7 programs an SM), 16 tokens' in 141 (3 an SM, and DeepSeek-V3.2's 448 programs of 16 tokens then
+    # take two waves)
+    steps = router_steps(T, E, hidden, sms)
     splits, block_t = triton.cdiv(hidden, steps * ROUTER_BLOCK_K), min(8, triton.next_power_of_2(T))
     partial = torch.empty(splits, T, e_pad, dtype=torch.float32, device=x.device)
     launch(_router_logits_kernel, (triton.cdiv(T, block_t), e_pad // 16, splits), x, x.stride(0), weight, partial, T,
@@ -389,17 +404,17 @@ def _router_logits(c: ModelConfig, x: torch.Tensor, weight: torch.Tensor) -> tup
 
 
 def route_kernel(config: ModelConfig, x: torch.Tensor, weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
-                 ids: torch.Tensor, weights: torch.Tensor) -> None:
+                 ids: torch.Tensor, weights: torch.Tensor, num_sms: int | None = None) -> None:
     """The router in two launches (the logits over many programs, then the selection per token), into ids int32
     [T, k] and weights fp32 [T, k] (dsv32ref.reference.moe.route's results). x [T, hidden]; weight fp32 [E, hidden];
-    bias fp32 [E]."""
+    bias fp32 [E]; num_sms: the SMs the logits' programs spread over (`router_steps`; default the device's)."""
     c = _check_config("route_kernel", config)
     T = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
                      dense_dims=1).shape[0]
     _check_router(c, "route_kernel", x, weight, e_score_correction_bias, ids, weights)
     if T == 0:
         return
-    partial, splits, meta = _router_logits(c, x, weight)
+    partial, splits, meta = _router_logits(c, x, weight, _num_sms(x.device, num_sms, "route_kernel"))
     launch(_router_kernel, (triton.cdiv(T, SELECT_BLOCK_T),),
            *_selection(c, partial, splits, e_score_correction_bias, ids, weights), **meta)
 
@@ -430,12 +445,13 @@ def _check_experts(x, w13, w2, shared, n_local: int, inter: int):
 
 def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
               w13: torch.Tensor, w2: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,
-              expert0: int = 0, tiles: tuple[Tiles, Tiles] | None = None) -> None:
+              expert0: int = 0, tiles: tuple[Tiles, Tiles] | None = None, num_sms: int | None = None) -> None:
     """The MoE layer (module docstring) into out [T, hidden]: x [T, hidden] in bf16, fp16 or fp32; the router's
     gate_weight fp32 [E, hidden] and bias fp32 [E]; this rank's routed experts w13 [n_local, 2 I, hidden] (gate rows
     then up rows) and w2 [n_local, hidden, I], the first of them expert expert0; shared = (gate_up_proj [2 I_s,
     hidden], down_proj [hidden, I_s]) or None; all weights in x's dtype. tiles: the (gate/up, down) GEMMs' launch
-    shapes (default: `default_tiles`), for tuning; every choice computes the same result up to fp32 summation order."""
+    shapes (default: `default_tiles`), for tuning; every choice computes the same result up to fp32 summation order.
+    num_sms: the SMs the router's logits spread over (`router_steps`; default the device's)."""
     c = _check_config("fused_moe", config)
     T, hidden = check_tensor("x", x, shape=(None, c.hidden_size), dtype=(torch.bfloat16, torch.float16, torch.float32),
                              dense_dims=1).shape
@@ -463,7 +479,7 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     bm = block_m(T * ks, n_local + (shared is not None))
     _check_router(c, "fused_moe", x, gate_weight, e_score_correction_bias, ids, weights)
     sorted_pair, block_expert, align = _alignment("fused_moe", ids, n_local, expert0, shared is not None, bm)
-    partial, splits, meta = _router_logits(c, x, gate_weight)
+    partial, splits, meta = _router_logits(c, x, gate_weight, _num_sms(x.device, num_sms, "fused_moe"))
     select = _selection(c, partial, splits, e_score_correction_bias, ids, weights)
     if T <= SELECT_BLOCK_T:  # one selection program: it aligns the pairs too
         launch(_select_align_kernel, (1,), *select, *align["args"], **(meta | align["meta"]),
