@@ -39,7 +39,6 @@ from dsv32ref.bench.fp8 import decode_inputs, selects_nothing
 from dsv32ref.bench.kernels import DEV, gather_rows, measure_ceilings, shapes, timed
 from dsv32ref.checks import rel_err
 from dsv32ref.kernels import sparse_mla, sparse_mla_heads_n, sparse_mla_hopper
-from dsv32ref.kernels.launch import launch
 from dsv32ref.provenance import provenance
 
 ROWS = {"selected": "the decode's distinct random rows", "none": "every entry -1: no row is read",
@@ -77,9 +76,7 @@ def call(kernel, q, cache, r, topk, scale, splits, out, lse):
     outputs = sparse_mla._kernel_outputs(out, lse, splits)
     kernel(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, outputs, splits)
     if splits > 1:
-        T, H, d_lat = out.shape
-        launch(sparse_mla._combine_splits_kernel, (T, H), outputs[0], outputs[3], out, out.stride(0), out.stride(1),
-               lse, lse.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)
+        sparse_mla.merge_splits(outputs, out, lse)
 
 
 def reference(q, bf16_cache, r, topk, scale, d_lat, tokens=4):

@@ -7,6 +7,7 @@ import torch
 
 from dsv32ref.engine import BOUNDARIES, EngineConfig, EngineModel, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
+from dsv32ref.kernels.launch import observing_launches
 from dsv32ref.testing import assert_close
 from helpers import tiny_model
 
@@ -119,6 +120,27 @@ def test_dummy_prefill_context_stays_within_max_model_len():
         assert ctx.seq_lens[: len(lens)].tolist() == lens and int(ctx.seq_lens[len(lens):].abs().sum()) == 0
         starts = torch.tensor(ctx.query_start_loc_cpu[:-1])
         assert torch.equal(ctx.positions, torch.arange(size) - starts[req])
+
+
+@CPU
+@pytest.mark.parametrize("boundary,decode_launches", [("narrow", 1), ("none", 2)])
+def test_few_keys_launch_at_prefill_and_where_a_graph_serves_both(boundary, decode_launches):
+    """64 heads: a prefill step of a short prompt gives its few-keys tokens sparse_mla's launch of their own (two
+    `_sparse_mla_kernel` launches a layer); a decode step does not, unless the boundary's FULL graphs serve prefill
+    steps too ("none")."""
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32, num_attention_heads=64)
+    eng = _engine(ref, boundary)
+    counts = []
+
+    def count(name, run):
+        counts[-1] += name == "_sparse_mla_kernel"
+        return run()
+    with observing_launches(count):
+        for step in (StepInput([(0, [5, 9, 2, 7], 0)]), StepInput([(0, [3], 4)])):
+            counts.append(0)
+            eng.step(step)
+    layers = ref.config.num_hidden_layers
+    assert counts == [2 * layers, decode_launches * layers]
 
 
 @pytest.mark.gpu

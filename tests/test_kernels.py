@@ -13,6 +13,7 @@ from dsv32ref.checks import check_same_device
 from dsv32ref.kernels.fused_norm_rope import fused_norm_rope
 from dsv32ref.kernels.fused_q import fused_q
 from dsv32ref.kernels.indexer_topk import indexer_scores_paged, indexer_topk_paged, topk_from_scores
+from dsv32ref.kernels.launch import observing_launches
 from dsv32ref.kernels.sparse_mla import FP32_CONFIG, sparse_mla_paged
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
                                 sparse_mla, topk_indices)
@@ -524,6 +525,75 @@ def _check_sm90_kernel(heads: int, valid_first: bool, k: int) -> None:
     # the two kernels agree per element to bf16 rounding of the same fp32 sums
     assert_close("hopper vs triton", outs["hopper"][0], outs["triton"][0].double(), dtype=torch.bfloat16, rtol=2,
                  atol=2, row_dims=2)
+
+
+# requests of 6, 101, 64 and 65 keys, 13 tokens: the first and third are few-keys tokens (64 keys: the last that is)
+FEW_KEYS_LENS = dict(context_lens=(0, 100, 61, 62), query_lens=(6, 1, 3, 3))
+
+
+def _few_keys_step(heads: int, num_sms: int | None, device: str, dtype, seed: int, **sizes) -> list[str]:
+    """sparse_mla_paged over FEW_KEYS_LENS's step (valid-first top-k of 128 slots, unselected rows NaN, a NaN
+    query value, poisoned outputs) against the float64 reference per element -> the kernels it launched."""
+    from dsv32ref.kernels.sparse_mla import FEW_KEYS, few_keys_launch
+
+    x = paged_sparse_mla_inputs(num_heads=heads, topk=128, valid_first=True, dtype=dtype, device=device, seed=seed,
+                                **FEW_KEYS_LENS, **sizes)
+    assert [int(n) <= FEW_KEYS for n in x.seq_lens.tolist()] == [True, False, True, False]
+    T = x.q.shape[0]
+    assert few_keys_launch(T, heads, None, True)
+    t = int((x.topk_indices[:6] >= 0).any(1).nonzero()[0])  # a few-keys token that selects a key
+    x.q[t, 5, 1] = float("nan")  # one of its heads: NaN there only
+    out = torch.full((T, heads, x.d_lat), float("nan"), dtype=dtype, device=device)
+    lse = torch.full((T, heads), float("nan"), device=device)
+    names = []
+    with observing_launches(lambda name, run: (names.append(name), run())[1]):
+        sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,
+                         out, lse, valid_first=True, num_sms=num_sms)
+    ref, ref_lse = reference_sparse_mla_paged(x)
+    assert_close("out", out, ref, dtype=dtype, rtol=1, atol=1, row_dims=2)
+    assert_close("lse", lse, ref_lse, dtype=torch.float32, rtol=64, atol=64, row_dims=1)
+    assert out[t, 5].isnan().all() and not out[t, 4].isnan().any()
+    return names
+
+
+@CPU
+@pytest.mark.parametrize("num_sms,launched", [(None, ["_sparse_mla_kernel"] * 2),
+                                              (200, ["_sparse_mla_kernel", "_combine_splits_kernel",
+                                                     "_sparse_mla_kernel"])])
+def test_sparse_mla_few_keys_tokens_take_a_launch_of_their_own(num_sms, launched, seed):
+    """A step of 13 tokens over 64 heads, two of its requests with at most FEW_KEYS keys: those tokens take the
+    few-keys launch, the others the plan's (one split, or two merged; the merge leaves the few-keys tokens alone),
+    per element against float64, the boundary (64 keys and 65) on either side, partials and outputs poisoned."""
+    assert _few_keys_step(64, num_sms, "cpu", torch.bfloat16, seed, d_lat=32, d_rope=16, block_size=16) == launched
+
+
+@CPU
+def test_sparse_mla_few_keys_off_is_one_launch(seed):
+    """few_keys=False (the engine's decode steps): the plan's launch alone takes every token; a non-bool refused."""
+    x = paged_sparse_mla_inputs(num_heads=64, d_lat=32, d_rope=16, topk=128, valid_first=True, seed=seed,
+                                block_size=16, **FEW_KEYS_LENS)
+    T = x.q.shape[0]
+    out = torch.full((T, 64, 32), float("nan"), dtype=x.q.dtype)
+    lse = torch.full((T, 64), float("nan"))
+    args = (x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale, out, lse)
+    names = []
+    with observing_launches(lambda name, run: (names.append(name), run())[1]):
+        sparse_mla_paged(*args, valid_first=True, few_keys=False)
+    assert names == ["_sparse_mla_kernel"]
+    ref, ref_lse = reference_sparse_mla_paged(x)
+    assert_close("out", out, ref, dtype=x.q.dtype, rtol=1, atol=1, row_dims=2)
+    with pytest.raises(ValueError, match="few_keys"):
+        sparse_mla_paged(*args, valid_first=True, few_keys=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_cache_dtype", [(64, "auto"), (128, "auto"), (64, "fp8")])
+def test_sparse_mla_few_keys_tokens_beside_the_sm90_kernels(heads, kv_cache_dtype, seed):
+    """The same step compiled: the few-keys tokens in the Triton launch, the others in the pair kernel (bf16
+    rows) or the warp-specialized one (FlashMLA's FP8 rows) with top-k splits, which leave them alone."""
+    names = _few_keys_step(heads, None, "cuda", torch.bfloat16, seed, block_size=64, kv_cache_dtype=kv_cache_dtype)
+    main = "_sparse_mla_ws_kernel" if kv_cache_dtype == "fp8" else "_sparse_mla_pairs_kernel"
+    assert names == [main, "_combine_splits_kernel", "_sparse_mla_kernel"]
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)

@@ -34,7 +34,7 @@ from dsv32ref.kernels.indexer_topk import (_indexer_scores_kernel, _topk_compact
                                            indexer_scores_paged, topk_from_scores)
 from dsv32ref.kernels.skinny_gemm import _skinny_gemm_kernel
 from dsv32ref.kernels.sparse_mla import (DEFAULT_CONFIG, _combine_splits_kernel, _sparse_mla_kernel, kernel_choice,
-                                         launch_plan, sparse_mla_paged)
+                                         launch_plan, merge_splits, sparse_mla_paged)
 from dsv32ref.provenance import provenance
 from dsv32ref.results import run_dir, write_partial, write_result
 from dsv32ref.reference import apply_rope, fp8_quantize, hadamard_transform, layer_norm, rms_norm
@@ -299,8 +299,7 @@ def bench_combine(z, T, splits):
     part_lse = torch.randn(T, H, splits, device=DEV)
     out = torch.empty(T, H, d, device=DEV, dtype=BF16)
     lse = torch.empty(T, H, device=DEV)
-    run = lambda: _combine_splits_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), lse, lse.stride(0),
-                                                 H, NUM_SPLITS=splits, D_LAT=d, num_warps=4)
+    run = lambda: merge_splits((part_o, 0, 0, part_lse, 0), out, lse)
     res = {"kernel": "sparse_mla_merge", "model": z["name"], "T": T, "splits": splits, "probe": "splits"}
     res.update(timed(run))
     nbytes = part_o.numel() * 4 + part_lse.numel() * 4 + out.numel() * 2 + lse.numel() * 4

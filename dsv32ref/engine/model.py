@@ -29,6 +29,7 @@ from dsv32ref.kernels import (add_rms_norm, fused_norm_rope, fused_q, indexer_sc
                               topk_from_scores)
 from dsv32ref.kernels.fused_moe import fused_moe
 from dsv32ref.kernels.skinny_gemm import skinny_gemm
+from dsv32ref.kernels.sparse_mla import FEW_KEYS
 from dsv32ref.reference.moe import Router
 
 __all__ = ["EngineDSAAttention", "EngineModel", "TensorParallel", "a_split", "causal_topk"]
@@ -209,9 +210,13 @@ class EngineDSAAttention(nn.Module):
                                      ctx.req_indices, ctx.positions, self.D_I ** -0.5, ctx.scores,
                                      tokens=1 if ctx.uniform_decode else None, num_sms=ctx.num_sms)
                 topk_from_scores(ctx.scores, ctx.positions, ctx.topk)
+        # a decode step's tokens have their requests' whole contexts: no few-keys launch there, unless its graph also
+        # serves prefill steps (a boundary without eager regions: FULL graphs for every step)
+        few_keys = self.boundary.graph_safe_prefill or not ctx.uniform_decode
         with region("attention"):
             sparse_mla_paged(q_mqa, cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices, ctx.seq_lens,
-                             ctx.topk, self.config.softmax_scale, o_lat, valid_first=True, num_sms=ctx.num_sms)
+                             ctx.topk, self.config.softmax_scale, o_lat, valid_first=True, num_sms=ctx.num_sms,
+                             few_keys=few_keys)
 
     def _per_request_sparse(self, q_mqa, q_idx, w_idx, o_lat):
         """Prefill / mixed steps, work split per request on the host. These lines are what cannot be captured:
@@ -231,7 +236,7 @@ class EngineDSAAttention(nn.Module):
             with region("attention"):
                 sparse_mla_paged(q_mqa[t0:t1], cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices[t0:t1],
                                  ctx.seq_lens, ctx.topk[t0:t1], self.config.softmax_scale, o_lat[t0:t1],
-                                 valid_first=True, num_sms=ctx.num_sms)
+                                 valid_first=True, num_sms=ctx.num_sms, few_keys=ctx.seq_lens_cpu[b] <= FEW_KEYS)
 
     @eager_break(name=FUSED_ATTENTION)
     def _fused_attention(self, q_c_raw, kv, k_raw, w_raw, out):

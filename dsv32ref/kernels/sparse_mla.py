@@ -56,16 +56,16 @@ try:  # the warp-specialized Gluon kernels that sm_90 runs (need triton.experime
 except ImportError:  # an older triton: every device runs the Triton kernel below
     _hopper = _heads_n = _pairs = None
 
-__all__ = ["sparse_mla_paged", "DEFAULT_CONFIG", "kernel_choice", "launch_plan"]
+__all__ = ["sparse_mla_paged", "DEFAULT_CONFIG", "FEW_KEYS", "few_keys_launch", "kernel_choice", "launch_plan",
+           "merge_splits"]
 
 
 SLOT_CHUNK = tl.constexpr(2048)  # top-k entries resolved to cache rows per step of the prologue
 
 
 @triton.jit
-def _program_keys(req_ptr, seq_lens_ptr, t, split, K, B, max_blocks, block_size,
-                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr):
-    """-> (request, its length, end of the top-k slots to visit, first step, end step) of this program."""
+def _token_keys(req_ptr, seq_lens_ptr, t, K, B, max_blocks, block_size, VALID_FIRST: tl.constexpr):
+    """-> (token t's request, its length, the end of the top-k slots to visit)."""
     req = tl.load(req_ptr + t)
     # A request index outside [0, B) attends to nothing; a sequence longer than its block-table row (or
     # negative) is cut to what the row can address.
@@ -74,6 +74,14 @@ def _program_keys(req_ptr, seq_lens_ptr, t, split, K, B, max_blocks, block_size,
     # With VALID_FIRST the caller promises the valid indices come first (the indexer's output): at most
     # seq_len of the K slots need visiting. A short prompt then skips most of the 2048 slots.
     k_end = tl.minimum(K, seq_len) if VALID_FIRST else K
+    return req, seq_len, k_end
+
+
+@triton.jit
+def _program_keys(req_ptr, seq_lens_ptr, t, split, K, B, max_blocks, block_size,
+                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr):
+    """-> (request, its length, end of the top-k slots to visit, first step, end step) of this program."""
+    req, seq_len, k_end = _token_keys(req_ptr, seq_lens_ptr, t, K, B, max_blocks, block_size, VALID_FIRST)
     steps = tl.cdiv(k_end, BLOCK_N)
     per_split = tl.cdiv(steps, NUM_SPLITS)
     it0 = split * per_split
@@ -205,6 +213,7 @@ def _sparse_mla_kernel(
     sm_scale_log2,  # sm_scale * log2(e): softmax in base 2
     H, K, block_size, rows_per_block,  # rows_per_block = stride_cb / stride_cs
     B, max_blocks, num_blocks,  # bounds of req_indices, of a block-table row, of block ids (masked, never read)
+    keys_lo, keys_hi,  # the tokens this launch takes: those with keys_lo < (slots to visit) <= keys_hi
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, VALID_FIRST: tl.constexpr, FP8: tl.constexpr,
     FLAG_NAN: tl.constexpr,
@@ -215,6 +224,8 @@ def _sparse_mla_kernel(
     split = tl.program_id(2)  # split-K: a slice of the top-k (decode)
     req, seq_len, k_end, it0, it1 = _program_keys(req_ptr, seq_lens_ptr, t, split, K, B, max_blocks, block_size,
                                                   BLOCK_N, NUM_SPLITS, VALID_FIRST)
+    if (k_end <= keys_lo) | (k_end > keys_hi):  # the other launch's token (sparse_mla_paged's few-keys launch)
+        return
     # Resolve this program's slice of the top-k to cache rows once (two dependent loads per entry), so each
     # step needs one independent, contiguous load before its gather. The head blocks of a token each resolve
     # the same slice and write the same values: cheaper than coordinating programs.
@@ -239,13 +250,20 @@ def _sparse_mla_kernel(
 
 @triton.jit
 def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, H,
-                           NUM_SPLITS: tl.constexpr, D_LAT: tl.constexpr):
+                           req_ptr, seq_lens_ptr, K, B, max_blocks, block_size, few_keys,
+                           NUM_SPLITS: tl.constexpr, D_LAT: tl.constexpr, SKIP_FEW: tl.constexpr):
     """out[t, h] = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log(sum w). A split whose
     lse is -inf saw no valid key (weight 0) and its out partial is not read: the kernels may leave it unwritten (the
     Triton kernel and sparse_mla_hopper's epilogue do). A short prompt's token has most splits empty (8 keys with the
-    valid indices first: one split of 16 holds them), so this drops most of the merge's reads."""
+    valid indices first: one split of 16 holds them), so this drops most of the merge's reads. SKIP_FEW: a token
+    with at most few_keys top-k slots to visit (valid first) is the few-keys launch's, which wrote its out and lse:
+    its partials were not written and it is left as it is."""
     t = tl.program_id(0)
     h = tl.program_id(1)
+    if SKIP_FEW:
+        _, _, k_end = _token_keys(req_ptr, seq_lens_ptr, t, K, B, max_blocks, block_size, True)
+        if k_end <= few_keys:
+            return
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, D_LAT)
     lse_s = tl.load(part_lse_ptr + (t * H + h) * NUM_SPLITS + offs_s)  # (S,)
@@ -270,6 +288,17 @@ FP32_CONFIG = dict(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=1)
 # without spills (scripts/sass_sparse_mla.py; 64-key steps spill). Not yet timed against FlashMLA's kernel.
 FP8_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
 CONFIG_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "NUM_SPLITS")
+# Few keys. A step of a few tokens may hold tokens with few keys to visit (an 8-token prompt's have 1 to 8): a
+# program of 64 heads (the sm_90 kernels', DEFAULT_CONFIG's) is then one long latency chain, on as many SMs as
+# there are tokens. Such a step launches twice: the tokens with at most FEW_KEYS top-k slots to visit (valid first:
+# min(K, seq_len), read on the device) in programs of 16 heads and one split (FEW_KEYS_CONFIG), every other token
+# in the launch the plan chose, which leaves the few-keys tokens alone (as does its merge). Steps of at most
+# FEW_KEYS_TOKENS tokens over more than FEW_KEYS_HEADS heads, valid-first top-k, no tile config given.
+FEW_KEYS = 64
+FEW_KEYS_TOKENS = 16
+FEW_KEYS_HEADS = 32
+FEW_KEYS_CONFIG = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
+FEW_KEYS_FP32_CONFIG = dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
 def _check_fp8_cache(q, latent_cache, d_lat: int, d_rope: int) -> None:
@@ -403,6 +432,7 @@ def sparse_mla_paged(
     config: dict | None = None,
     valid_first: bool = False,
     num_sms: int | None = None,
+    few_keys: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out[t, h] = softmax_j(sm_scale q[t, h] . kv_j) @ c_kv_j over the valid top-k keys of token t.
 
@@ -427,9 +457,14 @@ def sparse_mla_paged(
     or config["NUM_SPLITS"], a power of two) and a second launch merges the partial results; the split count
     depends only on shapes, so it is fixed within a captured graph. `num_sms`: the SMs to fill (default: the
     device's; 4 for CPU tensors). Each call allocates an int32 [T, K] workspace (the resolved rows).
+    few_keys      with valid_first, no config, more than FEW_KEYS_HEADS heads and at most FEW_KEYS_TOKENS tokens:
+                  the tokens with at most FEW_KEYS slots to visit in a launch of their own (FEW_KEYS). A step
+                  whose tokens all have more keys (decode past its first steps) pays that launch for nothing, which
+                  is why a caller that knows (the engine, at decode) turns it off.
     """
     check_keys("sparse_mla_paged: config", config, CONFIG_KEYS)
     check_bool("sparse_mla_paged: valid_first", valid_first)
+    check_bool("sparse_mla_paged: few_keys", few_keys)
     T, H, d_lat, d_rope, B = check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices,
                                           sm_scale, out, lse)
     sms, K = _num_sms(q.device, num_sms, "sparse_mla_paged"), topk_indices.shape[1]
@@ -437,18 +472,39 @@ def sparse_mla_paged(
     if T == 0 or K == 0:  # no key selected: every head's out 0 and lse +inf, as the reference (no program would run)
         return out.zero_(), lse if lse is None else lse.fill_(float("inf"))
     cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms, fp8)
+    few = FEW_KEYS if few_keys and few_keys_launch(T, H, config, valid_first) else -1
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
     outputs = _kernel_outputs(out, lse_arg, splits)
+    inputs = (q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale)
     if hopper:
-        _sm90_launcher(H, fp8)(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs,
-                               splits, valid_first)
+        _sm90_launcher(H, fp8)(*inputs, outputs, splits, valid_first, **({"few_keys": few} if few >= 0 else {}))
     else:
-        _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
-                       block_h, splits, valid_first)
+        _launch_triton(*inputs, outputs, cfg, block_h, splits, valid_first, keys=(few, K))
     if splits > 1:  # the partials merged into out and lse
-        launch(_combine_splits_kernel, (T, H), outputs[0], outputs[3], out, out.stride(0), out.stride(1), lse_arg,
-               lse_arg.stride(0), H, NUM_SPLITS=splits, D_LAT=d_lat, num_warps=4)
+        merge_splits(outputs, out, lse_arg, (req_indices, seq_lens, K, block_table, latent_cache.shape[1], few))
+    if few >= 0:  # the few-keys tokens, into out and lse
+        small = FEW_KEYS_FP32_CONFIG if q.dtype == torch.float32 else FEW_KEYS_CONFIG
+        _launch_triton(*inputs, _kernel_outputs(out, lse_arg, 1), small, small["BLOCK_H"], 1, valid_first,
+                       keys=(-1, few))
     return out, lse
+
+
+def few_keys_launch(T: int, H: int, config: dict | None, valid_first: bool) -> bool:
+    """Whether sparse_mla_paged gives the step's tokens with few keys a launch of their own (FEW_KEYS)."""
+    return config is None and valid_first and T <= FEW_KEYS_TOKENS and H > FEW_KEYS_HEADS
+
+
+def merge_splits(outputs: tuple, out: torch.Tensor, lse: torch.Tensor, tokens: tuple | None = None) -> None:
+    """The split path's second launch: the fp32 partials of `outputs` (_kernel_outputs) merged into out [T, H, D_LAT]
+    and lse [T, H]. tokens = (req_indices, seq_lens, K, block_table, block_size, few_keys): the tokens with at most
+    few_keys top-k slots to visit (valid first) are the few-keys launch's and left as they are (few_keys -1: none)."""
+    T, H, d_lat = out.shape
+    req, seq_lens, K, table, block_size, few = tokens or (None, None, 0, None, 1, -1)
+    skip = few >= 0
+    launch(_combine_splits_kernel, (T, H), outputs[0], outputs[3], out, out.stride(0), out.stride(1), lse,
+           lse.stride(0), H, req if skip else outputs[3], seq_lens if skip else outputs[3], K,
+           seq_lens.shape[0] if skip else 0, table.shape[1] if skip else 0, block_size, few,
+           NUM_SPLITS=outputs[0].shape[2], D_LAT=d_lat, SKIP_FEW=skip, num_warps=4)
 
 
 def _sm90_launcher(H: int, fp8: bool):
@@ -469,8 +525,9 @@ def _kernel_outputs(out: torch.Tensor, lse_arg: torch.Tensor, splits: int) -> tu
 
 
 def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs, cfg,
-                   block_h, splits, valid_first) -> None:
-    """This module's kernel into outputs (out, its strides, lse, its stride; or the fp32 partials with splits)."""
+                   block_h, splits, valid_first, keys: tuple[int, int]) -> None:
+    """This module's kernel into outputs (out, its strides, lse, its stride; or the fp32 partials with splits), for
+    the tokens with keys[0] < (top-k slots to visit) <= keys[1]."""
     (T, H, D), K, B = q.shape, topk_indices.shape[1], seq_lens.shape[0]
     o_arg, o_s0, o_s1, l_arg, l_s0 = outputs
     d_lat = o_arg.shape[-1]
@@ -485,7 +542,7 @@ def _launch_triton(q, latent_cache, block_table, req_indices, seq_lens, topk_ind
         l_arg, l_s0,
         rows,
         sm_scale * math.log2(math.e), H, K, latent_cache.shape[1], latent_cache.stride(0) // latent_cache.stride(1),
-        B, block_table.shape[1], latent_cache.shape[0],
+        B, block_table.shape[1], latent_cache.shape[0], *keys,
         D_LAT=d_lat, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
         PRECISION=dot_precision(q.dtype, q.device), NUM_SPLITS=splits, VALID_FIRST=valid_first,
         FP8=latent_cache.dtype == torch.uint8, FLAG_NAN=q.device.type != "cuda", num_warps=cfg["num_warps"],

@@ -387,6 +387,7 @@ def _sparse_mla_ws_kernel(
     idx_ptr, stride_it,  # top-k [T, K] int32
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,  # out [T, H, D_LAT] bf16, lse [T, H] fp32
     sm_scale_log2, H, K, block_size, rows_per_block, B, max_blocks, num_blocks,
+    few_keys,  # tokens with at most this many top-k slots to visit are left alone (sparse_mla's few-keys launch)
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, VALID_FIRST: gl.constexpr, FP8: gl.constexpr,
     NUM_SPLITS: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -395,6 +396,8 @@ def _sparse_mla_ws_kernel(
     seq_len, k_end, split, it0, it1, idx_row_ptr, bt_row_ptr = _program_steps(
         req_ptr, seq_lens_ptr, idx_ptr, stride_it, block_table_ptr, stride_bt, t, K, B, max_blocks, block_size,
         VALID_FIRST, NUM_SPLITS)
+    if k_end <= few_keys:
+        return
     q_lat, q_pe, k_lat, k_pe, p_smem = _shared_buffers(D_LAT, D_ROPE)
     q_bar, valid_smem, ready, free = _stage_barriers(1)
     gl.warp_specialize([
@@ -408,10 +411,11 @@ def _sparse_mla_ws_kernel(
 
 
 def sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs,
-                      splits: int, valid_first: bool = False) -> None:
+                      splits: int, valid_first: bool = False, few_keys: int = -1) -> None:
     """The launch (inputs checked by sparse_mla_paged, `why_not` None): one program per (token, 64 heads, top-k
     split); outputs = (out, out's two strides, lse, lse's stride), or with splits > 1 the fp32 partials
-    sparse_mla_paged merges (strides unused); valid_first as sparse_mla_paged's."""
+    sparse_mla_paged merges (strides unused); valid_first as sparse_mla_paged's; the tokens with at most few_keys
+    top-k slots to visit are left alone (sparse_mla_paged's few-keys launch writes them)."""
     T, H = q.shape[:2]
     nb, bs = latent_cache.shape[:2]
     o_arg, o_s0, o_s1, l_arg, l_s0 = outputs
@@ -420,6 +424,6 @@ def sparse_mla_hopper(q, latent_cache, block_table, req_indices, seq_lens, topk_
         block_table, block_table.stride(0), req_indices, seq_lens, topk_indices, topk_indices.stride(0),
         o_arg, o_s0, o_s1, l_arg, l_s0,
         sm_scale * math.log2(math.e), H, topk_indices.shape[1], bs,
-        latent_cache.stride(0) // latent_cache.stride(1), seq_lens.shape[0], block_table.shape[1], nb,
+        latent_cache.stride(0) // latent_cache.stride(1), seq_lens.shape[0], block_table.shape[1], nb, few_keys,
         D_LAT=q.shape[-1] - 64, D_ROPE=64, VALID_FIRST=valid_first,
         FP8=latent_cache.dtype == torch.uint8, NUM_SPLITS=splits, num_warps=8)

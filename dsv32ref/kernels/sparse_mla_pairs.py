@@ -39,7 +39,9 @@ divided each of its 128 values a thread by l; under CUDA-graph replay 13.1 us a 
 division a row and a multiply a value: ptxas's sm_90a build issues 4664 instructions, not 5416 (FMUL 1084, not
 1588; FSEL 128, not 380), and the launch replays in 12.7 us.
 At 2048 top-k slots the launch plan takes 16 splits there: this kernel and the merge of the one split with keys
-then took 13.0 us together (sparse_mla_paged, replay, the indexer's valid-first top-k).
+then took 13.0 us together (sparse_mla_paged, replay, the indexer's valid-first top-k). Hence sparse_mla_paged's
+few-keys launch: in steps of few tokens, tokens with at most 64 slots to visit go to the Triton kernel's programs of
+16 heads, and this kernel's programs for them return at once (few_keys).
 
 Scope: bf16 q and bf16 rows, D_LAT 512, D_ROPE 64, top-k splits as sparse_mla_hopper's (fp32 partials merged by
 sparse_mla_paged). sparse_mla.kernel_choice says where it runs. Over FlashMLA's FP8 rows sparse_mla_hopper runs: a producer
@@ -366,6 +368,7 @@ def _sparse_mla_pairs_kernel(
     idx_ptr, stride_it,  # top-k [T, K] int32
     out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,  # out [T, H, D_LAT] bf16, lse [T, H] fp32
     sm_scale_log2, H, K, block_size, rows_per_block, B, max_blocks, num_blocks,
+    few_keys,  # tokens with at most this many top-k slots to visit are left alone (sparse_mla's few-keys launch)
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, VALID_FIRST: gl.constexpr, NUM_SPLITS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -376,6 +379,8 @@ def _sparse_mla_pairs_kernel(
     seq_len, k_end, split, it0, it1, idx_row_ptr, bt_row_ptr = _program_steps(
         req_ptr, seq_lens_ptr, idx_ptr, stride_it, block_table_ptr, stride_bt, t, K, B, max_blocks, block_size,
         VALID_FIRST, NUM_SPLITS)
+    if k_end <= few_keys:
+        return
     n_pairs = gl.cdiv(gl.maximum(it1 - it0, 0), 2)
     q_lat, q_pe, k_lat, k_pe, p_odd, valid_smem, stats, q_bar, ready, free, hand = _pair_buffers(D_LAT, D_ROPE)
     smem = (q_lat, q_pe, k_lat, k_pe, p_odd, valid_smem, stats, q_bar, ready, free, hand)
@@ -390,9 +395,11 @@ def _sparse_mla_pairs_kernel(
 
 
 def sparse_mla_pairs(q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale, outputs,
-                     splits: int, valid_first: bool = False) -> None:
+                     splits: int, valid_first: bool = False, few_keys: int = -1) -> None:
     """The launch (inputs checked by sparse_mla_paged, `why_not` None): one program per (token, 64 heads, top-k
-    split) into outputs = (out, out's two strides, lse, lse's stride), or the fp32 partials with splits > 1."""
+    split) into outputs = (out, out's two strides, lse, lse's stride), or the fp32 partials with splits > 1; the
+    tokens with at most few_keys top-k slots to visit are left alone (sparse_mla_paged's few-keys launch writes
+    them)."""
     T, H = q.shape[:2]
     nb, bs = latent_cache.shape[:2]
     o_arg, o_s0, o_s1, l_arg, l_s0 = outputs
@@ -401,5 +408,5 @@ def sparse_mla_pairs(q, latent_cache, block_table, req_indices, seq_lens, topk_i
         block_table, block_table.stride(0), req_indices, seq_lens, topk_indices, topk_indices.stride(0),
         o_arg, o_s0, o_s1, l_arg, l_s0,
         sm_scale * math.log2(math.e), H, topk_indices.shape[1], bs,
-        latent_cache.stride(0) // latent_cache.stride(1), seq_lens.shape[0], block_table.shape[1], nb,
+        latent_cache.stride(0) // latent_cache.stride(1), seq_lens.shape[0], block_table.shape[1], nb, few_keys,
         D_LAT=q.shape[-1] - 64, D_ROPE=64, VALID_FIRST=valid_first, NUM_SPLITS=splits, num_warps=4)
