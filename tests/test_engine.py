@@ -8,6 +8,7 @@ import torch
 from dsv32ref.engine import BOUNDARIES, EngineConfig, EngineModel, LLMEngine, StepInput, from_reference
 from dsv32ref.graphs import CUDAGraphMode
 from dsv32ref.kernels.launch import observing_launches
+from dsv32ref.kernels.sparse_mla import FEW_KEYS_CONFIG
 from dsv32ref.testing import assert_close
 from helpers import tiny_model
 
@@ -123,24 +124,26 @@ def test_dummy_prefill_context_stays_within_max_model_len():
 
 
 @CPU
-@pytest.mark.parametrize("boundary,decode_launches", [("narrow", 1), ("none", 2)])
-def test_few_keys_launch_at_prefill_and_where_a_graph_serves_both(boundary, decode_launches):
-    """64 heads: a prefill step of a short prompt gives its few-keys tokens sparse_mla's launch of their own (two
-    `_sparse_mla_kernel` launches a layer); a decode step does not, unless the boundary's FULL graphs serve prefill
-    steps too ("none")."""
-    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32, num_attention_heads=64)
+@pytest.mark.parametrize("boundary,prefill,decode", [("narrow", ["few"], ["plan"]),
+                                                     ("none", ["plan", "few"], ["plan", "few"])])
+def test_few_keys_launch_at_prefill_and_where_a_graph_serves_both(boundary, prefill, decode):
+    """64 heads, a top-k of 128 slots: a 4-token prompt's tokens take sparse_mla's few-keys launch (programs of 16
+    heads), alone on the per-request path (narrow's eager region: the request's 4 slots) and beside the plan's
+    launch where the step is graph-safe; a decode step leaves it out unless its FULL graph serves prefill too (none).
+    Each list: one layer's sparse_mla launches, "few" the few-keys launch (16 heads a program), "plan" the other."""
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32, num_attention_heads=64, index_topk=128)
     eng = _engine(ref, boundary)
-    counts = []
-
-    def count(name, run):
-        counts[-1] += name == "_sparse_mla_kernel"
+    launched = []
+    def observe(name, run):
+        if name == "_sparse_mla_kernel":
+            launched[-1].append("few" if run.keywords["BLOCK_H"] == FEW_KEYS_CONFIG["BLOCK_H"] else "plan")
         return run()
-    with observing_launches(count):
+    with observing_launches(observe):
         for step in (StepInput([(0, [5, 9, 2, 7], 0)]), StepInput([(0, [3], 4)])):
-            counts.append(0)
+            launched.append([])
             eng.step(step)
     layers = ref.config.num_hidden_layers
-    assert counts == [2 * layers, decode_launches * layers]
+    assert launched == [prefill * layers, decode * layers]
 
 
 @pytest.mark.gpu

@@ -96,15 +96,16 @@ def test_router_steps_spread_a_few_tokens_over_the_sms():
         assert router_steps(8, 256, hidden, 132) == 8
         assert router_steps(8, 4, hidden, 4) == 8  # the interpreter's SMs
     assert router_steps(64, 4, 64 * 1024, 132) == 64  # past 32 splits of eight steps: wider ones
+    assert router_steps(1, 4, 12 * 1024, 264) == 3  # 12 steps halved to 6 and 3, not below ROUTER_MIN_STEPS
 
 
 @CPU
 @pytest.mark.parametrize("T", [5, 17])  # the one selection program that aligns too; the router kernel
 def test_fused_moe_over_the_routers_short_steps(T, seed):
-    """num_sms 4096: the router's logits at two steps a program (25 splits of hidden 1600, the last one short),
-    their partial sums added by the selection: the layer equals the reference module per element, outputs
-    poisoned."""
-    c = ModelConfig.preset("tiny-glm-5.2").replace(hidden_size=1600)
+    """num_sms 4096: the router's logits at two steps a program (25 splits of hidden 1584, the last one 48
+    columns), their partial sums added by the selection: the layer equals the reference module per element,
+    outputs poisoned."""
+    c = ModelConfig.preset("tiny-glm-5.2").replace(hidden_size=1584)
     assert router_steps(T, c.n_routed_experts, c.hidden_size, 4096) == 2
     m = _moe(c, "cpu", torch.bfloat16, seed)
     x = torch.randn(T, c.hidden_size).to(torch.bfloat16)

@@ -531,40 +531,73 @@ def _check_sm90_kernel(heads: int, valid_first: bool, k: int) -> None:
 FEW_KEYS_LENS = dict(context_lens=(0, 100, 61, 62), query_lens=(6, 1, 3, 3))
 
 
-def _few_keys_step(heads: int, num_sms: int | None, device: str, dtype, seed: int, **sizes) -> list[str]:
-    """sparse_mla_paged over FEW_KEYS_LENS's step (valid-first top-k of 128 slots, unselected rows NaN, a NaN
-    query value, poisoned outputs) against the float64 reference per element -> the kernels it launched."""
-    from dsv32ref.kernels.sparse_mla import FEW_KEYS, few_keys_launch
+def _few_keys_step(heads: int, num_sms: int | None, device: str, dtype, seed: int, skip_few: bool,
+                   **sizes) -> list[str]:
+    """sparse_mla_paged over FEW_KEYS_LENS's step (valid-first top-k of 128 slots, unselected rows NaN, a NaN query
+    value in a few-keys token, its last token's request outside the block table: no key, so a few-keys token too;
+    outputs poisoned) against the float64 reference per element -> the kernels it launched. skip_few: the few-keys
+    launch is not run, and its tokens must keep their poison, a finite one (no other launch writes them)."""
+    from dsv32ref.kernels.sparse_mla import FEW_KEYS, FEW_KEYS_CONFIG, few_keys_launch
 
     x = paged_sparse_mla_inputs(num_heads=heads, topk=128, valid_first=True, dtype=dtype, device=device, seed=seed,
                                 **FEW_KEYS_LENS, **sizes)
-    assert [int(n) <= FEW_KEYS for n in x.seq_lens.tolist()] == [True, False, True, False]
     T = x.q.shape[0]
     assert few_keys_launch(T, heads, None, True)
     t = int((x.topk_indices[:6] >= 0).any(1).nonzero()[0])  # a few-keys token that selects a key
     x.q[t, 5, 1] = float("nan")  # one of its heads: NaN there only
-    out = torch.full((T, heads, x.d_lat), float("nan"), dtype=dtype, device=device)
-    lse = torch.full((T, heads), float("nan"), device=device)
+    B = len(FEW_KEYS_LENS["query_lens"])
+    x.req_indices[-1] = B
+    few = torch.tensor([r >= B or int(x.seq_lens[r]) <= FEW_KEYS for r in x.req_indices.tolist()])
+    assert few.tolist() == [True] * 6 + [False] + [True] * 3 + [False, False, True]
+    poison = 7.0 if skip_few else float("nan")  # a NaN that a merge of NaN partials writes would pass for poison
+    out = torch.full((T, heads, x.d_lat), poison, dtype=dtype, device=device)
+    lse = torch.full((T, heads), -poison, device=device)
     names = []
-    with observing_launches(lambda name, run: (names.append(name), run())[1]):
+
+    def observe(name, run):
+        names.append(name)
+        few_launch = name == "_sparse_mla_kernel" and run.keywords.get("BLOCK_H") == FEW_KEYS_CONFIG["BLOCK_H"]
+        return None if skip_few and few_launch else run()
+    with observing_launches(observe):
         sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,
                          out, lse, valid_first=True, num_sms=num_sms)
     ref, ref_lse = reference_sparse_mla_paged(x)
-    assert_close("out", out, ref, dtype=dtype, rtol=1, atol=1, row_dims=2)
-    assert_close("lse", lse, ref_lse, dtype=torch.float32, rtol=64, atol=64, row_dims=1)
-    assert out[t, 5].isnan().all() and not out[t, 4].isnan().any()
+    ref[-1], ref_lse[-1] = 0.0, float("inf")  # the token of no request
+    if skip_few:
+        assert (out[few] == poison).all() and (lse[few] == -poison).all()
+    rows = ~few if skip_few else torch.ones(T, dtype=torch.bool)
+    tol = 1 if dtype == torch.bfloat16 else 64  # fp32: the summation orders differ by more units of the dtype
+    assert_close("out", out[rows], ref[rows], dtype=dtype, rtol=tol, atol=tol, row_dims=2)
+    assert_close("lse", lse[rows], ref_lse[rows], dtype=torch.float32, rtol=64, atol=64, row_dims=1)
+    if not skip_few:
+        assert out[t, 5].isnan().all() and not out[t, 4].isnan().any()
     return names
 
 
 @CPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("skip_few", [False, True])
 @pytest.mark.parametrize("num_sms,launched", [(None, ["_sparse_mla_kernel"] * 2),
                                               (200, ["_sparse_mla_kernel", "_combine_splits_kernel",
                                                      "_sparse_mla_kernel"])])
-def test_sparse_mla_few_keys_tokens_take_a_launch_of_their_own(num_sms, launched, seed):
-    """A step of 13 tokens over 64 heads, two of its requests with at most FEW_KEYS keys: those tokens take the
-    few-keys launch, the others the plan's (one split, or two merged; the merge leaves the few-keys tokens alone),
-    per element against float64, the boundary (64 keys and 65) on either side, partials and outputs poisoned."""
-    assert _few_keys_step(64, num_sms, "cpu", torch.bfloat16, seed, d_lat=32, d_rope=16, block_size=16) == launched
+def test_sparse_mla_few_keys_tokens_take_a_launch_of_their_own(num_sms, launched, skip_few, dtype, seed):
+    """A step of 13 tokens over 64 heads, two of its requests with at most FEW_KEYS keys and a token of no request:
+    those tokens take the few-keys launch, the others the plan's (one split, or two merged), per element against
+    float64, the boundary (64 keys and 65) on either side, partials and outputs poisoned; without the few-keys
+    launch its tokens stay poisoned (the plan's launch and its merge leave them alone)."""
+    assert _few_keys_step(64, num_sms, "cpu", dtype, seed, skip_few, d_lat=32, d_rope=16, block_size=16) == launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skip_few", [False, True])
+@pytest.mark.parametrize("heads,kv_cache_dtype", [(64, "auto"), (128, "auto"), (64, "fp8")])
+def test_sparse_mla_few_keys_tokens_beside_the_sm90_kernels(heads, kv_cache_dtype, skip_few, seed):
+    """The same step compiled: the few-keys tokens in the Triton launch, the others in the pair kernel (bf16
+    rows) or the warp-specialized one (FlashMLA's FP8 rows) with top-k splits, which leave them alone."""
+    names = _few_keys_step(heads, None, "cuda", torch.bfloat16, seed, skip_few, block_size=64,
+                           kv_cache_dtype=kv_cache_dtype)
+    main = "_sparse_mla_ws_kernel" if kv_cache_dtype == "fp8" else "_sparse_mla_pairs_kernel"
+    assert names == [main, "_combine_splits_kernel", "_sparse_mla_kernel"]
 
 
 @CPU
@@ -584,6 +617,26 @@ def test_sparse_mla_few_keys_off_is_one_launch(seed):
     assert_close("out", out, ref, dtype=x.q.dtype, rtol=1, atol=1, row_dims=2)
     with pytest.raises(ValueError, match="few_keys"):
         sparse_mla_paged(*args, valid_first=True, few_keys=1)
+
+
+@CPU
+def test_sparse_mla_top_k_within_few_keys_is_the_few_keys_launch_alone(seed):
+    """A top-k of 64 slots: no token has more to visit, so the few-keys launch takes every token, alone."""
+    from dsv32ref.kernels.sparse_mla import FEW_KEYS, FEW_KEYS_CONFIG
+
+    x = paged_sparse_mla_inputs(num_heads=64, d_lat=32, d_rope=16, topk=FEW_KEYS, valid_first=True, seed=seed,
+                                block_size=16, **FEW_KEYS_LENS)
+    T = x.q.shape[0]
+    out = torch.full((T, 64, 32), float("nan"), dtype=x.q.dtype)
+    lse = torch.full((T, 64), float("nan"))
+    launched = []
+    with observing_launches(lambda name, run: (launched.append((name, run.keywords["BLOCK_H"])), run())[1]):
+        sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,
+                         out, lse, valid_first=True, num_sms=200)
+    assert launched == [("_sparse_mla_kernel", FEW_KEYS_CONFIG["BLOCK_H"])]
+    ref, ref_lse = reference_sparse_mla_paged(x)
+    assert_close("out", out, ref, dtype=x.q.dtype, rtol=1, atol=1, row_dims=2)
+    assert_close("lse", lse, ref_lse, dtype=torch.float32, rtol=64, atol=64, row_dims=1)
 
 
 @pytest.mark.gpu

@@ -210,13 +210,13 @@ class EngineDSAAttention(nn.Module):
                                      ctx.req_indices, ctx.positions, self.D_I ** -0.5, ctx.scores,
                                      tokens=1 if ctx.uniform_decode else None, num_sms=ctx.num_sms)
                 topk_from_scores(ctx.scores, ctx.positions, ctx.topk)
-        # a decode step's tokens have their requests' whole contexts: no few-keys launch there, unless its graph also
-        # serves prefill steps (a boundary without eager regions: FULL graphs for every step)
-        few_keys = self.boundary.graph_safe_prefill or not ctx.uniform_decode
+        # Here a step is a decode step unless the boundary has no eager region, whose FULL graphs (captured once a
+        # size) serve prefill steps too. The few-keys launch is for short prompts: at decode only a request's first
+        # steps would gain from it, and every step would pay its launch.
         with region("attention"):
             sparse_mla_paged(q_mqa, cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices, ctx.seq_lens,
                              ctx.topk, self.config.softmax_scale, o_lat, valid_first=True, num_sms=ctx.num_sms,
-                             few_keys=few_keys)
+                             few_keys=self.boundary.graph_safe_prefill)
 
     def _per_request_sparse(self, q_mqa, q_idx, w_idx, o_lat):
         """Prefill / mixed steps, work split per request on the host. These lines are what cannot be captured:
@@ -233,10 +233,11 @@ class EngineDSAAttention(nn.Module):
                                          ctx.req_indices[t0:t1], ctx.positions[t0:t1], self.D_I ** -0.5, scores,
                                          num_sms=ctx.num_sms)
                     topk_from_scores(scores, ctx.positions[t0:t1], ctx.topk[t0:t1])
-            with region("attention"):
+            with region("attention"):  # valid first: the request's keys are in its first seq_len slots
+                n = ctx.seq_lens_cpu[b]
                 sparse_mla_paged(q_mqa[t0:t1], cache.latent[self.layer_idx], ctx.block_table, ctx.req_indices[t0:t1],
-                                 ctx.seq_lens, ctx.topk[t0:t1], self.config.softmax_scale, o_lat[t0:t1],
-                                 valid_first=True, num_sms=ctx.num_sms, few_keys=ctx.seq_lens_cpu[b] <= FEW_KEYS)
+                                 ctx.seq_lens, ctx.topk[t0:t1, :n], self.config.softmax_scale, o_lat[t0:t1],
+                                 valid_first=True, num_sms=ctx.num_sms, few_keys=n <= FEW_KEYS)
 
     @eager_break(name=FUSED_ATTENTION)
     def _fused_attention(self, q_c_raw, kv, k_raw, w_raw, out):

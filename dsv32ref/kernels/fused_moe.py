@@ -369,15 +369,21 @@ def _check_router(c: ModelConfig, launcher: str, x, weight, e_score_correction_b
                          f"of two >= 2 experts")
 
 
+def _router_blocks(T: int, E: int) -> tuple[int, int]:
+    """(tokens a router-logits program takes, experts padded to whole blocks of 16): up to 8 tokens a program."""
+    return min(8, triton.next_power_of_2(T)), max(16, triton.next_power_of_2(E))
+
+
 def router_steps(T: int, E: int, hidden: int, sms: int) -> int:
     """K steps of ROUTER_BLOCK_K columns a router-logits program takes. Eight (its eight loads in flight together;
-    more where hidden would need more than 32 splits), halved down to ROUTER_MIN_STEPS while the programs (token
-    blocks x expert blocks x splits of hidden) number fewer than half the SMs: a few tokens over a few experts (the
-    reduced MoE) then spread the weights' read over more SMs. Fewer steps mean more partial sums for the selection
-    to add (it loads them all at once), which is why the halving stops there."""
-    programs = triton.cdiv(T, min(8, triton.next_power_of_2(T))) * (max(16, triton.next_power_of_2(E)) // 16)
+    more where hidden would need more than 32 splits), halved, never below ROUTER_MIN_STEPS, while the programs
+    (token blocks x expert blocks x splits of hidden) number fewer than half the SMs: a few tokens over a few experts
+    (the reduced MoE) then spread the weights' read over more SMs. Fewer steps mean more partial sums for the
+    selection to add (it loads them all at once), which is why the halving stops there."""
+    block_t, e_pad = _router_blocks(T, E)
+    programs = triton.cdiv(T, block_t) * (e_pad // 16)
     steps = max(8, triton.cdiv(hidden, 32 * ROUTER_BLOCK_K))
-    while steps > ROUTER_MIN_STEPS and 2 * programs * triton.cdiv(hidden, steps * ROUTER_BLOCK_K) < sms:
+    while steps // 2 >= ROUTER_MIN_STEPS and 2 * programs * triton.cdiv(hidden, steps * ROUTER_BLOCK_K) < sms:
         steps //= 2
     return steps
 
@@ -387,13 +393,13 @@ def _router_logits(c: ModelConfig, x: torch.Tensor, weight: torch.Tensor, sms: i
     constexprs)."""
     T, hidden = x.shape
     E = c.n_routed_experts
-    e_pad = max(16, triton.next_power_of_2(E))
+    block_t, e_pad = _router_blocks(T, E)
     # splits of hidden of `router_steps` x 32 columns: 16 experts x 256 columns of fp32 weights (16 KiB) a program
     # at DeepSeek-V3.2's and GLM-5.2's full routers; up to 8 tokens a program: sm_90a holds 8 x 16 x 32 sums in 71
     # registers (7 programs an SM), 16 tokens' in 141 (3 an SM, and DeepSeek-V3.2's 448 programs of 16 tokens then
     # take two waves)
     steps = router_steps(T, E, hidden, sms)
-    splits, block_t = triton.cdiv(hidden, steps * ROUTER_BLOCK_K), min(8, triton.next_power_of_2(T))
+    splits = triton.cdiv(hidden, steps * ROUTER_BLOCK_K)
     partial = torch.empty(splits, T, e_pad, dtype=torch.float32, device=x.device)
     launch(_router_logits_kernel, (triton.cdiv(T, block_t), e_pad // 16, splits), x, x.stride(0), weight, partial, T,
            E, hidden, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=16, BLOCK_K=ROUTER_BLOCK_K, STEPS=steps)

@@ -65,7 +65,8 @@ SLOT_CHUNK = tl.constexpr(2048)  # top-k entries resolved to cache rows per step
 
 @triton.jit
 def _token_keys(req_ptr, seq_lens_ptr, t, K, B, max_blocks, block_size, VALID_FIRST: tl.constexpr):
-    """-> (token t's request, its length, the end of the top-k slots to visit)."""
+    """-> (token t's request, its length, the end of the top-k slots to visit). sparse_mla_hopper._program_steps
+    computes the same in Gluon: which launch takes a few-keys token rests on the two agreeing."""
     req = tl.load(req_ptr + t)
     # A request index outside [0, B) attends to nothing; a sequence longer than its block-table row (or
     # negative) is cut to what the row can address.
@@ -471,22 +472,34 @@ def sparse_mla_paged(
     fp8 = latent_cache.dtype == torch.uint8
     if T == 0 or K == 0:  # no key selected: every head's out 0 and lse +inf, as the reference (no program would run)
         return out.zero_(), lse if lse is None else lse.fill_(float("inf"))
-    cfg, block_h, splits, hopper = launch_plan(q, d_lat, K, config, sms, fp8)
+    plan = launch_plan(q, d_lat, K, config, sms, fp8)
     few = FEW_KEYS if few_keys and few_keys_launch(T, H, config, valid_first) else -1
     lse_arg = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=q.device)
-    outputs = _kernel_outputs(out, lse_arg, splits)
-    inputs = (q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale)
-    if hopper:
-        _sm90_launcher(H, fp8)(*inputs, outputs, splits, valid_first, **({"few_keys": few} if few >= 0 else {}))
-    else:
-        _launch_triton(*inputs, outputs, cfg, block_h, splits, valid_first, keys=(few, K))
-    if splits > 1:  # the partials merged into out and lse
-        merge_splits(outputs, out, lse_arg, (req_indices, seq_lens, K, block_table, latent_cache.shape[1], few))
+    _launch_kernels((q, latent_cache, block_table, req_indices, seq_lens, topk_indices, sm_scale), out, lse_arg, plan,
+                    few, valid_first)
+    return out, lse
+
+
+def _launch_kernels(inputs: tuple, out: torch.Tensor, lse: torch.Tensor, plan: tuple, few: int,
+                    valid_first: bool) -> None:
+    """The plan's launch (`launch_plan`) into out and lse, its merge with top-k splits, and with few >= 0 the
+    few-keys launch (the tokens with at most `few` slots to visit, which the others leave alone)."""
+    q, latent_cache, block_table, req_indices, seq_lens, topk_indices, _ = inputs
+    cfg, block_h, splits, hopper = plan
+    K = topk_indices.shape[1]
+    if few < K:  # (no token has more than K slots to visit: with K <= few the few-keys launch takes them all)
+        outputs = _kernel_outputs(out, lse, splits)
+        if hopper:
+            _sm90_launcher(q.shape[1], latent_cache.dtype == torch.uint8)(
+                *inputs, outputs, splits, valid_first, **({"few_keys": few} if few >= 0 else {}))
+        else:
+            _launch_triton(*inputs, outputs, cfg, block_h, splits, valid_first, keys=(few, K))
+        if splits > 1:  # the partials merged into out and lse
+            merge_splits(outputs, out, lse, inputs, few)
     if few >= 0:  # the few-keys tokens, into out and lse
         small = FEW_KEYS_FP32_CONFIG if q.dtype == torch.float32 else FEW_KEYS_CONFIG
-        _launch_triton(*inputs, _kernel_outputs(out, lse_arg, 1), small, small["BLOCK_H"], 1, valid_first,
+        _launch_triton(*inputs, _kernel_outputs(out, lse, 1), small, small["BLOCK_H"], 1, valid_first,
                        keys=(-1, few))
-    return out, lse
 
 
 def few_keys_launch(T: int, H: int, config: dict | None, valid_first: bool) -> bool:
@@ -494,17 +507,21 @@ def few_keys_launch(T: int, H: int, config: dict | None, valid_first: bool) -> b
     return config is None and valid_first and T <= FEW_KEYS_TOKENS and H > FEW_KEYS_HEADS
 
 
-def merge_splits(outputs: tuple, out: torch.Tensor, lse: torch.Tensor, tokens: tuple | None = None) -> None:
+def merge_splits(outputs: tuple, out: torch.Tensor, lse: torch.Tensor, inputs: tuple | None = None,
+                 few: int = -1) -> None:
     """The split path's second launch: the fp32 partials of `outputs` (_kernel_outputs) merged into out [T, H, D_LAT]
-    and lse [T, H]. tokens = (req_indices, seq_lens, K, block_table, block_size, few_keys): the tokens with at most
-    few_keys top-k slots to visit (valid first) are the few-keys launch's and left as they are (few_keys -1: none)."""
+    and lse [T, H]. With few >= 0, the tokens with at most `few` top-k slots to visit (valid first) are the few-keys
+    launch's and left as they are: inputs = sparse_mla_paged's (q, latent_cache, block_table, req_indices, seq_lens,
+    topk_indices, sm_scale) tell which."""
     T, H, d_lat = out.shape
-    req, seq_lens, K, table, block_size, few = tokens or (None, None, 0, None, 1, -1)
-    skip = few >= 0
-    launch(_combine_splits_kernel, (T, H), outputs[0], outputs[3], out, out.stride(0), out.stride(1), lse,
-           lse.stride(0), H, req if skip else outputs[3], seq_lens if skip else outputs[3], K,
-           seq_lens.shape[0] if skip else 0, table.shape[1] if skip else 0, block_size, few,
-           NUM_SPLITS=outputs[0].shape[2], D_LAT=d_lat, SKIP_FEW=skip, num_warps=4)
+    part_o, part_lse = outputs[0], outputs[3]
+    if few >= 0:
+        _, latent_cache, table, req, seq_lens, topk, _ = inputs
+        tokens = (req, seq_lens, topk.shape[1], seq_lens.shape[0], table.shape[1], latent_cache.shape[1], few)
+    else:  # nothing to skip: the pointers are not read
+        tokens = (part_lse, part_lse, 0, 0, 0, 1, -1)
+    launch(_combine_splits_kernel, (T, H), part_o, part_lse, out, out.stride(0), out.stride(1), lse, lse.stride(0), H,
+           *tokens, NUM_SPLITS=part_o.shape[2], D_LAT=d_lat, SKIP_FEW=few >= 0, num_warps=4)
 
 
 def _sm90_launcher(H: int, fp8: bool):

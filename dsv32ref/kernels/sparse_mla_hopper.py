@@ -352,7 +352,7 @@ def _program_steps(req_ptr, seq_lens_ptr, idx_ptr, stride_it, block_table_ptr, s
     of the steps; an empty share leaves lse -inf."""
     req = gl.load(req_ptr + t)
     req_ok = (req >= 0) & (req < B)
-    seq_len = gl.load(seq_lens_ptr + gl.where(req_ok, req, 0))
+    seq_len = gl.load(seq_lens_ptr + gl.where(req_ok, req, 0), mask=req_ok, other=0)
     seq_len = gl.where(req_ok, gl.maximum(gl.minimum(seq_len, max_blocks * block_size), 0), 0)
     k_end = gl.minimum(K, seq_len) if VALID_FIRST else K
     split = gl.program_id(2)

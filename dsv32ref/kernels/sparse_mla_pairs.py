@@ -39,9 +39,9 @@ divided each of its 128 values a thread by l; under CUDA-graph replay 13.1 us a 
 division a row and a multiply a value: ptxas's sm_90a build issues 4664 instructions, not 5416 (FMUL 1084, not
 1588; FSEL 128, not 380), and the launch replays in 12.7 us.
 At 2048 top-k slots the launch plan takes 16 splits there: this kernel and the merge of the one split with keys
-then took 13.0 us together (sparse_mla_paged, replay, the indexer's valid-first top-k). Hence sparse_mla_paged's
-few-keys launch: in steps of few tokens, tokens with at most 64 slots to visit go to the Triton kernel's programs of
-16 heads, and this kernel's programs for them return at once (few_keys).
+then took 13.0 us together (sparse_mla_paged, replay, the indexer's valid-first top-k). In steps of few tokens
+sparse_mla_paged therefore gives the tokens with at most 64 slots to visit to the Triton kernel's programs of 16
+heads (its few-keys launch), and this kernel's programs for them return at once (few_keys).
 
 Scope: bf16 q and bf16 rows, D_LAT 512, D_ROPE 64, top-k splits as sparse_mla_hopper's (fp32 partials merged by
 sparse_mla_paged). sparse_mla.kernel_choice says where it runs. Over FlashMLA's FP8 rows sparse_mla_hopper runs: a producer
