@@ -457,7 +457,8 @@ def sparse_mla_paged(
     When T x head blocks leaves SMs idle (decode), the top-k is split across NUM_SPLITS programs (`num_splits`,
     or config["NUM_SPLITS"], a power of two) and a second launch merges the partial results; the split count
     depends only on shapes, so it is fixed within a captured graph. `num_sms`: the SMs to fill (default: the
-    device's; 4 for CPU tensors). Each call allocates an int32 [T, K] workspace (the resolved rows).
+    device's; 4 for CPU tensors). Each launch of the Triton kernel allocates an int32 [T, K] workspace (the
+    resolved rows).
     few_keys      with valid_first, no config, more than FEW_KEYS_HEADS heads and at most FEW_KEYS_TOKENS tokens:
                   the tokens with at most FEW_KEYS slots to visit in a launch of their own (FEW_KEYS). A step
                   whose tokens all have more keys (decode past its first steps) pays that launch for nothing, which
