@@ -12,7 +12,7 @@ import torch
 
 __all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_eps", "check_fits", "check_int", "check_keys",
            "check_range", "check_replaceable", "device_memory_bytes", "module_bytes",
-           "check_rope_table", "check_scale", "checking_device_values", "device_value_checks_on", "is_int",
+           "check_rope_table", "check_scale", "check_fp32_scale", "shown", "checking_device_values", "device_value_checks_on", "is_int",
            "is_number", "rel_err"]
 
 
@@ -92,6 +92,12 @@ def check_bool(name: str, v) -> bool:
     return v
 
 
+def shown(v) -> str:
+    """v's repr for a message, cut to 40 characters with the full length said (a 309-digit int is not 1.8e39)."""
+    r = repr(v)
+    return r if len(r) <= 40 else f"{r[:24]}... ({len(r)} characters)"
+
+
 def check_scale(name: str, v) -> float:
     """A finite, positive float (a softmax or norm scale): else ValueError naming it."""
     try:
@@ -99,16 +105,32 @@ def check_scale(name: str, v) -> float:
     except OverflowError:  # an int past float's range
         ok = False
     if not ok:
-        raise ValueError(f"{name}: expected a finite number > 0, got {v!r:.40}")
+        raise ValueError(f"{name}: expected a finite number > 0, got {shown(v)}")
     return float(v)
 
 
+FP32_MAX = 3.4028234663852886e38
+FP32_TINY = 2.0 ** -149  # float32's smallest subnormal: anything smaller rounds to 0
+
+
+def check_fp32_scale(name: str, v, factor: float = 1.0) -> float:
+    """check_scale, and v x factor (what a kernel multiplies by, in float32) neither infinite nor 0 there: a scale
+    of 1e308 would make every score inf (and the softmax NaN), one of 1e-50 every score 0."""
+    scale = check_scale(name, v)
+    if not FP32_TINY <= scale * factor <= FP32_MAX:
+        what = "a value" if factor == 1 else f"a value whose product with {factor:.6g}"
+        raise ValueError(f"{name}: expected {what} to lie within float32's range [{FP32_TINY:.3g}, "
+                         f"{FP32_MAX:.4g}] (the kernel computes in it), got {shown(v)}")
+    return scale
+
+
 def check_eps(name: str, v) -> float:
-    """A norm's epsilon: a finite number > 0 that stays > 0 in float32, where the norms compute (1e-50 is 0 there,
-    and a zero row would then be NaN): else ValueError naming it."""
+    """A norm's epsilon: a finite number > 0 that stays > 0 and finite in float32, where the norms compute (1e-50
+    is 0 there, and a zero row would then be NaN): else ValueError naming it."""
     eps = check_scale(name, v)
-    if eps < 2.0 ** -149:  # below float32's smallest subnormal: it rounds to 0
-        raise ValueError(f"{name}: expected a value > 0 in float32 (the norms compute in it), got {v!r}")
+    if not FP32_TINY <= eps <= FP32_MAX:
+        raise ValueError(f"{name}: expected a value > 0 in float32 and finite there (the norms compute in it), got "
+                         f"{shown(v)}")
     return eps
 
 
@@ -124,8 +146,13 @@ def check_rope_table(launcher: str, cos: torch.Tensor, sin: torch.Tensor) -> int
 
 
 def check_keys(name: str, given: dict | None, allowed) -> None:
-    """Raise ValueError naming every key of `given` that is not in `allowed` (a typo must not pass silently)."""
-    unknown = sorted(set(given or {}) - set(allowed))
+    """`given` is None or a dict whose keys are all in `allowed`: else ValueError naming every other key (a typo
+    must not pass silently) or what was given instead of a dict."""
+    if given is None:
+        return
+    if not isinstance(given, dict):
+        raise ValueError(f"{name}: expected None or a dict, got {type(given).__name__} {shown(given)}")
+    unknown = sorted((k for k in given if k not in allowed), key=repr)  # repr: keys of any types sort
     if unknown:
         raise ValueError(f"{name}: unknown key(s) {unknown}; expected some of {sorted(allowed)}")
 
@@ -225,7 +252,11 @@ def check_replaceable(name: str, path: str) -> None:
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
-    """Raise ValueError listing every tensor's device unless they all live on one device."""
+    """Raise ValueError naming the first argument that is not a tensor (None: absent), or listing every tensor's
+    device unless they all live on one device."""
+    for n, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{n}: expected a torch.Tensor, got {type(t).__name__}")
     devices = {n: t.device for n, t in tensors.items() if t is not None}
     if len({d for d in devices.values()}) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv32ref.checks import check_eps, check_scale, is_int
+from dsv32ref.checks import check_eps, check_scale, is_int, is_number, shown
 from dsv32ref.hf_config import MAX_LAYERS, indexer_types_from_schedule, parse
 
 __all__ = ["ModelConfig", "PRESETS", "REDUCED_MOE", "indexer_types_from_schedule", "reduced_moe"]
@@ -267,11 +267,14 @@ def _check_router(c: ModelConfig) -> None:
 
 def _check_yarn(rs) -> None:
     if not isinstance(rs, dict):
-        raise ValueError(f"ModelConfig.rope_scaling: expected None or a dict, got {rs!r}")
+        raise ValueError(f"ModelConfig.rope_scaling: expected None or a dict, got {shown(rs)}")
     for key in ("type", "rope_type"):
         if rs.get(key, "yarn") != "yarn":
             raise ValueError(f"ModelConfig.rope_scaling.{key}: expected 'yarn' (or no rope_scaling), got {rs[key]!r}")
     required = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+    if not all(isinstance(key, str) for key in rs):
+        raise ValueError(f"ModelConfig.rope_scaling: expected str keys, got "
+                         f"{sorted((k for k in rs if not isinstance(k, str)), key=repr)}")
     unknown = sorted(set(rs) - set(required) - {"type", "rope_type", "mscale", "mscale_all_dim"})
     if unknown:
         raise ValueError(f"ModelConfig.rope_scaling: keys {unknown} are not implemented (YaRN here: "
@@ -286,8 +289,12 @@ def _check_yarn(rs) -> None:
                          f"{rs['original_max_position_embeddings']!r}")
     for key in ("mscale", "mscale_all_dim"):
         v = rs.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
-            raise ValueError(f"ModelConfig.rope_scaling.{key}: expected a finite number >= 0, got {v!r}")
+        try:
+            ok = v is None or (is_number(v) and math.isfinite(v) and v >= 0)
+        except OverflowError:  # an int past float's range
+            ok = False
+        if not ok:
+            raise ValueError(f"ModelConfig.rope_scaling.{key}: expected a finite number >= 0, got {shown(v)}")
     if rs["factor"] < 1:
         raise ValueError(f"ModelConfig.rope_scaling.factor: expected >= 1, got {rs}")
     mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")

@@ -16,13 +16,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv32ref import checks
-from dsv32ref import (AttentionMetadata, BlockAllocator, ModelConfig, PagedKVCache, init_dummy_weights, load_pretrained,
-                      save_pretrained)
+from dsv32ref import (AttentionMetadata, BlockAllocator, DeepseekV32ForCausalLM, ModelConfig, PagedKVCache,
+                      init_dummy_weights, load_pretrained, save_pretrained)
 from dsv32ref.cache import StepPlan, check_cache_fits, gather_tokens, indexer_key_bytes, token_bytes, write_tokens
 from dsv32ref.checkpoint import dequantize_fp8_blocks, quantize_fp8_blocks
 from dsv32ref.engine import EngineConfig, EngineModel, LLMEngine, StepInput, build_model, from_reference, share_weights
 from dsv32ref.graphs import CUDAGraphMode
-from dsv32ref.kernels import fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged, topk_from_scores
+from dsv32ref.kernels import (add_rms_norm, fused_norm_rope, fused_q, indexer_scores_paged, sparse_mla_paged,
+                              topk_from_scores)
+from dsv32ref.kernels.skinny_gemm import skinny_gemm_counters
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, rms_norm, sparse_mla,
                                 topk_indices)
 from dsv32ref.reference.fp8_cache import indexer_scores_fp8, latent_scale, quantize_latent, sparse_mla_fp8, write_latent
@@ -103,6 +105,9 @@ ROPE_CASES = [
     ({**_YARN, "mscale": 1.0, "mscale_all_dim": 0.0}, r"needs mscale and mscale_all_dim"),
     ({**_YARN, "original_max_position_embeddings": 64.5},
      r"ModelConfig.rope_scaling.original_max_position_embeddings: expected an int, got 64.5"),
+    ({**_YARN, "mscale": 2 ** 2000, "mscale_all_dim": 2 ** 2000},  # past float's range: not an OverflowError
+     r"ModelConfig.rope_scaling.mscale: expected a finite number >= 0, got \d{24}\.\.\. \(603 characters\)"),
+    ({**_YARN, 1: 2, None: 3}, r"ModelConfig.rope_scaling: expected str keys, got \[1, None\]"),
 ]
 
 
@@ -405,7 +410,6 @@ def test_a_one_dimensional_fp8_weight_is_named_as_such(tmp_path):
 
 
 def test_checkpoint_arguments(tmp_path):
-    from dsv32ref import DeepseekV32ForCausalLM
     from dsv32ref.hf_config import to_hf
 
     model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
@@ -975,11 +979,11 @@ def _idx(**over):
 
 
 KERNEL_CASES = [
-    (_mla(config={"BLOCK_H": 3}), r"sparse_mla_paged: config BLOCK_H must be a power of two, got 3"),
-    (_mla(config={"BLOCK_N": 0}), r"sparse_mla_paged: config BLOCK_N must be a power of two, got 0"),
-    (_mla(config={"BLOCK_H": "16"}), r"sparse_mla_paged: config BLOCK_H must be a power of two, got '16'"),
-    (_mla(config={"num_warps": 3}), r"sparse_mla_paged: config num_warps must be a power of two, got 3"),
-    (_mla(config={"num_stages": 0}), r"sparse_mla_paged: config num_stages must be an int >= 1, got 0"),
+    (_mla(config={"BLOCK_H": 3}), r"sparse_mla_paged: config BLOCK_H must be a power of two in \[1, 128\], got 3"),
+    (_mla(config={"BLOCK_N": 0}), r"sparse_mla_paged: config BLOCK_N must be a power of two in \[1, 256\], got 0"),
+    (_mla(config={"BLOCK_H": "16"}), r"sparse_mla_paged: config BLOCK_H must be a power of two in \[1, 128\], got '16'"),
+    (_mla(config={"num_warps": 3}), r"sparse_mla_paged: config num_warps must be a power of two in \[1, 16\], got 3"),
+    (_mla(config={"num_stages": 0}), r"sparse_mla_paged: config num_stages must be an int in \[1, 8\], got 0"),
     (_mla(q=torch.zeros(2, 0, 40), out=torch.zeros(2, 0, 32)), r"q: expected at least one head \(dim 1\), got shape \[2, 0, 40\]"),
     (_nr(q_c=torch.zeros(2, 0), q_c_out=torch.zeros(2, 0), q_a_norm_weight=torch.ones(0)),
      r"q_c: expected q_lora_rank \(dim 1\) >= 1, got shape \[2, 0\]"),
@@ -1050,7 +1054,28 @@ KERNEL_CASES = [
     (_topk(split_above=-1), r"topk_from_scores: split_above must be an int >= 0, got -1"),
     (_topk(block=3), r"topk_from_scores: block must be a power of two, got 3"),
     (_topk(chunk=6), r"topk_from_scores: chunk must be a power of two, got 6"),
-    (_topk(chunk=32768), r"topk_from_scores: chunk must be at most 16384 \(one block per program\), got 32768"),
+    (_topk(chunk=32768), r"topk_from_scores: chunk must be at most 16384, got 32768"),
+    # tiles past what an SM holds; a config that is not a dict, or has keys of other types; scales that overflow or
+    # vanish in float32, where the kernels compute (1e308 gave NaN outputs, an eps of 1e-50 NaN rows)
+    (_topk(block=32768), r"topk_from_scores: block must be at most 16384, got 32768"),
+    (_topk(num_warps=32), r"topk_from_scores: num_warps must be at most 16, got 32"),
+    (_mla(config={"BLOCK_N": 512}), r"sparse_mla_paged: config BLOCK_N must be a power of two in \[1, 256\], got 512"),
+    (_mla(config={"num_stages": 9}), r"sparse_mla_paged: config num_stages must be an int in \[1, 8\], got 9"),
+    (_mla(config={1: 2, "a": 3}), r"sparse_mla_paged: config: unknown key\(s\) \['a', 1\]"),
+    (_mla(config=[]), r"sparse_mla_paged: config: expected None or a dict, got list \[\]"),
+    (_mla(config="BLOCK_N"), r"sparse_mla_paged: config: expected None or a dict, got str 'BLOCK_N'"),
+    (_mla(sm_scale=1e308), r"sparse_mla_paged: sm_scale: expected a value whose product with 1.4427 to lie within "
+                           r"float32's range \[1.4e-45, 3.403e\+38\] \(the kernel computes in it\), got 1e\+308"),
+    (_mla(sm_scale=1e-50), r"sparse_mla_paged: sm_scale: expected a value whose product .* got 1e-50"),
+    (_idx(softmax_scale=1e308), r"indexer_scores_paged: softmax_scale: expected a value to lie within float32's range"),
+    (_nr(rms_eps=1e-50), r"fused_norm_rope: rms_eps: expected a value > 0 in float32 and finite there"),
+    (lambda: add_rms_norm(torch.zeros(2, 64), None, torch.ones(64), 1e-50, torch.empty(2, 64), torch.empty(2, 64)),
+     r"add_rms_norm: eps: expected a value > 0 in float32 and finite there \(the norms compute in it\), got 1e-50"),
+    (lambda: skinny_gemm_counters("gpu"), r"skinny_gemm_counters: device: expected a device such as 'cpu'"),
+    (lambda: skinny_gemm_counters(3), r"skinny_gemm_counters: device: expected a device such as 'cpu' .*got 3"),
+    (lambda: skinny_gemm_counters("cpu", 1 << 40), r"skinny_gemm_counters: n"),
+    (lambda: checks.check_scale("sm_scale", 2 ** 1024), r"sm_scale: expected a finite number > 0, got \d{24}\.\.\. "
+                                                 r"\(309 characters\)"),
     (lambda: topk_from_scores(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, dtype=torch.long),
                               torch.zeros(2, 4, dtype=torch.int32)), r"scores: expected dtype torch.float32"),
 ]
@@ -1187,7 +1212,7 @@ def test_the_debug_mode_refuses_outputs_that_overlap():
     the eager-path launchers trust the caller: the check costs host time on every call). add_rms_norm checks
     always (it runs inside graphs, where the check costs nothing at replay)."""
     from dsv32ref.checks import checking_device_values
-    from dsv32ref.kernels import add_rms_norm
+
     q, cache = torch.randn(2, 4, 40), torch.randn(3, 4, 40)
     topk = torch.tensor([[0, 1, 2, -1], [0, 5, 9, 11]], dtype=torch.int32)
     meta = (torch.tensor([[2, 0, 1]], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
@@ -1207,6 +1232,25 @@ def test_the_debug_mode_refuses_outputs_that_overlap():
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="add_rms_norm: out has elements that share memory"):
         add_rms_norm(x, None, torch.ones(64), 1e-6, torch.zeros(1, 64).expand(4, 64), torch.empty(4, 64))
+
+
+@CPU
+def test_a_model_or_step_buffers_past_the_machine_are_refused_before_they_are_allocated():
+    """The reference model's constructor and the engine's step buffers (sized by EngineConfig) are weighed against
+    the device first: a ValueError naming them, not the allocator's error (or, on a host that overcommits, a machine
+    filled as the zeros are written)."""
+    big = ModelConfig.preset("tiny-deepseek-v3.2").replace(n_shared_experts=2 ** 40)
+    with pytest.raises(ValueError, match=r"DeepseekV32ForCausalLM: tiny-deepseek-v3.2 in torch.float32: needs "
+                                         r"[\d.]+ GiB, more than cpu holds in all"):
+        DeepseekV32ForCausalLM(big)
+    with torch.device("meta"):  # no memory there: built
+        DeepseekV32ForCausalLM(big)
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    ec = EngineConfig(mode=CUDAGraphMode.NONE, max_model_len=4096, max_num_seqs=2 ** 26, max_num_batched_tokens=2 ** 26,
+                      block_size=64, capture_sizes=[1], num_blocks=64)
+    with pytest.raises(ValueError, match=r"InputBatch: the step's buffers \(EngineConfig's max_num_batched_tokens, "
+                                         r"max_num_seqs and max_model_len size them\): needs [\d.]+ GiB"):
+        LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
 
 
 @CPU
@@ -1605,7 +1649,6 @@ def test_arguments_refused_at_construction_with_their_names(tmp_path):
     """An odd rope width, a config_form that is not one, an indexer width the deployed numerics cannot rotate:
     refused where they are given, naming them (they were a width mismatch, a non-finite-weights error about
     an uninitialised model, and an error at the first forward)."""
-    from dsv32ref import DeepseekV32ForCausalLM
     with pytest.raises(ValueError, match=r"apply_rope: x: the rope dims \(its last\) must be even, got 7"):
         apply_rope(torch.randn(3, 7), torch.randn(3, 3), torch.randn(3, 3), True)
     with pytest.raises(ValueError, match=r"save_pretrained: config_form: expected 'released' or 'current', got 'x'"):

@@ -238,6 +238,36 @@ def test_fused_moe_refuses_what_it_cannot_compute():
 
 
 @CPU
+def test_fused_moe_and_the_router_refuse_outputs_over_their_inputs_and_weights_that_are_not_tensors():
+    """An out over the expert weights (the launch would overwrite them), an expanded out, the router's ids and
+    weights over each other or over its weight; a router weight or bias that is a list or a numpy array, or junk at
+    0 tokens (checked before the early return): ValueErrors naming them."""
+    c = ModelConfig.preset("tiny-glm-5.2")
+    m = _moe(c, "cpu", torch.float32, 0)
+    x = torch.randn(3, c.hidden_size)
+    w13, w2, shared = _weights(m)
+    gate, bias = m.gate.weight, m.gate.e_score_correction_bias
+    H = c.hidden_size
+    with pytest.raises(ValueError, match="fused_moe: out overlaps w13 in memory"):
+        fused_moe(c, x, gate, bias, w13, w2, shared, w13.view(-1)[:3 * H].view(3, H))
+    with pytest.raises(ValueError, match="fused_moe: out has elements that share memory"):
+        fused_moe(c, x, gate, bias, w13, w2, shared, torch.zeros(1, H).expand(3, H))
+    ids = torch.zeros(3, c.num_experts_per_tok, dtype=torch.int32)
+    with pytest.raises(ValueError, match="route_kernel: ids overlaps weights in memory"):
+        route_kernel(c, x, gate, bias, ids, ids.view(torch.float32))
+    with pytest.raises(ValueError, match="route_kernel: weights overlaps weight in memory"):
+        route_kernel(c, x, gate, bias, ids, gate.view(-1)[:ids.numel()].view(ids.shape))
+    for bad, match in ((gate.tolist(), "gate_weight: expected a torch.Tensor, got list"),
+                       (gate.numpy(), "gate_weight: expected a torch.Tensor, got ndarray")):
+        with pytest.raises(ValueError, match=match):
+            fused_moe(c, x, bad, bias, w13, w2, shared, torch.empty_like(x))
+    with pytest.raises(ValueError, match="gate_weight: expected a torch.Tensor, got str"):
+        fused_moe(c, x[:0], "junk", bias, w13, w2, shared, torch.empty(0, H))
+    with pytest.raises(ValueError, match="e_score_correction_bias: expected a torch.Tensor, got str"):
+        fused_moe(c, x[:0], gate, "junk", w13, w2, shared, torch.empty(0, H))
+
+
+@CPU
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("BLOCK_M", [16, 32])
 def test_align_pairs_places_every_local_pair_once_in_its_experts_run(shared, BLOCK_M, seed):
@@ -394,6 +424,8 @@ def test_align_pairs_refuses_what_its_keys_cannot_hold():
         align_pairs(ids, MAX_EXPERTS + 1)
     with pytest.raises(ValueError, match="bm"):
         align_pairs(ids, 4, bm=24)
+    with pytest.raises(ValueError, match="align_pairs: bm expected 16, 32, 64 or 128, got 16.0"):
+        align_pairs(ids, 4, bm=16.0)
     with pytest.raises(ValueError, match="ids"):
         align_pairs(ids.long(), 4)
     with pytest.raises(ValueError, match="align_pairs: shared: expected a bool, got 'yes'"):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv32ref.cache import PagedKVCache, StepPlan
-from dsv32ref.checks import check_int, is_int
+from dsv32ref.checks import check_fits, check_int, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import EngineConfig
 from dsv32ref.engine.context import ForwardContext
@@ -120,6 +120,10 @@ class InputBatch:
     def __init__(self, config: ModelConfig, ec: EngineConfig, device: torch.device):
         self.config, self.ec, self.device = config, ec, device
         n_max, seqs, nb = ec.max_step_tokens, ec.max_num_seqs, ec.max_blocks_per_seq
+        check_fits("InputBatch: the step's buffers (EngineConfig's max_num_batched_tokens, max_num_seqs and "
+                   "max_model_len size them)", 8 * (3 * n_max + seqs) + 4 * (n_max + (seqs + 1) * (1 + nb)) +
+                   4 * n_max * config.index_topk + 4 * ec.scores_rows * ec.max_model_len +
+                   4 * ec.max_model_len * config.qk_rope_head_dim, device)
         cos, sin = RotaryEmbedding(config).to(device)(torch.arange(ec.max_model_len, device=device))
         self.cos, self.sin = cos.contiguous(), sin.contiguous()
         self.buffers = StepBuffers(device, n64=3 * n_max + seqs, n32=n_max + (seqs + 1) * (1 + nb))

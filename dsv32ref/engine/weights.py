@@ -8,7 +8,7 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_fits, check_int, module_bytes
+from dsv32ref.checks import check_fits, check_int, module_bytes, shown
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import check_placement
 from dsv32ref.engine.model import SINGLE, EngineModel, EngineMoE, TensorParallel
@@ -106,7 +106,7 @@ def shard(model: EngineModel, tp: TensorParallel) -> EngineModel:
     lm_head stay replicated, as the serving engine keeps them; so does the latent cache (one [c_kv | k_pe] row
     per token, shared by all heads). `model` is the full model (one rank)."""
     if not isinstance(tp, TensorParallel):
-        raise ValueError(f"shard: tp: expected a TensorParallel (rank, size), got {type(tp).__name__} {tp!r:.40}")
+        raise ValueError(f"shard: tp: expected a TensorParallel (rank, size), got {type(tp).__name__} {shown(tp)}")
     if model.tp.size != 1:
         raise ValueError(f"shard: expected the full model (tensor-parallel size 1), got size {model.tp.size}")
     out = _on_meta(model.config, model.boundary, tp, model.moe)

@@ -13,6 +13,7 @@ import statistics
 
 import torch
 
+from dsv32ref.checks import shown
 from dsv32ref.engine import BOUNDARIES, EngineConfig
 from dsv32ref.graphs import CUDAGraphMode
 
@@ -36,7 +37,7 @@ def arm(name: str) -> tuple[str, str, dict]:
     """"narrow" -> ("narrow", "narrow", {}); "narrow+skip" -> ("narrow+skip", "narrow", {"skip_short_topk": True});
     "none+fused+skinny" -> ("none+fused+skinny", "none", {"moe": "fused", "gemm": "skinny"}): each arm's switches."""
     if not isinstance(name, str):
-        raise ValueError(f"arm: expected a name such as 'none+fused', got {type(name).__name__} {name!r:.40}")
+        raise ValueError(f"arm: expected a name such as 'none+fused', got {type(name).__name__} {shown(name)}")
     boundary, *kinds = name.split("+")
     if boundary not in BOUNDARIES or any(k not in ARMS for k in kinds) or len(set(kinds)) != len(kinds):
         raise ValueError(f"arm {name!r}: expected <boundary> or <boundary>+<arm>[+<arm> ...], boundary one of "

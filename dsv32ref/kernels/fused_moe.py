@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_int, check_same_device, check_tensor, is_int
+from dsv32ref.checks import check_disjoint, check_int, check_same_device, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.grid import dot_precision, mma
@@ -354,15 +354,20 @@ def _dtype_code(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
-def _check_router(c: ModelConfig, launcher: str, x, weight, e_score_correction_bias, ids, weights) -> None:
-    """route_kernel's arguments (its docstring), refused by name."""
+def _check_router(c: ModelConfig, launcher: str, x, weight, e_score_correction_bias, ids=None, weights=None,
+                  weight_name: str = "weight") -> None:
+    """route_kernel's arguments (its docstring), refused by name; fused_moe's router weights (without ids and
+    weights, which it makes; its weight is gate_weight)."""
     T, hidden = x.shape
     E, k = c.n_routed_experts, c.num_experts_per_tok
-    check_tensor("weight", weight, shape=(E, hidden), dtype=torch.float32, dense_dims=2)
+    check_tensor(weight_name, weight, shape=(E, hidden), dtype=torch.float32, dense_dims=2)
     check_tensor("e_score_correction_bias", e_score_correction_bias, shape=(E,), dtype=torch.float32, dense_dims=1)
-    check_tensor("ids", ids, shape=(T, k), dtype=torch.int32, dense_dims=2)
-    check_tensor("weights", weights, shape=(T, k), dtype=torch.float32, dense_dims=2)
-    check_same_device(x=x, weight=weight, e_score_correction_bias=e_score_correction_bias, ids=ids, weights=weights)
+    if ids is not None or weights is not None:
+        check_tensor("ids", ids, shape=(T, k), dtype=torch.int32, dense_dims=2)
+        check_tensor("weights", weights, shape=(T, k), dtype=torch.float32, dense_dims=2)
+    inputs = {"x": x, weight_name: weight, "e_score_correction_bias": e_score_correction_bias}
+    check_same_device(ids=ids, weights=weights, **inputs)
+    check_disjoint(launcher, {"ids": ids, "weights": weights}, inputs)
     per = E // c.n_group
     if c.n_group > 1 and (E % c.n_group or per < 2 or per & (per - 1)):
         raise ValueError(f"{launcher}: n_routed_experts {E} must split into n_group {c.n_group} groups of a power "
@@ -472,9 +477,11 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     if tiles is not None and not (isinstance(tiles, tuple) and len(tiles) == 2
                                   and all(isinstance(t, Tiles) for t in tiles)):
         raise ValueError(f"fused_moe: tiles expected None or (Tiles, Tiles) for (gate/up, down), got {tiles!r}")
-    tensors = dict(x=x, gate_weight=gate_weight, w13=w13, w2=w2, out=out)
-    check_same_device(**tensors, **({} if shared is None else {"shared gate_up_proj": shared[0],
-                                                               "shared down_proj": shared[1]}))
+    _check_router(c, "fused_moe", x, gate_weight, e_score_correction_bias, weight_name="gate_weight")
+    weights_in = dict(x=x, gate_weight=gate_weight, e_score_correction_bias=e_score_correction_bias, w13=w13, w2=w2,
+                      **({} if shared is None else {"shared gate_up_proj": shared[0], "shared down_proj": shared[1]}))
+    check_same_device(out=out, **weights_in)
+    check_disjoint("fused_moe", {"out": out}, weights_in)
     ks = k + (shared is not None)
     if T * ks > MAX_PAIRS:
         raise ValueError(f"fused_moe: at most {MAX_PAIRS} (token, expert) pairs a step, got {T} tokens x {ks}")
@@ -483,7 +490,6 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     ids = torch.empty(T, k, dtype=torch.int32, device=x.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     bm = block_m(T * ks, n_local + (shared is not None))
-    _check_router(c, "fused_moe", x, gate_weight, e_score_correction_bias, ids, weights)
     sorted_pair, block_expert, align = _alignment("fused_moe", ids, n_local, expert0, shared is not None, bm)
     partial, splits, meta = _router_logits(c, x, gate_weight, _num_sms(x.device, num_sms, "fused_moe"))
     select = _selection(c, partial, splits, e_score_correction_bias, ids, weights)
@@ -518,7 +524,7 @@ def _alignment(launcher: str, ids: torch.Tensor, n_local: int, expert0: int, sha
         raise ValueError(f"{launcher}: shared: expected a bool, got {shared!r}")
     check_int(f"{launcher}: n_local", n_local)
     check_int(f"{launcher}: expert0", expert0, low=0)
-    if bm not in (16, 32, 64, 128):
+    if not is_int(bm) or bm not in (16, 32, 64, 128):
         raise ValueError(f"{launcher}: bm expected 16, 32, 64 or 128, got {bm!r}")
     n_pairs, ne = T * (k + shared), n_local + shared
     if ne > MAX_EXPERTS:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dsv32ref.cache import LATENT_ROW_BYTES
-from dsv32ref.checks import (check_bool, check_disjoint, check_range, check_rope_table, check_same_device, check_scale,
+from dsv32ref.checks import (check_bool, check_disjoint, check_eps, check_range, check_rope_table, check_same_device,
                              check_slots, check_tensor, device_value_checks_on)
 from dsv32ref.kernels.fp8 import cast, e4m3_bytes, finite_amax, hadamard, pow2_scale, quantize_e4m3
 from dsv32ref.kernels.launch import launch
@@ -294,8 +294,8 @@ def fused_norm_rope(
     check_tensor("kv_a_norm_weight", kv_a_norm_weight, shape=(kv_lora,), dtype=floats, dense_dims=1)
     check_tensor("positions", positions, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
     check_tensor("slot_mapping", slot_mapping, shape=(T,), dtype=(torch.int64, torch.int32), dense_dims=1)
-    check_scale("fused_norm_rope: rms_eps", rms_eps)
-    check_scale("fused_norm_rope: ln_eps", ln_eps)
+    check_eps("fused_norm_rope: rms_eps", rms_eps)
+    check_eps("fused_norm_rope: ln_eps", ln_eps)
     has_indexer = index_k is not None
     d_i = _check_indexer(index_k, k_norm_weight, k_norm_bias, index_cache, T, nb, bs, rope)
     for name, v in (("kv_lora_rank", kv_lora), ("qk_rope_head_dim", rope), ("index_head_dim", d_i)):

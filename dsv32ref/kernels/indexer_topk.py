@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import (check_disjoint, check_range, check_same_device, check_scale, check_tensor,
+from dsv32ref.checks import (check_disjoint, check_fp32_scale, check_range, check_same_device, check_tensor,
                              device_value_checks_on, is_int)
 from dsv32ref.kernels.fp8 import load_e4m3
 from dsv32ref.kernels.grid import dot_precision, mma
@@ -481,7 +481,7 @@ def indexer_scores_paged(q_idx, weights, index_cache, block_table, req_indices, 
     """
     T, H_I, D = _check_common(q_idx, weights, index_cache, block_table, req_indices, positions)
     check_tensor("scores", scores, shape=(T, None), dtype=torch.float32, device=q_idx.device, dense_dims=1)
-    check_scale("indexer_scores_paged: softmax_scale", softmax_scale)
+    check_fp32_scale("indexer_scores_paged: softmax_scale", softmax_scale)
     tokens = scores_tokens(T, H_I) if tokens is None else tokens
     _check_pow2("indexer_scores_paged", num_warps=num_warps, tokens=tokens)
     sms = _num_sms(q_idx.device, num_sms, "indexer_scores_paged")
@@ -547,8 +547,9 @@ def topk_from_scores(scores, positions, out, block: int = 4096, num_warps: int =
     K = check_tensor("out", out, shape=(T, None), dtype=torch.int32, device=scores.device, dense_dims=1).shape[1]
     chunk = topk_chunk(T, scores.shape[1]) if chunk is None else chunk
     _check_pow2("topk_from_scores", block=block, chunk=chunk, num_warps=num_warps)
-    if chunk > 16384:
-        raise ValueError(f"topk_from_scores: chunk must be at most 16384 (one block per program), got {chunk}")
+    for name, v, most in (("chunk", chunk, 16384), ("block", block, 16384), ("num_warps", num_warps, 16)):
+        if v > most:  # chunk: one block a program; block: its scores in registers
+            raise ValueError(f"topk_from_scores: {name} must be at most {most}, got {v}")
     for name, v in (("split_below_rows", split_below_rows), ("split_above", split_above)):
         if not is_int(v) or v < 0:
             raise ValueError(f"topk_from_scores: {name} must be an int >= 0, got {v!r}")

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import check_disjoint, check_same_device, check_scale, check_tensor
+from dsv32ref.checks import check_disjoint, check_eps, check_same_device, check_tensor
 from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.fused_norm_rope import times_weight
 from dsv32ref.kernels.grid import num_sms
@@ -81,7 +81,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     check_tensor("weight", weight, shape=(hidden,), dtype=x.dtype, dense_dims=1)
     check_tensor("out", out, shape=(T, hidden), dtype=x.dtype, dense_dims=1)
     check_tensor("residual_out", residual_out, shape=(T, hidden), dtype=x.dtype, dense_dims=1)
-    check_scale("add_rms_norm: eps", eps)
+    check_eps("add_rms_norm: eps", eps)
     check_same_device(x=x, residual=residual, weight=weight, out=out, residual_out=residual_out)
     check_disjoint("add_rms_norm", {"out": out, "residual_out": residual_out},
                    {"x": x, "residual": residual, "weight": weight})

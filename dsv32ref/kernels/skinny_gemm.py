@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv32ref.checks import (check_disjoint, check_int, check_same_device, check_tensor, device_value_checks_on,
-                             is_int)
+from dsv32ref.checks import (check_device, check_disjoint, check_int, check_same_device, check_tensor,
+                             device_value_checks_on, is_int)
 from dsv32ref.kernels.fp8 import cast
 from dsv32ref.kernels.grid import dot_precision, mma, num_sms
 from dsv32ref.kernels.launch import launch
@@ -100,8 +100,8 @@ def skinny_plan(N: int, K: int, batch: int, device: torch.device, split: bool = 
 def skinny_gemm_counters(device: torch.device | str, n: int = 1 << 16) -> torch.Tensor:
     """A counters buffer for skinny_gemm's split-K: int32 zeros [n]; every call leaves it zero. Calls that share
     one must run one after another (one stream): a graph or an engine step owns one."""
-    check_int("skinny_gemm_counters: n", n, low=1)
-    return torch.zeros(n, dtype=torch.int32, device=device)
+    check_int("skinny_gemm_counters: n", n, low=1, high=1 << 24)
+    return torch.zeros(n, dtype=torch.int32, device=check_device("skinny_gemm_counters: device", device))
 
 
 def _as_batched(name: str, t, rank: int) -> torch.Tensor:

@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from dsv32ref.cache import LATENT_ROW_BYTES
-from dsv32ref.checks import (check_bool, check_disjoint, check_keys, check_range, check_same_device, check_scale,
-                             check_tensor, device_value_checks_on, is_int)
+from dsv32ref.checks import (check_bool, check_disjoint, check_fp32_scale, check_keys, check_range, check_same_device,
+                             check_tensor, device_value_checks_on, is_int, shown)
 from dsv32ref.kernels.fp8 import load_e4m3
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
@@ -289,6 +289,7 @@ FP32_CONFIG = dict(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=1)
 # without spills (scripts/sass_sparse_mla.py; 64-key steps spill). Not yet timed against FlashMLA's kernel.
 FP8_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
 CONFIG_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "NUM_SPLITS")
+CONFIG_MOST = dict(BLOCK_H=128, BLOCK_N=256, num_warps=16, num_stages=8)  # past these a tile no longer fits an SM
 # Few keys. A step of a few tokens may hold tokens with few keys to visit (an 8-token prompt's have 1 to 8): a
 # program of 64 heads (the sm_90 kernels', DEFAULT_CONFIG's) is then one long latency chain, on as many SMs as
 # there are tokens. Such a step launches twice: the tokens with at most FEW_KEYS top-k slots to visit (valid first:
@@ -347,7 +348,7 @@ def check_inputs(q, latent_cache, block_table, req_indices, seq_lens, topk_indic
     check_tensor("topk_indices", topk_indices, shape=(T, None), dtype=torch.int32, dense_dims=1)
     if lse is not None:
         check_tensor("lse", lse, shape=(T, H), dtype=torch.float32, dense_dims=1)
-    check_scale("sparse_mla_paged: sm_scale", sm_scale)
+    check_fp32_scale("sparse_mla_paged: sm_scale", sm_scale, math.log2(math.e))  # the kernels scale by it in base 2
     if device_value_checks_on():  # debug mode (dsv32ref.checks.checking_device_values): syncs
         check_disjoint("sparse_mla_paged", {"out": out, "lse": lse},
                        dict(q=q, latent_cache=latent_cache, block_table=block_table, req_indices=req_indices,
@@ -404,11 +405,11 @@ def launch_plan(q: torch.Tensor, d_lat: int, K: int, config: dict | None, sms: i
     so it is fixed within a captured graph."""
     base = FP32_CONFIG if q.dtype == torch.float32 else FP8_CONFIG if fp8 else DEFAULT_CONFIG
     cfg = dict(base, **(config or {}))
-    for key in ("BLOCK_H", "BLOCK_N", "num_warps"):  # tile sizes and warps: powers of two (tl.arange's, triton's)
-        if not is_int(cfg[key]) or cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"sparse_mla_paged: config {key} must be a power of two, got {cfg[key]!r}")
-    if not is_int(cfg["num_stages"]) or cfg["num_stages"] < 1:
-        raise ValueError(f"sparse_mla_paged: config num_stages must be an int >= 1, got {cfg['num_stages']!r}")
+    for key, most in CONFIG_MOST.items():  # tiles and warps: powers of two (tl.arange's, triton's), and bounded
+        v = cfg[key]
+        if not is_int(v) or v < 1 or v > most or (key != "num_stages" and v & (v - 1)):
+            what = "an int" if key == "num_stages" else "a power of two"
+            raise ValueError(f"sparse_mla_paged: config {key} must be {what} in [1, {most}], got {shown(v)}")
     T, H = q.shape[:2]
     block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(H)))
     splits = cfg.get("NUM_SPLITS")

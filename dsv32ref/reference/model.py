@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from dsv32ref.cache import AttentionMetadata, PagedKVCache, check_cache_fits
-from dsv32ref.checks import check_tensor
+from dsv32ref.checks import check_fits, check_tensor, module_bytes
 from dsv32ref.config import ModelConfig
 from dsv32ref.reference.mla import DeepseekV32Attention, LayerCache
 from dsv32ref.reference.moe import MLP, MoE
@@ -62,6 +62,11 @@ class DeepseekV32ForCausalLM(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise ValueError(f"DeepseekV32ForCausalLM: config: expected a ModelConfig, got {type(config).__name__}")
+        device = torch.get_default_device()
+        if device.type != "meta":  # a model larger than its device is refused first (its size read off a meta copy)
+            with torch.device("meta"):
+                size = module_bytes(DeepseekV32ForCausalLM(config, form, deployed_numerics))
+            check_fits(f"DeepseekV32ForCausalLM: {config.name} in {torch.get_default_dtype()}", size, device)
         self.config = config
         self.model = DeepseekV32Model(config, form, deployed_numerics)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
