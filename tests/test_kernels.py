@@ -639,16 +639,6 @@ def test_sparse_mla_top_k_within_few_keys_is_the_few_keys_launch_alone(seed):
     assert_close("lse", lse, ref_lse, dtype=torch.float32, rtol=64, atol=64, row_dims=1)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads,kv_cache_dtype", [(64, "auto"), (128, "auto"), (64, "fp8")])
-def test_sparse_mla_few_keys_tokens_beside_the_sm90_kernels(heads, kv_cache_dtype, seed):
-    """The same step compiled: the few-keys tokens in the Triton launch, the others in the pair kernel (bf16
-    rows) or the warp-specialized one (FlashMLA's FP8 rows) with top-k splits, which leave them alone."""
-    names = _few_keys_step(heads, None, "cuda", torch.bfloat16, seed, block_size=64, kv_cache_dtype=kv_cache_dtype)
-    main = "_sparse_mla_ws_kernel" if kv_cache_dtype == "fp8" else "_sparse_mla_pairs_kernel"
-    assert names == [main, "_combine_splits_kernel", "_sparse_mla_kernel"]
-
-
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 def test_sparse_mla_unpacked_cache_matches_packed(device, dtype, tol, seed):
     """The kernel resolves (block, offset) to one row number in units of the cache's row stride. A view whose
