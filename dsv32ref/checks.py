@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_eps", "check_fits", "check_int", "check_keys",
-           "check_range", "check_replaceable", "device_memory_bytes", "module_bytes",
-           "check_rope_table", "check_scale", "check_fp32_scale", "shown", "checking_device_values", "device_value_checks_on", "is_int",
-           "is_number", "rel_err"]
+           "check_range", "check_replaceable", "device_memory_bytes", "module_bytes", "check_rope_table", "check_scale",
+           "check_fp32_scale", "shown", "checking_device_values", "device_value_checks_on", "is_int", "is_number",
+           "rel_err"]
 
 
 def check_tensor(
