@@ -2,7 +2,8 @@
 
     git archive REV dsv32ref | tar -x -C DIR        # a copy of the package at REV (echo REV > DIR/REVISION)
     python scripts/ab_package.py --against DIR [DIR ...]
-        [--probes sparse_mla route add_rms_norm sparse_mla_fp8 indexer_fp8] [--rounds 2] [--out F.json]
+        [--probes sparse_mla route add_rms_norm sparse_mla_fp8 indexer_fp8 sparse_mla_prefill] [--rounds 2]
+        [--out F.json]
 
 Each probe runs in a process of its own with one arm's package first on its path: this tree's, then each copy's,
 round after round (the order rotating), so that a change is timed against what it replaces under the same drift
@@ -26,7 +27,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # "where": which package an arm imports (no GPU)
-PROBES = ("sparse_mla", "route", "add_rms_norm", "sparse_mla_fp8", "indexer_fp8", "where")
+PROBES = ("sparse_mla", "route", "add_rms_norm", "sparse_mla_fp8", "indexer_fp8", "sparse_mla_prefill", "where")
 MAX_ROUNDS = 100  # each round runs every probe in every arm, a process each
 
 
@@ -273,6 +274,44 @@ def probe_add_rms_norm() -> dict:
             h = x.double() + res.double()
             ok = rel_err(out, rms_norm(h, weight.double(), 1e-6)) <= 1e-2 and rel_err(res_out, h) <= 1e-2
             cases[f"hidden{hidden} T{T}"] = (_graph_us([call] * 20), ok)
+    return cases
+
+
+def probe_sparse_mla_prefill() -> dict:
+    """sparse_mla_paged over one 32k-token request's last 512-8192 tokens (2048 random visible keys each, repeats
+    possible: the kernel benchmark's rows), both models, checked per element against the float64 reference in
+    chunks of tokens; and a bf16 GEMM of 8192^3 in the same process, the ceiling its TFLOP/s are read against."""
+    import torch
+    from dsv32ref.bench.kernels import BLOCK_SIZE, one_request, shapes, slots_of
+    from dsv32ref.kernels import sparse_mla_paged
+    from dsv32ref.reference import sparse_mla
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty_like(a)
+    cases = {"gemm 8192^3": (_graph_us([lambda: torch.mm(a, b, out=c)] * 4, replays=10), True)}
+    del a, b, c
+    for model, sizes in (("glm-5.2", (512, 2048, 8192)), ("deepseek-v3.2", (512, 2048))):
+        z = shapes(model)
+        for T in sizes:
+            r = one_request(32768, T)
+            cache = torch.randn(r["nblocks"], BLOCK_SIZE, 576, device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(T, z["H"], 576, device="cuda", dtype=torch.bfloat16)
+            topk = (torch.rand(T, z["k"], device="cuda") * (r["positions"] + 1)[:, None]).long().int()
+            out = torch.full((T, z["H"], 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+            lse = torch.full((T, z["H"]), float("nan"), device="cuda")
+            scale = z["config"].softmax_scale
+
+            def call(q=q, cache=cache, r=r, topk=topk, out=out, lse=lse, scale=scale):
+                sparse_mla_paged(q, cache, r["block_table"], r["req"], r["seq_lens"], topk, scale, out, lse)
+
+            call()
+            slots = slots_of(r["block_table"], topk.long(), r["req"]).int()
+            rows, ok = cache.view(-1, 576).double(), True
+            for t0 in range(0, T, 128):  # the float64 gathers of 128 tokens: about 1.2 GB
+                sl = slice(t0, t0 + 128)
+                ref, ref_lse = sparse_mla(q[sl].double(), rows, slots[sl], scale, 512)
+                ok = ok and _matches(out[sl], lse[sl], ref, ref_lse)
+            cases[f"{model} T{T}"] = (_graph_us([call] * 2, replays=10), ok)
     return cases
 
 
