@@ -26,8 +26,14 @@ the second one's gathers find the rows the first one's brought into L2.
 
 Each warpgroup's QK^T is a 64 x 64 MMA over 576 columns (the warpgroups of sparse_mla_hopper each take 32 keys),
 each P meets half of V from registers and the other half from shared memory, and the row statistics cross the
-warpgroups once a pair (the max: one hand-off each way; the row sums: once, after the loop). Hand-offs between
-the partitions are mbarriers (one arrive after the warpgroup's barrier: a release of its shared-memory writes).
+warpgroups once a pair (the max: one hand-off each way; the row sums: once, after the loop). The consumers'
+hand-offs within a pair (the two maxima, P0 and P1) are hardware named barriers, as in FlashMLA: the sender's
+threads arrive and go on, the receiver's wait, with no barrier inside a warpgroup first; the stages and the row
+sums are mbarriers (one arrive after the warpgroup's barrier: a release of its shared-memory writes). With the
+scale applied in the exponential's FFMA (exp2(s c - m)) rather than to S first, that took 2-4 % off the kernel's
+time on one H100 (scripts/ab_package.py's sparse_mla_prefill, 3 rounds, graph replay: GLM-5.2 at 512, 2048 and
+8192 tokens x0.968, x0.973, x0.961; DeepSeek-V3.2 at 512 and 2048 x0.975, x0.971), where a warpgroup's barrier
+before each of the four mbarrier arrives sat between the consumers every pair.
 
     shared memory (bf16): q 64 x 576 (72 KiB) + 2 blocks 64 x 576 (144 KiB) + P1 64 x 64 (8 KiB) = 224 KiB;
     P0 lives in block 0's k_pe
@@ -72,14 +78,18 @@ ODD_REGS = gl.constexpr(208)
 HALF = gl.constexpr(256)  # the columns of c_kv each consumer owns in O, and a stage's L half
 L = gl.constexpr(0)  # a stage's halves: index of its barriers
 R = gl.constexpr(1)
-# the consumers' hand-offs (mbarriers, one arrive each): consumer 0's running max, the pair's max, after the loop
-# each one's row sums (the first four: also rows of the statistics in shared memory), and P0, P1
+# rows of the consumers' statistics in shared memory: consumer 0's running max, the pair's max, and after the loop
+# each one's row sums (those two handed over by mbarriers: `hand`, indexed from L_EVEN)
 M_EVEN = gl.constexpr(0)
 M_PAIR = gl.constexpr(1)
 L_EVEN = gl.constexpr(2)
 L_ODD = gl.constexpr(3)
-P_EVEN = gl.constexpr(4)
-P_ODD = gl.constexpr(5)
+# the hand-offs within a pair: hardware named barriers of the two consumer warpgroups (256 threads), ids past the
+# ones Triton's own barriers take (0-3): the two maxima, P0 (over block 0's k_pe) and P1
+BAR_M_EVEN = gl.constexpr(8)
+BAR_M_PAIR = gl.constexpr(9)
+BAR_P_EVEN = gl.constexpr(10)
+BAR_P_ODD = gl.constexpr(11)
 # each consumer's register layouts (one warpgroup): S (64 x 64), O's half (64 x 256), P as an MMA's A operand
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
@@ -95,6 +105,24 @@ def _opaque_zero(j):
 
 
 @gluon.jit
+def _arrive(j, bar: gl.constexpr):
+    """This warpgroup's threads arrive at named barrier `bar` and go on (bar.arrive): what each stored to shared
+    memory before is visible to the other consumer once its _wait(bar) passes. (The id goes to the asm as a register
+    made from the loop counter j: inline asm takes tensors.)"""
+    gl.inline_asm_elementwise("bar.arrive $1, 256;\nmov.u32 $0, 0;", "=r,r", [_opaque_zero(j) + bar],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait(j, bar: gl.constexpr):
+    """This warpgroup waits at named barrier `bar` until the other consumer's threads have arrived (bar.sync over
+    both warpgroups). Each barrier is used once a pair by each side, and neither side can arrive twice before the
+    other has waited: the next arrive follows a hand-off the other way."""
+    gl.inline_asm_elementwise("bar.sync $1, 256;\nmov.u32 $0, 0;", "=r,r", [_opaque_zero(j) + bar],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _pair_views(q_lat, q_pe, k_lat, k_pe, j):
     """Pair j's views: q's two parts, block 0's c_kv and k_pe, block 1's (indexed by _opaque_zero(j))."""
     z = _opaque_zero(j)
@@ -102,19 +130,19 @@ def _pair_views(q_lat, q_pe, k_lat, k_pe, j):
 
 
 @gluon.jit
-def _masked_scores(s, valid_st, sm_scale_log2, s_l: gl.constexpr):
-    """Raw scores (64 heads x 64 keys) -> base-2 logits, -inf at the keys the stage's flags mark invalid."""
+def _masked_scores(s, valid_st, s_l: gl.constexpr):
+    """Raw scores (64 heads x 64 keys), -inf at the keys the stage's flags mark invalid. The scale comes later, in
+    one FFMA with the max (exp2(s sm_scale_log2 - m)), and on the row max (the scale is > 0: the max of the scaled
+    scores, bit for bit)."""
     valid = valid_st.load(gl.SliceLayout(0, s_l)) != 0
-    return gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+    return gl.where(valid[None, :], s, float("-inf"))
 
 
 @gluon.jit
-def _publish(smem, value, bar, FOR_MMA: gl.constexpr = False):
-    """value into shared memory, visible to the other partitions once `bar` completes; FOR_MMA: to their MMAs too
-    (the async proxy: a fence first). The row statistics are read by plain loads and need no fence."""
+def _publish(smem, value, bar):
+    """value into shared memory, visible to the other partitions once mbarrier `bar` completes (read by plain
+    loads: no proxy fence)."""
     smem.store(value)
-    if FOR_MMA:
-        fence_async_shared()
     _cta_barrier()  # the warpgroup's stores are all made
     mbarrier.arrive(bar)
 
@@ -135,8 +163,8 @@ def _rescale(m_old, m_new):
 @gluon.jit
 def _row_sums(l_i, stats, mine: gl.constexpr, theirs: gl.constexpr, hand, s_l: gl.constexpr):
     """This consumer's row sums published, the other's added: P's row sums over the whole top-k."""
-    _publish(stats.index(mine), l_i, hand.index(mine))
-    mbarrier.wait(hand.index(theirs), 0)
+    _publish(stats.index(mine), l_i, hand.index(mine - L_EVEN))
+    mbarrier.wait(hand.index(theirs - L_EVEN), 0)
     return l_i + stats.index(theirs).load(gl.SliceLayout(1, s_l))
 
 
@@ -189,26 +217,28 @@ def _even_pair(smem, sm_scale_log2, j, s, m_i, l_i, acc, s_zero, NEXT: gl.conste
     """Consumer 0's pair j, its S0 given (waited); with NEXT, pair j + 1's S0 issued behind P1 V1 (the tensor cores
     get work across the pair boundary) and returned waited. -> (S0 of pair j + 1 or s, m_i, l_i, acc)."""
     q_lat, q_pe, k_lat, k_pe, p_odd, valid_smem, stats, q_bar, ready, free, hand = smem
-    ph = j & 1
     qz, qz_pe, k0, k0_pe, k1, k1_pe = _pair_views(q_lat, q_pe, k_lat, k_pe, j)
-    s = _masked_scores(s, valid_smem.index(0), sm_scale_log2, S_L)
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    s = _masked_scores(s, valid_smem.index(0), S_L)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * sm_scale_log2)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_safe[:, None])
+    p = gl.exp2(s * sm_scale_log2 - m_safe[:, None])
     alpha = _rescale(m_i, m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    _publish(stats.index(M_EVEN), m_new, hand.index(M_EVEN))
+    stats.index(M_EVEN).store(m_new)
+    _arrive(j, BAR_M_EVEN)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
     acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_L), k0.slice(0, HALF, dim=1), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     _release(free.index(2 * 0 + L))
-    mbarrier.wait(hand.index(M_PAIR), ph)  # the pair's max, from consumer 1
+    _wait(j, BAR_M_PAIR)  # the pair's max, from consumer 1
     m_pair = stats.index(M_PAIR).load(gl.SliceLayout(1, S_L))
     beta = _rescale(m_new, m_pair)
-    _publish(k0_pe, (p * beta[:, None]).to(gl.bfloat16), hand.index(P_EVEN), True)  # P0 over block 0's k_pe
+    k0_pe.store((p * beta[:, None]).to(gl.bfloat16))  # P0 over block 0's k_pe
+    fence_async_shared()  # for consumer 1's MMA (the async proxy)
+    _arrive(j, BAR_P_EVEN)
     l_i = l_i * beta
     acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
-    mbarrier.wait(hand.index(P_ODD), ph)
+    _wait(j, BAR_P_ODD)
     acc = warpgroup_mma(p_odd, k1.slice(0, HALF, dim=1), acc, is_async=True)
     if NEXT:  # pair j + 1's first QK^T part behind P1 V1; then P1 V1 waited for (MMA groups retire in order)
         s_next = _scores_even_l(q_lat, k_lat, ready, j + 1, s_zero)
@@ -253,19 +283,22 @@ def _consume_odd(smem, out, sm_scale_log2, n_pairs, D_LAT: gl.constexpr, NUM_SPL
         fence_async_shared()
         s = warpgroup_mma(qz.slice(0, HALF, dim=1), k1.slice(0, HALF, dim=1).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        s = _masked_scores(s, valid_smem.index(1), sm_scale_log2, S_L)
-        mbarrier.wait(hand.index(M_EVEN), ph)  # consumer 0's running max (the last pair's max included)
-        m_pair = gl.maximum(stats.index(M_EVEN).load(gl.SliceLayout(1, S_L)), gl.max(s, axis=1))
-        _publish(stats.index(M_PAIR), m_pair, hand.index(M_PAIR))
+        s = _masked_scores(s, valid_smem.index(1), S_L)
+        _wait(j, BAR_M_EVEN)  # consumer 0's running max (the last pair's max included)
+        m_pair = gl.maximum(stats.index(M_EVEN).load(gl.SliceLayout(1, S_L)), gl.max(s, axis=1) * sm_scale_log2)
+        stats.index(M_PAIR).store(m_pair)
+        _arrive(j, BAR_M_PAIR)
         m_safe = gl.where(m_pair == float("-inf"), 0.0, m_pair)
-        p = gl.exp2(s - m_safe[:, None])
+        p = gl.exp2(s * sm_scale_log2 - m_safe[:, None])
         alpha = _rescale(m_i, m_pair)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         pb = p.to(gl.bfloat16)
         acc = warpgroup_mma(gl.convert_layout(pb, P_L), k1.slice(HALF, HALF, dim=1), acc, is_async=True)
-        _publish(p_odd, pb, hand.index(P_ODD), True)
-        mbarrier.wait(hand.index(P_EVEN), ph)
+        p_odd.store(pb)
+        fence_async_shared()
+        _arrive(j, BAR_P_ODD)
+        _wait(j, BAR_P_EVEN)
         acc = warpgroup_mma(k0_pe, k0.slice(HALF, HALF, dim=1), acc, is_async=True)  # P0, over block 0's k_pe
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # P1 V1 done: block 1's R half is free
         _release(free.index(2 * 1 + R))
@@ -335,7 +368,7 @@ def _produce_pairs(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cs, idx_row_pt
 def _pair_buffers(D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
     """Shared memory: q, the pair's two blocks, P1, the blocks' flags, the consumers' row statistics (M_EVEN,
     M_PAIR, L_EVEN, L_ODD rows), and the barriers: q's, each stage half's `ready` (every producer thread's copies
-    plus one release) and `free` (one arrive), the hand-offs' (one arrive)."""
+    plus one release) and `free` (one arrive), the row sums' hand-offs (one arrive)."""
     lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], gl.bfloat16)
     pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
@@ -350,12 +383,12 @@ def _pair_buffers(D_LAT: gl.constexpr, D_ROPE: gl.constexpr):
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    hand = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    hand = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=LOAD_WARPS * 32)
     for i in gl.static_range(4):
         mbarrier.init(ready.index(i), count=LOAD_WARPS * 32 + 1)
         mbarrier.init(free.index(i), count=1)
-    for i in gl.static_range(6):
+    for i in gl.static_range(2):
         mbarrier.init(hand.index(i), count=1)
     return q_lat, q_pe, k_lat, k_pe, p_odd, valid_smem, stats, q_bar, ready, free, hand
 
