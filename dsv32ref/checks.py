@@ -93,7 +93,7 @@ def check_bool(name: str, v) -> bool:
 
 
 def shown(v) -> str:
-    """v's repr for a message, cut to 40 characters with the full length said (a 309-digit int is not 1.8e39)."""
+    """v's repr for a message; past 40 characters its first 24 and its length (a 309-digit int is not 1.8e39)."""
     r = repr(v)
     return r if len(r) <= 40 else f"{r[:24]}... ({len(r)} characters)"
 
@@ -118,8 +118,8 @@ def check_fp32_scale(name: str, v, factor: float = 1.0) -> float:
     of 1e308 would make every score inf (and the softmax NaN), one of 1e-50 every score 0."""
     scale = check_scale(name, v)
     if not FP32_TINY <= scale * factor <= FP32_MAX:
-        what = "a value" if factor == 1 else f"a value whose product with {factor:.6g}"
-        raise ValueError(f"{name}: expected {what} to lie within float32's range [{FP32_TINY:.3g}, "
+        what = "a value" if factor == 1 else f"a value whose product with {factor:.6g} lies"
+        raise ValueError(f"{name}: expected {what} within float32's range [{FP32_TINY:.3g}, "
                          f"{FP32_MAX:.4g}] (the kernel computes in it), got {shown(v)}")
     return scale
 

@@ -280,7 +280,8 @@ def probe_add_rms_norm() -> dict:
 def probe_sparse_mla_prefill() -> dict:
     """sparse_mla_paged over one 32k-token request's last 512-8192 tokens (2048 random visible keys each, repeats
     possible: the kernel benchmark's rows), both models, checked per element against the float64 reference in
-    chunks of tokens; and a bf16 GEMM of 8192^3 in the same process, the ceiling its TFLOP/s are read against."""
+    chunks of tokens; and a bf16 GEMM of 8192^3 timed in the same process: the ceiling to read its rate against
+    (2 T H 2048 (576 + 512) FLOPs a call)."""
     import torch
     from dsv32ref.bench.kernels import BLOCK_SIZE, one_request, shapes, slots_of
     from dsv32ref.kernels import sparse_mla_paged
@@ -307,7 +308,7 @@ def probe_sparse_mla_prefill() -> dict:
             call()
             slots = slots_of(r["block_table"], topk.long(), r["req"]).int()
             rows, ok = cache.view(-1, 576).double(), True
-            for t0 in range(0, T, 128):  # the float64 gathers of 128 tokens: about 1.2 GB
+            for t0 in range(0, T, 128):  # the float64 gathers of 128 tokens: about 2.4 GB at the peak
                 sl = slice(t0, t0 + 128)
                 ref, ref_lse = sparse_mla(q[sl].double(), rows, slots[sl], scale, 512)
                 ok = ok and _matches(out[sl], lse[sl], ref, ref_lse)

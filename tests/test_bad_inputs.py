@@ -1064,10 +1064,10 @@ KERNEL_CASES = [
     (_mla(config={1: 2, "a": 3}), r"sparse_mla_paged: config: unknown key\(s\) \['a', 1\]"),
     (_mla(config=[]), r"sparse_mla_paged: config: expected None or a dict, got list \[\]"),
     (_mla(config="BLOCK_N"), r"sparse_mla_paged: config: expected None or a dict, got str 'BLOCK_N'"),
-    (_mla(sm_scale=1e308), r"sparse_mla_paged: sm_scale: expected a value whose product with 1.4427 to lie within "
+    (_mla(sm_scale=1e308), r"sparse_mla_paged: sm_scale: expected a value whose product with 1.4427 lies within "
                            r"float32's range \[1.4e-45, 3.403e\+38\] \(the kernel computes in it\), got 1e\+308"),
     (_mla(sm_scale=1e-50), r"sparse_mla_paged: sm_scale: expected a value whose product .* got 1e-50"),
-    (_idx(softmax_scale=1e308), r"indexer_scores_paged: softmax_scale: expected a value to lie within float32's range"),
+    (_idx(softmax_scale=1e308), r"indexer_scores_paged: softmax_scale: expected a value within float32's range"),
     (_nr(rms_eps=1e-50), r"fused_norm_rope: rms_eps: expected a value > 0 in float32 and finite there"),
     (lambda: add_rms_norm(torch.zeros(2, 64), None, torch.ones(64), 1e-50, torch.empty(2, 64), torch.empty(2, 64)),
      r"add_rms_norm: eps: expected a value > 0 in float32 and finite there \(the norms compute in it\), got 1e-50"),

@@ -257,6 +257,9 @@ def test_fused_moe_and_the_router_refuse_outputs_over_their_inputs_and_weights_t
         route_kernel(c, x, gate, bias, ids, ids.view(torch.float32))
     with pytest.raises(ValueError, match="route_kernel: weights overlaps weight in memory"):
         route_kernel(c, x, gate, bias, ids, gate.view(-1)[:ids.numel()].view(ids.shape))
+    for T in (3, 0):  # outputs that are not tensors, with tokens and without
+        with pytest.raises(ValueError, match="ids: expected a torch.Tensor, got NoneType"):
+            route_kernel(c, x[:T], gate, bias, None, None)
     for bad, match in ((gate.tolist(), "gate_weight: expected a torch.Tensor, got list"),
                        (gate.numpy(), "gate_weight: expected a torch.Tensor, got ndarray")):
         with pytest.raises(ValueError, match=match):

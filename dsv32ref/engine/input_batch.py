@@ -120,13 +120,14 @@ class InputBatch:
     def __init__(self, config: ModelConfig, ec: EngineConfig, device: torch.device):
         self.config, self.ec, self.device = config, ec, device
         n_max, seqs, nb = ec.max_step_tokens, ec.max_num_seqs, ec.max_blocks_per_seq
+        n64, n32 = 3 * n_max + seqs, n_max + (seqs + 1) * (1 + nb)
         check_fits("InputBatch: the step's buffers (EngineConfig's max_num_batched_tokens, max_num_seqs and "
-                   "max_model_len size them)", 8 * (3 * n_max + seqs) + 4 * (n_max + (seqs + 1) * (1 + nb)) +
-                   4 * n_max * config.index_topk + 4 * ec.scores_rows * ec.max_model_len +
-                   4 * ec.max_model_len * config.qk_rope_head_dim, device)
+                   "max_model_len size them)", (1 + (device.type == "cpu")) * (8 * n64 + 4 * n32) +  # + host twins
+                   4 * n_max * config.index_topk +
+                   4 * ec.scores_rows * ec.max_model_len + 4 * ec.max_model_len * config.qk_rope_head_dim, device)
         cos, sin = RotaryEmbedding(config).to(device)(torch.arange(ec.max_model_len, device=device))
         self.cos, self.sin = cos.contiguous(), sin.contiguous()
-        self.buffers = StepBuffers(device, n64=3 * n_max + seqs, n32=n_max + (seqs + 1) * (1 + nb))
+        self.buffers = StepBuffers(device, n64=n64, n32=n32)  # a pinned host copy of each beside it
         d64, d32 = self.buffers.device64, self.buffers.device32
         self.input_ids, self.positions, self.slot_mapping = (d64[i * n_max:(i + 1) * n_max] for i in range(3))
         self.logits_indices = d64[3 * n_max:]

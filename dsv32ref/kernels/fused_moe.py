@@ -354,15 +354,15 @@ def _dtype_code(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
-def _check_router(c: ModelConfig, launcher: str, x, weight, e_score_correction_bias, ids=None, weights=None,
-                  weight_name: str = "weight") -> None:
-    """route_kernel's arguments (its docstring), refused by name; fused_moe's router weights (without ids and
-    weights, which it makes; its weight is gate_weight)."""
+def _check_router(c: ModelConfig, launcher: str, x, weight, e_score_correction_bias, ids, weights,
+                  outputs: bool = True, weight_name: str = "weight") -> None:
+    """route_kernel's arguments (its docstring), refused by name; without `outputs`, fused_moe's router weights
+    alone (it makes ids and weights; its weight is gate_weight)."""
     T, hidden = x.shape
     E, k = c.n_routed_experts, c.num_experts_per_tok
     check_tensor(weight_name, weight, shape=(E, hidden), dtype=torch.float32, dense_dims=2)
     check_tensor("e_score_correction_bias", e_score_correction_bias, shape=(E,), dtype=torch.float32, dense_dims=1)
-    if ids is not None or weights is not None:
+    if outputs:
         check_tensor("ids", ids, shape=(T, k), dtype=torch.int32, dense_dims=2)
         check_tensor("weights", weights, shape=(T, k), dtype=torch.float32, dense_dims=2)
     inputs = {"x": x, weight_name: weight, "e_score_correction_bias": e_score_correction_bias}
@@ -477,7 +477,8 @@ def fused_moe(config: ModelConfig, x: torch.Tensor, gate_weight: torch.Tensor, e
     if tiles is not None and not (isinstance(tiles, tuple) and len(tiles) == 2
                                   and all(isinstance(t, Tiles) for t in tiles)):
         raise ValueError(f"fused_moe: tiles expected None or (Tiles, Tiles) for (gate/up, down), got {tiles!r}")
-    _check_router(c, "fused_moe", x, gate_weight, e_score_correction_bias, weight_name="gate_weight")
+    _check_router(c, "fused_moe", x, gate_weight, e_score_correction_bias, None, None, outputs=False,
+                  weight_name="gate_weight")
     weights_in = dict(x=x, gate_weight=gate_weight, e_score_correction_bias=e_score_correction_bias, w13=w13, w2=w2,
                       **({} if shared is None else {"shared gate_up_proj": shared[0], "shared down_proj": shared[1]}))
     check_same_device(out=out, **weights_in)

@@ -289,7 +289,7 @@ FP32_CONFIG = dict(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=1)
 # without spills (scripts/sass_sparse_mla.py; 64-key steps spill). Not yet timed against FlashMLA's kernel.
 FP8_CONFIG = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
 CONFIG_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "NUM_SPLITS")
-CONFIG_MOST = dict(BLOCK_H=128, BLOCK_N=256, num_warps=16, num_stages=8)  # past these a tile no longer fits an SM
+CONFIG_MOST = dict(BLOCK_H=128, BLOCK_N=256, num_warps=16, num_stages=8)  # bounds past any tile tuned or tested
 # Few keys. A step of a few tokens may hold tokens with few keys to visit (an 8-token prompt's have 1 to 8): a
 # program of 64 heads (the sm_90 kernels', DEFAULT_CONFIG's) is then one long latency chain, on as many SMs as
 # there are tokens. Such a step launches twice: the tokens with at most FEW_KEYS top-k slots to visit (valid first:

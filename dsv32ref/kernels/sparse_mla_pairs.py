@@ -27,13 +27,14 @@ the second one's gathers find the rows the first one's brought into L2.
 Each warpgroup's QK^T is a 64 x 64 MMA over 576 columns (the warpgroups of sparse_mla_hopper each take 32 keys),
 each P meets half of V from registers and the other half from shared memory, and the row statistics cross the
 warpgroups once a pair (the max: one hand-off each way; the row sums: once, after the loop). The consumers'
-hand-offs within a pair (the two maxima, P0 and P1) are hardware named barriers, as in FlashMLA: the sender's
-threads arrive and go on, the receiver's wait, with no barrier inside a warpgroup first; the stages and the row
+hand-offs within a pair (the two maxima, P0 and P1) are hardware named barriers of both consumer warpgroups, as in
+FlashMLA: the sender's threads arrive and go on, the receiver's wait (Triton's compiler still adds one barrier
+inside a warpgroup a pair on the max's path: the statistics' rows share one allocation). The stages and the row
 sums are mbarriers (one arrive after the warpgroup's barrier: a release of its shared-memory writes). With the
-scale applied in the exponential's FFMA (exp2(s c - m)) rather than to S first, that took 2-4 % off the kernel's
-time on one H100 (scripts/ab_package.py's sparse_mla_prefill, 3 rounds, graph replay: GLM-5.2 at 512, 2048 and
-8192 tokens x0.968, x0.973, x0.961; DeepSeek-V3.2 at 512 and 2048 x0.975, x0.971), where a warpgroup's barrier
-before each of the four mbarrier arrives sat between the consumers every pair.
+scale applied in the exponential's FFMA (exp2(s c - m)) rather than to S first, these hand-offs took 3 % off the
+kernel's time against mbarriers behind a warpgroup barrier each, on one H100 (scripts/ab_package.py's
+sparse_mla_prefill, 2 rounds, graph replay: GLM-5.2 at 512, 2048 and 8192 tokens x0.968, x0.971, x0.967;
+DeepSeek-V3.2 at 512 and 2048 x0.964, x0.972).
 
     shared memory (bf16): q 64 x 576 (72 KiB) + 2 blocks 64 x 576 (144 KiB) + P1 64 x 64 (8 KiB) = 224 KiB;
     P0 lives in block 0's k_pe
@@ -84,8 +85,9 @@ M_EVEN = gl.constexpr(0)
 M_PAIR = gl.constexpr(1)
 L_EVEN = gl.constexpr(2)
 L_ODD = gl.constexpr(3)
-# the hand-offs within a pair: hardware named barriers of the two consumer warpgroups (256 threads), ids past the
-# ones Triton's own barriers take (0-3): the two maxima, P0 (over block 0's k_pe) and P1
+# the hand-offs within a pair: hardware named barriers of the two consumer warpgroups (2 x 128 threads: the 256 in
+# _arrive's and _wait's asm), ids past the ones Triton's own barriers take (0-3 in its sm_90a builds of this
+# kernel): the two maxima, P0 (over block 0's k_pe) and P1
 BAR_M_EVEN = gl.constexpr(8)
 BAR_M_PAIR = gl.constexpr(9)
 BAR_P_EVEN = gl.constexpr(10)
