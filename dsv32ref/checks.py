@@ -13,7 +13,7 @@ import torch
 __all__ = ["check_tensor", "check_same_device", "check_disjoint", "check_eps", "check_fits", "check_int", "check_keys",
            "check_range", "check_replaceable", "device_memory_bytes", "module_bytes", "check_rope_table", "check_scale",
            "check_fp32_scale", "shown", "checking_device_values", "device_value_checks_on", "is_int", "is_number",
-           "rel_err"]
+           "is_finite_number", "rel_err"]
 
 
 def check_tensor(
@@ -98,13 +98,17 @@ def shown(v) -> str:
     return r if len(r) <= 40 else f"{r[:24]}... ({len(r)} characters)"
 
 
+def is_finite_number(v) -> bool:
+    """An int or float (not a bool) that is finite as a float (an int past float's range is not)."""
+    try:
+        return is_number(v) and math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def check_scale(name: str, v) -> float:
     """A finite, positive float (a softmax or norm scale): else ValueError naming it."""
-    try:
-        ok = is_number(v) and math.isfinite(v) and v > 0
-    except OverflowError:  # an int past float's range
-        ok = False
-    if not ok:
+    if not (is_finite_number(v) and v > 0):
         raise ValueError(f"{name}: expected a finite number > 0, got {shown(v)}")
     return float(v)
 

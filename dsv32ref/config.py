@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv32ref.checks import check_eps, check_scale, is_int, is_number, shown
+from dsv32ref.checks import check_eps, check_scale, is_finite_number, is_int, shown
 from dsv32ref.hf_config import MAX_LAYERS, indexer_types_from_schedule, parse
 
 __all__ = ["ModelConfig", "PRESETS", "REDUCED_MOE", "indexer_types_from_schedule", "reduced_moe"]
@@ -289,11 +289,7 @@ def _check_yarn(rs) -> None:
                          f"{rs['original_max_position_embeddings']!r}")
     for key in ("mscale", "mscale_all_dim"):
         v = rs.get(key)
-        try:
-            ok = v is None or (is_number(v) and math.isfinite(v) and v >= 0)
-        except OverflowError:  # an int past float's range
-            ok = False
-        if not ok:
+        if v is not None and not (is_finite_number(v) and v >= 0):  # an int past float's range is refused too
             raise ValueError(f"ModelConfig.rope_scaling.{key}: expected a finite number >= 0, got {shown(v)}")
     if rs["factor"] < 1:
         raise ValueError(f"ModelConfig.rope_scaling.factor: expected >= 1, got {rs}")
