@@ -443,6 +443,48 @@ def test_sparse_mla_pair_kernel_on_generated_inputs(query_lens, seed):
     assert torch.isnan(out[-1, 1]).all() or not (x.topk_indices[-1] >= 0).any()  # the NaN reached its head only
 
 
+@pytest.mark.parametrize("device,heads,kv_cache_dtype,config,kernel", [
+    pytest.param("cpu", 4, "auto", None, "triton", marks=CPU),
+    pytest.param("cuda", 128, "auto", None, "sm_90 key pairs", marks=pytest.mark.gpu),
+    pytest.param("cuda", 16, "auto", None, "sm_90 heads as N", marks=pytest.mark.gpu),
+    pytest.param("cuda", 64, "fp8", None, "sm_90 warp-specialized", marks=pytest.mark.gpu),
+    pytest.param("cuda", 64, "auto", {"BLOCK_N": 32}, "triton", marks=pytest.mark.gpu),
+])
+@pytest.mark.parametrize("query_lens", [(3, 1, 2), (1, 1, 1)])  # the decode tokens take top-k splits on a GPU
+def test_sparse_mla_flags_a_scaled_score_past_fp32s_range(device, heads, kv_cache_dtype, config, kernel, query_lens,
+                                                          seed):
+    """sm_scale 1e29 over queries of about 1e-30: scaled scores of order one, except in one head of one token, whose
+    query is 1e40 times larger, so that its scaled scores pass fp32's range (finite in the float64 reference). Every
+    kernel gives that head NaN out and lse, never out 0 and lse +inf ('no valid key': what the pair kernel's
+    exponent FFMA gave, rounding p to 0); every other head equals the reference; outputs poisoned."""
+    from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
+
+    gpu, fp8 = device == "cuda", kv_cache_dtype == "fp8"
+    if gpu and kernel != "triton" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90's kernels")
+    sizes = dict(d_lat=512, d_rope=64, topk=256, block_size=64) if gpu else dict(d_lat=32, d_rope=8, topk=16,
+                                                                                   block_size=4)
+    x = paged_sparse_mla_inputs(num_heads=heads, context_lens=(300, 500, 0), query_lens=query_lens, device=device,
+                                seed=seed, sm_scale=1e29, kv_cache_dtype=kv_cache_dtype, **sizes)
+    t = int((x.topk_indices >= 0).sum(1).argmax())  # a token with valid keys
+    q = x.q.double() * 1e-30
+    q[t, 1] *= 1e40
+    x.q = q.to(x.q.dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else 4
+    splits = launch_plan(x.q, x.d_lat, sizes["topk"], config, sms, fp8=fp8)[2]
+    assert kernel_choice(x.q, x.d_lat, splits, config, fp8=fp8)[0] == kernel
+    want_out, want_lse = reference_sparse_mla_paged(x)
+    assert want_out[t, 1].isfinite().all() and want_lse[t, 1].isfinite()
+    want_out[t, 1], want_lse[t, 1] = float("nan"), float("nan")
+    T, H = x.q.shape[:2]
+    out = torch.full((T, H, x.d_lat), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((T, H), -7.0, device=device)
+    sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,
+                     out, lse, config=config)
+    assert_close("out", out, want_out, dtype=torch.bfloat16, rtol=1, atol=1, row_dims=2)
+    assert_close("lse", lse, want_lse, dtype=torch.float32, rtol=64, atol=64, row_dims=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [32, 16])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
