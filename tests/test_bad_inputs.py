@@ -1555,6 +1555,12 @@ def test_cli_rejects_bad_arguments(capsys):
         assert "dsv32ref: error: kernels needs 1 CUDA GPU(s)" in capsys.readouterr().err
 
 
+def _regions(run: dict, **narrow) -> dict:
+    """A change to run's host_costs: its narrow variant's measured regions with the given lists."""
+    regions = dict(run["host_costs"]["regions"], narrow=dict(run["host_costs"]["regions"]["narrow"], **narrow))
+    return {"host_costs": dict(run["host_costs"], regions=regions)}
+
+
 def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
     """--measured: another model's run, or a run whose fields are of the wrong kind, refused before the
     prediction's minutes with the file and the field named (they were tracebacks, or a model of the wrong run)."""
@@ -1577,6 +1583,11 @@ def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
         ({"host_costs": dict(run["host_costs"], sync_us=-1.0)}, r"host_costs: expected finite numbers >= 0 .*sync_us"),
         ({"variants": {"wide": dict(run["variants"]["wide"], mean_ms=-5.0)}}, r"variants\['wide'\]: .* > 0"),
         ({"variants": {"wide": dict(run["variants"]["wide"], median_ms=0.0)}}, r"variants\['wide'\]: .* > 0"),
+        # the measured host time per layer: a truncated list (zip had dropped every layer: a -99.6 % miss), NaN,
+        # a list where the object belongs (an AttributeError)
+        (_regions(run, graph_us=[1.0]), r"host_costs.regions\['narrow'\]: .* graph_us one longer, got 78 and 1"),
+        (_regions(run, eager_us=[float("nan")] * 78), r"host_costs.regions\['narrow'\]: expected eager_us"),
+        ({"host_costs": dict(run["host_costs"], regions=[1])}, r"host_costs.regions: expected an object, got list"),
     ]
     for i, (change, match) in enumerate(broken):
         path = tmp_path / f"run{i}.json"

@@ -135,6 +135,7 @@ def load_ttft_result(path: str, preset: str | None = None) -> dict:
         f"wrapper_us.{k}" for k in WRAPPER_KERNELS if not _duration(wrappers.get(k))]
     if bad:
         raise ValueError(f"{path!r}: host_costs: expected finite numbers >= 0 (microseconds) for {', '.join(bad)}")
+    _check_regions(path, costs.get("regions"))
     for v, meas in run["variants"].items():
         led = meas.get("ledger") if isinstance(meas, dict) else None
         if not (isinstance(led, dict) and _duration(led.get("gpu_busy_ms"))
@@ -142,6 +143,23 @@ def load_ttft_result(path: str, preset: str | None = None) -> dict:
             raise ValueError(f"{path!r}: variants[{v!r}]: expected mean_ms and median_ms > 0 and ledger.gpu_busy_ms "
                              f">= 0, finite numbers")
     return run
+
+
+def _check_regions(path: str, regions) -> None:
+    """host_costs.regions (what `predict` takes as each layer's measured host time): absent, or per variant an
+    object whose eager_us (one per layer) and graph_us (one more: the segments around them) are lists of durations."""
+    if regions is None:
+        return
+    if not isinstance(regions, dict):
+        raise ValueError(f"{path!r}: host_costs.regions: expected an object, got {type(regions).__name__}")
+    for v, r in regions.items():
+        eager, graph = (r.get("eager_us"), r.get("graph_us")) if isinstance(r, dict) else (None, None)
+        if not (isinstance(eager, list) and isinstance(graph, list) and len(graph) == len(eager) + 1
+                and all(_duration(x) for x in eager + graph)):
+            got = (f"{len(eager)} and {len(graph)}" if isinstance(eager, list) and isinstance(graph, list)
+                   else type(r).__name__)
+            raise ValueError(f"{path!r}: host_costs.regions[{v!r}]: expected eager_us and graph_us, lists of finite "
+                             f"numbers >= 0 (microseconds), graph_us one longer, got {got}")
 
 
 def _duration(v) -> bool:
