@@ -237,23 +237,30 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         if out:
             p.add_argument("--out", default=None, help="the result's path (default: runs/<UTC time>/<name>.json)")
-            p.add_argument("--record", action="store_true", help="write into data/, over the recorded result")
+            p.add_argument("--record", action="store_true", default=argparse.SUPPRESS,
+                           help="write into data/, over the recorded result")
         return p
 
+    # --preset, --seed, --quick and --record are also the top level's (no command runs summary, or reproduce with
+    # --quick / --record); a command's own parser leaves them as given before the command (SUPPRESS: no default of
+    # its own overwrites them)
     s = add("summary", cmd_summary, "presets, the reference end to end, what data/ records", out=False)
-    for p in (parser, s):
+    for p, default in ((parser, None), (s, argparse.SUPPRESS)):
         p.add_argument("--preset", action="append", choices=sorted(p for p in PRESETS if p.startswith("tiny")),
-                       help="small preset(s) to run end to end (default: all tiny presets)")
-        p.add_argument("--seed", type=int, default=0)
+                       default=default, help="small preset(s) to run end to end (default: all tiny presets)")
+        p.add_argument("--seed", type=int, default=0 if default is None else default)
     rp = add("reproduce", cmd_reproduce, "the PR's measurements on this GPU, beside its figures and data/'s",
              out=False)
-    for p in (parser, rp):
-        p.add_argument("--quick", action="store_true", help="the quick preset (minutes) instead of the full one")
-        p.add_argument("--record", action="store_true", help="write the live run into data/ instead of runs/")
+    for p, default in ((parser, False), (rp, argparse.SUPPRESS)):
+        p.add_argument("--quick", action="store_true", default=default,
+                       help="the quick preset (minutes) instead of the full one")
+        p.add_argument("--record", action="store_true", default=default,
+                       help="write the live run into data/ instead of runs/")
     _add_model_commands(add)
-    add("kernels", cmd_kernels, "the kernel benchmark (GPU)").add_argument("--quick", action="store_true")
+    add("kernels", cmd_kernels, "the kernel benchmark (GPU)").add_argument("--quick", action="store_true",
+                                                                          default=argparse.SUPPRESS)
     add("fp8-speed", cmd_fp8_speed, "the FP8 KV cache against bf16: sparse MLA decode, indexer scores (GPU)"
-        ).add_argument("--quick", action="store_true")
+        ).add_argument("--quick", action="store_true", default=argparse.SUPPRESS)
     add("fp8-accuracy", cmd_fp8_accuracy, "the FP8 KV cache against bf16 and float64 caches (CPU)"
         ).add_argument("--tokens", type=int, default=200, help="greedy tokens generated per arm")
     led = add("ledger", cmd_ledger, "launch ledger of each eager boundary")

@@ -25,6 +25,18 @@ def test_main_job_runs_and_passes_its_checks(capsys):
     assert len(recorded) <= 4, recorded  # what data/ holds, in a few lines
 
 
+@pytest.mark.parametrize("argv", [["--seed", "7", "summary"], ["summary", "--seed", "7"],
+                                  ["--preset", "tiny-glm-5.2", "--quick", "--record", "reproduce"],
+                                  ["reproduce", "--quick", "--record"], ["--quick", "kernels"], ["--record", "ttft"]])
+def test_options_before_the_command_are_kept(argv):
+    """--preset, --seed, --quick and --record given before the command or after it: the value given (a command's
+    parser had set its own defaults over the ones given before it: `--seed 7 summary` ran seed 0)."""
+    args = cli._parser().parse_args(argv)
+    got = {k: getattr(args, k) for k in ("seed", "preset", "quick", "record")}
+    assert got == {"seed": 7 if "--seed" in argv else 0, "preset": ["tiny-glm-5.2"] if "--preset" in argv else None,
+                   "quick": "--quick" in argv, "record": "--record" in argv}, argv
+
+
 @CPU
 @pytest.mark.parametrize("cmd", ["reproduce", "ttft", "capture", "regimes", "timeline", "hostcosts", "kernels",
                                  "fp8-speed"])
