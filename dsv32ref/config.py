@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv32ref.checks import check_eps, check_scale, is_finite_number, is_int, shown
+from dsv32ref.checks import check_eps, check_fp32_scale, check_scale, is_finite_number, is_int, shown
 from dsv32ref.hf_config import MAX_LAYERS, indexer_types_from_schedule, parse
 
 __all__ = ["ModelConfig", "PRESETS", "REDUCED_MOE", "indexer_types_from_schedule", "reduced_moe"]
@@ -262,7 +262,7 @@ def _check_router(c: ModelConfig) -> None:
     if c.num_experts_per_tok > c.topk_group * per_group:
         raise ValueError(f"ModelConfig.num_experts_per_tok: {c.num_experts_per_tok} experts cannot be chosen from "
                          f"topk_group={c.topk_group} groups of {per_group}")
-    check_scale("ModelConfig.routed_scaling_factor", c.routed_scaling_factor)
+    check_fp32_scale("ModelConfig.routed_scaling_factor", c.routed_scaling_factor)  # a float32 factor of the MoE
 
 
 def _check_yarn(rs) -> None:

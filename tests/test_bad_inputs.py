@@ -65,6 +65,8 @@ CONFIG_CASES = [
     (dict(rope_theta=1.0), r"ModelConfig.rope_theta: expected a base > 1, got 1.0"),
     (dict(rope_theta=0.5), r"ModelConfig.rope_theta: expected a base > 1, got 0.5"),
     (dict(routed_scaling_factor=math.nan), r"ModelConfig.routed_scaling_factor: expected a finite number > 0"),
+    # inf in float32, where the MoE scales its weights: every logit NaN
+    (dict(routed_scaling_factor=1e39), r"ModelConfig.routed_scaling_factor: expected a value within float32's range"),
     (dict(rms_norm_eps=0.0), r"ModelConfig.rms_norm_eps: expected a finite number > 0, got 0.0"),
     (dict(rms_norm_eps=-1e-6), r"ModelConfig.rms_norm_eps: expected a finite number > 0"),
     (dict(rms_norm_eps=1e-50), r"ModelConfig.rms_norm_eps: expected a value > 0 in float32 .*got 1e-50"),
