@@ -104,8 +104,9 @@ def test_skinny_gemm_split_k_sums_every_split_once(splits, seed):
     B, T, N, K = 3, 5, 40, 16 * 48
     tiles = B * triton.cdiv(N, 16)
     assert skinny_plan(N, K, B, torch.device("cpu"), block_n=16, block_k=16, splits=splits)[2] == splits
-    fenced = torch.full((tiles + 8,), -7, dtype=torch.int32)
-    counters = fenced[4:4 + tiles].zero_()
+    fenced = skinny_gemm_counters("cpu", tiles + 8)
+    fenced[:4], fenced[4 + tiles:] = -7, -7
+    counters = fenced[4:4 + tiles]
     skinny_gemm(torch.randn(2, 40).bfloat16(), torch.randn(70, 40).bfloat16(), torch.empty(2, 70, dtype=torch.bfloat16),
                 counters=counters, splits=2, block_k=16)
     x = torch.randn(B, T, K + 4, generator=gen).bfloat16()[..., :K]
@@ -227,7 +228,11 @@ def test_skinny_gemm_refuses_what_it_cannot_compute():
         skinny_gemm(square, torch.randn(16, 16).bfloat16(), square)
     with checking_device_values(), pytest.raises(ValueError, match="out has elements that share memory"):
         skinny_gemm(x, w, torch.empty(1, 16, dtype=torch.bfloat16).expand(4, 16))
-    dirty = torch.zeros(8, dtype=torch.int32)
+    # counters made elsewhere, zero or not (7s: no program of a tile counted to its last, out was left unwritten)
+    for made in (torch.zeros(8, dtype=torch.int32), torch.full((8, ), 7, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="counters: expected a buffer of skinny_gemm_counters' .* got one made"):
+            skinny_gemm(x, w, out, counters=made, splits=2)
+    dirty = skinny_gemm_counters("cpu", 8)
     dirty[3] = 1
     with checking_device_values(), pytest.raises(ValueError, match="counters: expected all zeros"):
         skinny_gemm(x, w, out, counters=dirty)

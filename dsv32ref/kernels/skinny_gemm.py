@@ -22,6 +22,8 @@ in split order, rounded once: equal to F.linear up to the fp32 summation order.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -97,11 +99,20 @@ def skinny_plan(N: int, K: int, batch: int, device: torch.device, split: bool = 
     return bn, per_split * block_k, triton.cdiv(steps, per_split)
 
 
+# the counters buffers skinny_gemm_counters made, by their memory's address: split-K's last program of a tile is
+# the one whose count reaches SPLITS - 1, so a buffer that does not start at zero leaves its tiles unwritten,
+# silently; skinny_gemm takes only these and views of them (a buffer of torch.empty's is refused), which each call
+# leaves zero
+_COUNTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def skinny_gemm_counters(device: torch.device | str, n: int = 1 << 16) -> torch.Tensor:
     """A counters buffer for skinny_gemm's split-K: int32 zeros [n]; every call leaves it zero. Calls that share
     one must run one after another (one stream): a graph or an engine step owns one."""
     check_int("skinny_gemm_counters: n", n, low=1, high=1 << 24)
-    return torch.zeros(n, dtype=torch.int32, device=check_device("skinny_gemm_counters: device", device))
+    counters = torch.zeros(n, dtype=torch.int32, device=check_device("skinny_gemm_counters: device", device))
+    _COUNTERS[counters.untyped_storage().data_ptr()] = counters
+    return counters
 
 
 def _as_batched(name: str, t, rank: int) -> torch.Tensor:
@@ -127,8 +138,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, counters
                 num_stages: int = 3, num_sms: int | None = None) -> torch.Tensor:
     """out = x wᵀ (F.linear without a bias): x [T, K] and w [N, K] into out [T, N], or batched, x [B, T, K], w
     [B, N, K] into out [B, T, N]; any strides; T <= MAX_ROWS; x, w and out of one dtype (bf16, fp16 or fp32).
-    counters: int32 zeros (`skinny_gemm_counters`, at least B x cdiv(N, block_n) of them), which split-K needs
-    and every call leaves zero; without them K is not split. splits (at most; default `skinny_plan`'s, 1 without
+    counters: a buffer of `skinny_gemm_counters`' or a view of one (int32 zeros, at least B x cdiv(N, block_n) of
+    them), which split-K needs and every call leaves zero; without them K is not split. splits (at most; default `skinny_plan`'s, 1 without
     counters), block_n (default `skinny_plan`'s), block_k, num_warps and num_stages: the launch, for tuning; every
     choice computes the same product up to fp32 summation order. num_sms: the SMs the plan fills (default: the
     device's). Returns out."""
@@ -177,6 +188,9 @@ def _split_plan(N: int, K: int, B: int, device, counters, splits, block_n, block
         if counters.numel() < need:
             raise ValueError(f"counters: expected at least {need} (batches x tiles of {plan[0]} columns), got "
                              f"{counters.numel()}")
+        if _COUNTERS.get(counters.untyped_storage().data_ptr()) is None:
+            raise ValueError("counters: expected a buffer of skinny_gemm_counters' (zeros, which every call leaves "
+                             "zero: split-K's last program is found by counting from 0), got one made elsewhere")
     return plan
 
 
