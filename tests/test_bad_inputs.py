@@ -1422,6 +1422,25 @@ def test_engine_rejects_a_placement_it_cannot_run():
 
 
 @CPU
+def test_engine_holds_steps_to_the_token_budget_and_prompts_whole():
+    """A capture size past max_num_batched_tokens pads decode steps, it does not raise the budget (a step of 24
+    tokens ran at a budget of 16, and the refusal named the capture size); a prompt's bad token is refused before
+    any chunk of it runs (five chunks were prefilled first, and the message named a StepInput the caller never
+    built)."""
+    ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=64, max_num_seqs=2,
+                      max_num_batched_tokens=8, block_size=4, capture_sizes=[1, 2, 4, 32])
+    eng = LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
+    with pytest.raises(ValueError, match=r"step of 12 tokens exceeds max_num_batched_tokens=8"):
+        eng.step(StepInput([(0, list(range(1, 13)), 0)]))
+    steps = []
+    eng.execute = lambda prep: steps.append(prep) or pytest.fail("a chunk ran")
+    with pytest.raises(ValueError, match=r"prompt\[40\]: expected a token id, .*got 1000000"):
+        eng.generate(list(range(1, 41)) + [10 ** 6], 1)
+    assert steps == [] and not eng.allocator.tables
+
+
+@CPU
 def test_engine_rejects_requests_it_cannot_run(cpu_engine):
     eng = cpu_engine
     V = eng.config.vocab_size
@@ -1429,8 +1448,10 @@ def test_engine_rejects_requests_it_cannot_run(cpu_engine):
         (lambda: eng.generate(list(range(1, 18)), 1), r"prompt: 17 tokens \+ 0 decoded ones exceed max_model_len=16"),
         (lambda: eng.generate([1, 2, 3], 15), r"prompt: 3 tokens \+ 14 decoded ones exceed max_model_len=16"),
         (lambda: eng.generate([], 1), r"prompt: expected a non-empty list of token ids"),
-        (lambda: eng.generate([1, V], 1), rf"token_ids: ids must lie in \[0, {V}\) \(vocab_size\), got \[{V}\]"),
-        (lambda: eng.generate([1, -2], 1), r"token_ids: ids must lie in .*got \[-2\]"),
+        (lambda: eng.generate([1, V], 1), rf"prompt\[1\]: expected a token id, an int in \[0, {V}\) \(vocab_size\), "
+                                          rf"got {V}"),
+        (lambda: eng.generate([1, -2], 1), r"prompt\[1\]: expected a token id, .*got -2"),
+        (lambda: eng.generate([1, 2.0], 1), r"prompt\[1\]: expected a token id, .*got 2.0"),
         (lambda: eng.generate([1, 2], 0), r"max_new_tokens: expected an int >= 1, got 0"),
         (lambda: eng.generate([1, 2], "1"), r"max_new_tokens: expected an int >= 1, got '1'"),
         (lambda: eng.step(StepInput([(0, [1], 0), (1, [2], 0), (2, [3], 0)])),

@@ -13,7 +13,7 @@ import time
 import torch
 
 from dsv32ref.cache import BlockAllocator, PagedKVCache
-from dsv32ref.checks import is_int
+from dsv32ref.checks import is_int, shown
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import EngineConfig, check_placement
 from dsv32ref.engine.input_batch import PreparedStep, StepInput
@@ -87,9 +87,9 @@ class LLMEngine:
         if len(step.requests) > ec.max_num_seqs:
             raise ValueError(f"StepInput.requests: {len(step.requests)} requests in one step, max_num_seqs is "
                              f"{ec.max_num_seqs}")
-        if step.num_tokens > self.runner.batch.max_tokens:
+        if step.num_tokens > ec.max_num_batched_tokens:  # the token budget (a capture size past it pads decode)
             raise ValueError(f"step of {step.num_tokens} tokens exceeds max_num_batched_tokens="
-                             f"{self.runner.batch.max_tokens}")
+                             f"{ec.max_num_batched_tokens}")
         for b, (seq_id, toks, ctx_len) in enumerate(step.requests):
             if ctx_len + len(toks) > ec.max_model_len:
                 raise ValueError(f"StepInput.requests[{b}]: sequence {seq_id} would hold {ctx_len + len(toks)} tokens "
@@ -139,6 +139,11 @@ class LLMEngine:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError(f"prompt: expected a non-empty list of token ids, got {prompt!r}")
+        V = self.config.vocab_size
+        bad = next((i for i, t in enumerate(prompt) if not is_int(t) or not 0 <= t < V), None)
+        if bad is not None:  # before any chunk is prefilled
+            raise ValueError(f"prompt[{bad}]: expected a token id, an int in [0, {V}) (vocab_size), got "
+                             f"{shown(prompt[bad])}")
         if len(prompt) + max_new_tokens - 1 > self.ec.max_model_len:
             raise ValueError(f"prompt: {len(prompt)} tokens + {max_new_tokens - 1} decoded ones exceed max_model_len="
                              f"{self.ec.max_model_len}")
