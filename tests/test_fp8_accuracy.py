@@ -1,6 +1,7 @@
 """The FP8 accuracy study (dsv32ref.experiments.fp8_accuracy) on a few tokens: each arm's cache is what it says,
 the float64 arm is its own reference, the metrics are what their definitions give on known inputs."""
 
+import pytest
 import torch
 
 from dsv32ref.experiments import fp8_accuracy as acc
@@ -34,3 +35,19 @@ def test_the_study_runs_and_float64_is_its_own_reference():
         assert len(a["tokens"]) == 4 and len(a["attn_rel_rms_per_layer"]) == model.config.num_hidden_layers
         assert 0 <= a["greedy_agreement"] <= 1 and a["kl_mean"] >= -1e-12, arm
     assert r["arms"]["fp8"]["logits_rel_err_median"] > 0  # the FP8 cache does change something
+
+
+def test_run_refuses_counts_it_cannot_generate():
+    """tokens, prompt_len, seeds and out checked before any model is built (-3 tokens gave a greedy agreement of
+    -0.33, 0 a ZeroDivisionError after the arms ran, 5000 a refusal of positions after minutes)."""
+    for kw, match in ((dict(tokens=-3), r"fp8_accuracy.run: tokens: expected an int in \[1, 2048\], got -3"),
+                      (dict(tokens=0), r"tokens: expected an int in \[1, 2048\], got 0"),
+                      (dict(tokens=5000), r"tokens: expected an int in \[1, 2048\], got 5000"),
+                      (dict(tokens=2.0), r"tokens: expected an int, got float"),
+                      (dict(tokens=2048, prompt_len=2049), r"prompt_len: expected an int in \[1, 2048\], got 2049"),
+                      (dict(prompt_len=0), r"prompt_len: expected an int in \[1, 3896\], got 0"),
+                      (dict(seeds=()), r"seeds: expected a non-empty list of ints, got \(\)"),
+                      (dict(seeds=[0.5]), r"seeds: expected a non-empty list of ints"),
+                      (dict(out=3), r"out: expected None or a path, got int")):
+        with pytest.raises(ValueError, match=match):
+            acc.run(**kw)

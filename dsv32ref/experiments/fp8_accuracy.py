@@ -34,6 +34,7 @@ except ImportError:  # optional: the checkpoint written by transformers is then 
 
 from dsv32ref.cache import AttentionMetadata, PagedKVCache
 from dsv32ref.checkpoint import init_dummy_weights, load_pretrained
+from dsv32ref.checks import check_int, is_int, shown
 from dsv32ref.config import ModelConfig
 from dsv32ref.provenance import provenance
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -68,7 +69,8 @@ def transformers_model(seed: int) -> DeepseekV32ForCausalLM | None:
         q_lora_rank=c.q_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
         qk_nope_head_dim=c.qk_nope_head_dim, n_group=1, topk_group=1, num_experts_per_tok=c.num_experts_per_tok,
         norm_topk_prob=True, rms_norm_eps=1e-6, index_topk=c.index_topk, index_head_dim=c.index_head_dim,
-        index_n_heads=c.index_n_heads, first_k_dense_replace=1, tie_word_embeddings=False, max_position_embeddings=4096,
+        index_n_heads=c.index_n_heads, first_k_dense_replace=1, tie_word_embeddings=False,
+        max_position_embeddings=MAX_POSITIONS,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
@@ -149,10 +151,17 @@ def study(model, prompt: list[int], n: int) -> dict:
     return out
 
 
-MAX_TOKENS = 2048  # generated tokens per arm: with the prompt, within the models' 4096 positions
+MAX_POSITIONS = 4096  # the models' max_position_embeddings: the prompt and the generated tokens lie within them
+MAX_TOKENS = 2048  # generated tokens per arm
 
 
 def run(tokens: int = 200, prompt_len: int = 48, seeds=(0, 1), out: str | None = None) -> dict:
+    check_int("fp8_accuracy.run: tokens", tokens, low=1, high=MAX_TOKENS)
+    check_int("fp8_accuracy.run: prompt_len", prompt_len, low=1, high=MAX_POSITIONS - tokens)
+    if not isinstance(seeds, (list, tuple)) or not seeds or not all(is_int(s) for s in seeds):
+        raise ValueError(f"fp8_accuracy.run: seeds: expected a non-empty list of ints, got {shown(seeds)}")
+    if out is not None and not isinstance(out, str):
+        raise ValueError(f"fp8_accuracy.run: out: expected None or a path, got {type(out).__name__}")
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     t0 = time.time()
     result = {"provenance": provenance(), "arms": {a: {"cache_dtype": str(d), "kv_cache_dtype": k, "fp8_parts": list(p)}
