@@ -17,7 +17,8 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import check_bool, check_device, check_fits, check_replaceable, check_tensor, is_int, module_bytes
+from dsv32ref.checks import (check_bool, check_device, check_fits, check_readable, check_replaceable, check_tensor,
+                             is_int, module_bytes)
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -99,6 +100,7 @@ def _dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor
 def _open_shards(path: str) -> dict[str, str]:
     """tensor name -> shard file, from the index json or the single file."""
     index = os.path.join(path, INDEX_FILE)
+    check_readable(INDEX_FILE, index)
     if os.path.exists(index):
         try:
             with open(index) as f:
@@ -137,6 +139,7 @@ def _check_index(path: str, weight_map: dict[str, str]) -> None:
 def _safe_keys(file: str) -> list[str]:
     from safetensors import safe_open
 
+    check_readable(os.path.basename(file), file)
     try:
         with safe_open(file, framework="pt") as f:
             return list(f.keys())

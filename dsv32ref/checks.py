@@ -246,6 +246,13 @@ def check_fits(name: str, nbytes: int, device: torch.device) -> None:
                          f"({total / 2 ** 30:.1f} GiB)")
 
 
+def check_readable(name: str, path: str) -> None:
+    """A file about to be read: nothing there (the reader says what is missing) or a regular file. A FIFO, device
+    or folder is refused (a FIFO's read never ends)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{name}: {path!r} is not a regular file")
+
+
 def check_replaceable(name: str, path: str) -> None:
     """A file about to be written by replacing what is at `path`, links followed (write_atomic renames over the
     link's target): nothing there, or a regular file. A device, FIFO or folder there is refused (renaming over

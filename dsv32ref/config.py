@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv32ref.checks import check_eps, check_fp32_scale, check_scale, is_finite_number, is_int, shown
+from dsv32ref.checks import check_eps, check_fp32_scale, check_readable, check_scale, is_finite_number, is_int, shown
 from dsv32ref.hf_config import MAX_LAYERS, indexer_types_from_schedule, parse
 
 __all__ = ["ModelConfig", "PRESETS", "REDUCED_MOE", "indexer_types_from_schedule", "reduced_moe"]
@@ -184,8 +184,7 @@ class ModelConfig:
         if "\0" in str(path):
             raise ValueError(f"path: a file path cannot hold a NUL character, got {path!r}")
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if os.path.exists(file) and not os.path.isdir(file) and not os.path.isfile(file):  # a FIFO's read never ends
-            raise ValueError(f"config.json: {file!r} is not a regular file")
+        check_readable("config.json", file)
         if os.path.isfile(file) and os.path.getsize(file) > MAX_CONFIG_BYTES:
             raise ValueError(f"config.json: {file!r} holds {os.path.getsize(file)} bytes, a config at most "
                              f"{MAX_CONFIG_BYTES}")

@@ -11,13 +11,14 @@ or the new one, never half of one. Any partial file of the same result is remove
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import tempfile
 from typing import Any
 
-from dsv32ref.checks import check_replaceable
+from dsv32ref.checks import check_readable, check_replaceable
 
 __all__ = ["DATA_DIR", "partial_path", "run_dir", "write_partial", "write_result", "write_atomic"]
 
@@ -73,6 +74,33 @@ def write_result(path: str | os.PathLike, result: dict) -> None:
     stale = partial_path(path)
     if os.path.isfile(stale):
         os.unlink(stale)
+
+
+def read_result(path: str | os.PathLike) -> dict | None:
+    """A result file's JSON object; None where there is no file. A FIFO or folder there, JSON that does not parse
+    or is not an object: ValueError naming the file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return None
+    check_readable("result", path)
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path!r}: not a readable result ({type(e).__name__}: {e})"[:300]) from None
+    if not isinstance(result, dict):
+        raise ValueError(f"{path!r}: expected a result (a JSON object), got a JSON {type(result).__name__}")
+    return result
+
+
+@contextlib.contextmanager
+def reading(what: str):
+    """A field a reader of result files looks up and does not find, or finds of another kind: ValueError naming
+    `what` (the files) and the field, not a KeyError or TypeError from inside the reader."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError) as e:
+        raise ValueError(f"{what}: not the results this reads ({type(e).__name__}: {e})"[:300]) from None
 
 
 def write_partial(path: str | os.PathLike, result: dict) -> str:

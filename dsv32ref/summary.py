@@ -4,7 +4,6 @@ presets with each check it makes, and what data/ records, in a few lines."""
 from __future__ import annotations
 
 import glob
-import json
 import os
 import time
 
@@ -17,7 +16,7 @@ from dsv32ref.config import ModelConfig
 from dsv32ref.diagnostics import attention_stats
 from dsv32ref.param_counts import layer_parameter_counts, model_parameter_count
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
-from dsv32ref.results import DATA_DIR
+from dsv32ref.results import DATA_DIR, read_result, reading
 
 __all__ = ["main", "print_presets", "print_recorded", "run_reference"]
 
@@ -96,37 +95,32 @@ def run_reference(preset: str, seed: int) -> bool:
     return ok
 
 
-def _load(path: str) -> dict | None:
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def print_recorded(data_dir: str = DATA_DIR) -> None:
     """What data/ records, in a few lines: where and at which commit, GLM-5.2's TTFT per boundary beside the
     PR's, and narrow_copy's start-up (data/README.md lists every file, its command and its readers)."""
     files = sorted(glob.glob(os.path.join(data_dir, "*.json")))
     gpu = {}
     for f in files:
-        p = (_load(f) or {}).get("provenance", {})
-        if p.get("git_commit") and "CPU" not in str(p.get("device")):
-            gpu.setdefault((p["device"], p["git_commit"][:7]), []).append(os.path.basename(f))
+        with reading(f):
+            p = (read_result(f) or {}).get("provenance", {})
+            if p.get("git_commit") and "CPU" not in str(p.get("device")):
+                gpu.setdefault((p["device"], p["git_commit"][:7]), []).append(os.path.basename(f))
     where = "; ".join(f"{len(v)} on {d} at commit {c}" for (d, c), v in gpu.items())
     shown = "data" if os.path.abspath(data_dir) == DATA_DIR else data_dir  # the repository's, wherever this runs
     print(f"\nRecorded in {shown}/ ({len(files)} files, listed in {shown}/README.md): {where or 'no GPU runs'}")
-    seeds, run = _load(os.path.join(data_dir, "seeds.json")), _load(os.path.join(data_dir, "ttft_glm-5.2.json"))
-    if seeds and run:
-        ours = ", ".join(f"{v} {r['mean_ms']:.1f}" for v, r in run["variants"].items() if "+" not in v)
-        print(f"  GLM-5.2 TTFT mean (ms): {ours}; the PR (TP4): wide {seeds['ttft']['wide']['mean_ms']}, narrow "
-              f"{seeds['ttft']['narrow']['mean_ms']}")
-    cap = _load(os.path.join(data_dir, "capture_memory_glm-5.2_h16.json"))
-    if cap:
-        outcomes = [f"estimate {'on' if r['estimate_graph_memory'] else 'off'}: "
-                    + (f"out of memory at {r['failed_at']}" if r["failed"] else "starts")
-                    for r in cap["runs"] if r["boundary"] == "narrow_copy" and r["gpu_memory_utilization"] == 0.9
-                    and r["max_num_batched_tokens"] == 512]
-        print(f"  narrow_copy start-up at 16 heads (one TP4 rank): {'; '.join(outcomes)}")
+    seeds, run = (read_result(os.path.join(data_dir, name)) for name in ("seeds.json", "ttft_glm-5.2.json"))
+    cap = read_result(os.path.join(data_dir, "capture_memory_glm-5.2_h16.json"))
+    with reading(f"{data_dir}'s seeds.json, ttft_glm-5.2.json and capture_memory_glm-5.2_h16.json"):
+        if seeds and run:
+            ours = ", ".join(f"{v} {r['mean_ms']:.1f}" for v, r in run["variants"].items() if "+" not in v)
+            print(f"  GLM-5.2 TTFT mean (ms): {ours}; the PR (TP4): wide {seeds['ttft']['wide']['mean_ms']}, narrow "
+                  f"{seeds['ttft']['narrow']['mean_ms']}")
+        if cap:
+            outcomes = [f"estimate {'on' if r['estimate_graph_memory'] else 'off'}: "
+                        + (f"out of memory at {r['failed_at']}" if r["failed"] else "starts")
+                        for r in cap["runs"] if r["boundary"] == "narrow_copy" and r["gpu_memory_utilization"] == 0.9
+                        and r["max_num_batched_tokens"] == 512]
+            print(f"  narrow_copy start-up at 16 heads (one TP4 rank): {'; '.join(outcomes)}")
 
 
 def main(presets: list[str], seed: int = 0) -> bool:

@@ -2018,3 +2018,47 @@ def test_a_long_tables_repeated_block_is_named_in_linear_time():
     with pytest.raises(ValueError, match=r"block_tables\[0\]: blocks \[0\] appear more than once"):
         AttentionMetadata.build([0], [1], [list(range(200_000)) + [0]], 4)
     assert time.perf_counter() - start < 5
+
+
+def test_readers_refuse_fifos_and_malformed_results(tmp_path):
+    """A FIFO where a checkpoint's or a result's file belongs (every read blocked forever; config.json alone was
+    refused), and result files that do not parse or hold other kinds of fields (a JSONDecodeError naming no file,
+    AttributeError, TypeError, KeyError): ValueErrors naming the file."""
+    from dsv32ref.experiments.reproduce import table
+    from dsv32ref.experiments.ttft_model import load_ttft_result
+    from dsv32ref.summary import print_recorded
+
+    model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        ckpt = tmp_path / name.replace(".", "_")
+        save_pretrained(model, ckpt)
+        (ckpt / "model.safetensors").unlink()
+        os.mkfifo(ckpt / name)
+        with pytest.raises(ValueError, match=rf"{re.escape(name)}: '.*' is not a regular file"):
+            load_pretrained(ckpt, dtype=torch.float32)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "seeds.json")
+    for call in (lambda: load_ttft_result(str(fifo / "seeds.json")), lambda: print_recorded(str(fifo)),
+                 lambda: table(str(fifo))):
+        with pytest.raises(ValueError, match=r"result: '.*seeds.json' is not a regular file"):
+            call()
+    data = os.path.join(os.path.dirname(__file__), "..", "data")
+    cases = [("a.json", '{"provenance": ', r"a.json': not a readable result \(JSONDecodeError"),
+             ("a.json", "[1, 2]", r"a.json': expected a result \(a JSON object\), got a JSON list"),
+             ("a.json", '{"provenance": "H200"}', r"a.json: not the results this reads \(AttributeError"),
+             ("a.json", '{"provenance": {"git_commit": 5, "device": "H200"}}', r"a.json: not the results .*TypeError")]
+    for i, (name, text, match) in enumerate(cases):
+        folder = tmp_path / f"case{i}"
+        folder.mkdir()
+        (folder / name).write_text(text)
+        with pytest.raises(ValueError, match=match):
+            print_recorded(str(folder))
+    (tmp_path / "seeds").mkdir()
+    (tmp_path / "seeds" / "seeds.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"seeds.json: not the results this reads \(KeyError: 'ttft'\)"):
+        table(str(tmp_path / "seeds"))
+    (tmp_path / "live").mkdir()
+    (tmp_path / "live" / "ttft_glm-5.2.json").write_text('{"variants": {"wide": {}}}')
+    with pytest.raises(ValueError, match=r"live's ttft_glm-5.2.json .*: not the results this reads \(KeyError"):
+        table(data, str(tmp_path / "live"))

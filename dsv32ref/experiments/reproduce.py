@@ -21,13 +21,12 @@ would move where capture runs out of memory. The live run goes to runs/<UTC time
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 
-from dsv32ref.results import DATA_DIR
+from dsv32ref.results import DATA_DIR, read_result, reading
 
 __all__ = ["PRESETS", "Plan", "print_table", "run", "table"]
 
@@ -88,11 +87,7 @@ def run(preset: str, out_dir: str, recorded_dir: str = DATA_DIR) -> list[dict]:
 
 
 def _load(folder: str | None, name: str) -> dict | None:
-    path = os.path.join(folder, name) if folder else None
-    if path is None or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return read_result(os.path.join(folder, name)) if folder else None
 
 
 def _startup(cap: dict | None, estimate: bool) -> tuple[str | None, float | None]:
@@ -154,11 +149,13 @@ def table(recorded_dir: str = DATA_DIR, live_dir: str | None = None) -> list[dic
     runs, outside = {}, {}
     for key, folder in (("recorded", recorded_dir), ("live", live_dir)):
         ttft, cap = _load(folder, "ttft_glm-5.2.json"), _load(folder, CAPTURE)
-        runs[key] = _ttft_rows(ttft["variants"] if ttft else None)
-        for estimate in ("on", "off"):
-            what = f"narrow_copy start-up, estimate {estimate}"
-            runs[key][what], outside[key, what] = _startup(cap, estimate == "on")
-    pr = _pr_rows(seeds)
+        with reading(f"{folder}'s ttft_glm-5.2.json and {CAPTURE}"):
+            runs[key] = _ttft_rows(ttft["variants"] if ttft else None)
+            for estimate in ("on", "off"):
+                what = f"narrow_copy start-up, estimate {estimate}"
+                runs[key][what], outside[key, what] = _startup(cap, estimate == "on")
+    with reading(os.path.join(recorded_dir, "seeds.json")):
+        pr = _pr_rows(seeds)
     rows = []
     for k in list(pr) + [k for k in runs["recorded"] if k not in pr]:
         rec, live, note = runs["recorded"].get(k), runs["live"].get(k), NOTES.get(k, "")

@@ -24,11 +24,11 @@ top-k) are not counted as graph kernels.
 
 from __future__ import annotations
 
-import json
 import math
 
 from dsv32ref.checks import is_number
 from dsv32ref.experiments.host_costs import WRAPPER_KERNELS
+from dsv32ref.results import read_result
 
 _CHARGED = {kernels[0]: name for name, kernels in WRAPPER_KERNELS.items()}
 _FREE = {k for kernels in WRAPPER_KERNELS.values() for k in kernels[1:]}
@@ -116,12 +116,10 @@ def load_ttft_result(path: str, preset: str | None = None) -> dict:
     """A TTFT run's file (`dsv32ref ttft`'s JSON), checked for what the model reads, and (preset) that it measured
     that model: ValueError naming the file and what is wrong (a wrong file fails here, before the prediction's
     minutes)."""
-    try:
-        with open(path) as f:
-            run = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path!r}: not a readable TTFT result ({e})") from None
-    missing = [k for k in ("provenance", "host_costs", "variants") if not isinstance(run, dict) or k not in run]
+    run = read_result(path)
+    if run is None:
+        raise ValueError(f"{path!r}: no such file (a TTFT result: `dsv32ref ttft`'s file)")
+    missing = [k for k in ("provenance", "host_costs", "variants") if k not in run]
     if missing:
         raise ValueError(f"{path!r}: not a TTFT result (`dsv32ref ttft`'s file): it has no {', '.join(missing)}")
     if preset is not None and run.get("preset") != preset:
