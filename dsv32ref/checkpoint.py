@@ -194,6 +194,8 @@ def _load_one(name: str, read, where: dict, block, want: torch.Size, dtype: torc
         return f"wrong dtype: {name}: {t.dtype} (expected a float type or float8_e4m3fn)"
     if t.dtype != torch.float8_e4m3fn and scale_name in where:
         return f"unexpected: {scale_name} beside a {t.dtype} weight (scales belong to fp8 weights)"
+    if tuple(t.shape) != tuple(want):  # before an fp8 weight is dequantised (to fp32: 4 bytes an element)
+        return f"mis-shaped: {name}: expected {list(want)}, got {list(t.shape)}"
     if t.dtype == torch.float8_e4m3fn:
         if t.dim() != 2:
             return (f"mis-shaped: {name}: fp8 weights are 2-D (their scales cover blocks of rows and columns), got "
@@ -216,8 +218,6 @@ def _load_one(name: str, read, where: dict, block, want: torch.Size, dtype: torc
             t = _dequantize(t, scale, block)
         except ValueError as e:
             return f"mis-shaped: {scale_name}: {e}"
-    if tuple(t.shape) != tuple(want):
-        return f"mis-shaped: {name}: expected {list(want)}, got {list(t.shape)}"
     bad = _nonfinite(name, t) or _nonfinite(f"{name} (in {dtype})", t.to(dtype))  # as loaded, then as held
     if bad and nonfinite == "raise":
         return bad

@@ -377,7 +377,7 @@ def test_checkpoint_files(tmp_path):
         load_pretrained(sharded)
     index.unlink()
     index.mkdir()
-    with pytest.raises(ValueError, match="no readable weight_map .*IsADirectoryError"):
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: '.*' is not a regular file"):
         load_pretrained(sharded)
     index.rmdir()
     with pytest.raises(ValueError, match=r"neither model.safetensors nor model.safetensors.index.json"):
@@ -408,6 +408,29 @@ def test_a_one_dimensional_fp8_weight_is_named_as_such(tmp_path):
     t["model.norm.weight_scale_inv"] = torch.ones(1, 1)
     save_file(t, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"mis-shaped: model.norm.weight: fp8 weights are 2-D .*got \[\d+\]"):
+        load_pretrained(tmp_path)
+
+
+def test_a_mis_shaped_fp8_weight_is_refused_before_it_is_dequantised(tmp_path, monkeypatch):
+    """An fp8 weight of the wrong shape: refused by its shape, never expanded to fp32 first (from a sparse file of
+    no size on disk, that had asked for 64 GiB, or filled half the machine before the refusal)."""
+    from dsv32ref import checkpoint
+
+    save_pretrained(tiny_model("tiny-glm-5.2", dtype=torch.float32), tmp_path, fp8=True)
+    t = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    want = list(t[name].shape)
+    t[name] = torch.zeros(1024, 1024).to(torch.float8_e4m3fn)
+    t[name + "_scale_inv"] = torch.ones(8, 8)
+    save_file(t, tmp_path / "model.safetensors")
+    plain = checkpoint._dequantize
+
+    def dequantize(w, scale, block):
+        assert w.shape != (1024, 1024), "dequantised before its shape was checked"
+        return plain(w, scale, block)
+
+    monkeypatch.setattr(checkpoint, "_dequantize", dequantize)
+    with pytest.raises(ValueError, match=rf"mis-shaped: {name}: expected {re.escape(str(want))}, got \[1024, 1024\]"):
         load_pretrained(tmp_path)
 
 
@@ -465,7 +488,7 @@ def test_checkpoint_arguments(tmp_path):
         save_pretrained(model, tmp_path / "config.json" / "sub")
     (tmp_path / "dir_cfg").mkdir()
     (tmp_path / "dir_cfg" / "config.json").mkdir()
-    with pytest.raises(ValueError, match=r"config.json: cannot read .*IsADirectoryError"):
+    with pytest.raises(ValueError, match=r"config.json: '.*' is not a regular file"):
         ModelConfig.from_hf(tmp_path / "dir_cfg")
     with pytest.raises(ValueError, match=r"path: a file path cannot hold a NUL character"):
         ModelConfig.from_hf("a\0b")
