@@ -71,6 +71,8 @@ CONFIG_CASES = [
     (dict(rms_norm_eps=-1e-6), r"ModelConfig.rms_norm_eps: expected a finite number > 0"),
     (dict(rms_norm_eps=1e-50), r"ModelConfig.rms_norm_eps: expected a value > 0 in float32 .*got 1e-50"),
     (dict(max_position_embeddings=0), r"ModelConfig.max_position_embeddings: expected a positive int, got 0"),
+    (dict(index_topk=2 ** 31 - 1), r"ModelConfig.index_topk: expected at most max_position_embeddings=4096, got "
+                                   r"2147483647"),
     (dict(num_nextn_predict_layers=-1), r"ModelConfig.num_nextn_predict_layers: expected an int >= 0, got -1"),
     (dict(norm_topk_prob="yes"), r"ModelConfig.norm_topk_prob: expected a bool, got 'yes'"),
     (dict(indexer_rope_interleave=1), r"ModelConfig.indexer_rope_interleave: expected a bool, got 1"),
