@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -64,8 +65,12 @@ def _out(args, name: str) -> str:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
             raise ValueError(f"--out: cannot make the folder {folder!r} ({e.strerror})") from None
-        if not os.access(folder, os.W_OK):
-            raise ValueError(f"--out: the folder {folder!r} is not writable")
+        try:  # a file made and removed there (os.access says yes to root, and to /proc and read-only mounts)
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".dsv32ref-out-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ValueError(f"--out: cannot write into the folder {folder!r} ({e.strerror})") from None
     return args.out or os.path.join(DATA_DIR if args.record else run_dir(), name)
 
 

@@ -1556,6 +1556,10 @@ CLI_REFUSALS = [  # (argv, what stderr says): exit status 2, before any work
     (["fp8-accuracy", "--tokens", "1", "--out", "/tmp/not_yet_a_folder/"], "(ends in a separator)"),
     (["fp8-accuracy", "--tokens", "1", "--out", "/proc/nope/x.json"],
      "dsv32ref: error: --out: cannot make the folder '/proc/nope'"),
+    # a folder that exists and takes no file (os.access says yes to root there: the run went ahead and failed at
+    # the end with a traceback)
+    (["fp8-accuracy", "--tokens", "1", "--out", "/proc/x.json"], "dsv32ref: error: --out: cannot write into the "
+                                                                 "folder '/proc'"),
     (["ledger", "--predict", "--measured", "/nonexistent/ttft.json"],
      "dsv32ref: error: --measured: no such file '/nonexistent/ttft.json'"),
     (["ledger", "--predict", "--measured", _HERE], "--measured: a directory, not a TTFT result"),
