@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from dsv32ref.checks import check_tensor
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
 
 
@@ -18,6 +19,13 @@ def attention_stats(model: DeepseekV32ForCausalLM, input_ids: torch.Tensor) -> l
     recent_overlap  mean |top-k ∩ the k most recent positions| / k                 (1 = a sliding window)
     distinct_sets   fraction of such queries whose top-k set no other query shares
     """
+    if not isinstance(model, DeepseekV32ForCausalLM):
+        raise ValueError(f"attention_stats: model: expected a DeepseekV32ForCausalLM, got {type(model).__name__}")
+    k = model.config.index_topk
+    check_tensor("attention_stats: input_ids", input_ids, shape=(None,))
+    if input_ids.shape[0] <= k:  # every statistic is a mean over those queries
+        raise ValueError(f"attention_stats: input_ids: expected more than index_topk={k} tokens (the statistics are "
+                         f"over queries that see more keys than the top-k), got {input_ids.shape[0]}")
     layers = model.model.layers
     inputs: list[tuple] = []
     hooks = [l.self_attn.register_forward_pre_hook(lambda m, args: inputs.append(args)) for l in layers]
@@ -27,7 +35,6 @@ def attention_stats(model: DeepseekV32ForCausalLM, input_ids: torch.Tensor) -> l
     finally:
         for h in hooks:
             h.remove()
-    k = model.config.index_topk
     stats = []
     for i, (layer, (x, cos, sin, *_), topk) in enumerate(zip(layers, inputs, topk_out)):
         attn = layer.self_attn

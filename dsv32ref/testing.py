@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from dsv32ref.cache import CACHE_DTYPES, gather_tokens
-from dsv32ref.checks import check_bool, check_device, check_int, check_scale, check_tensor, is_int, is_number
+from dsv32ref.checks import (check_bool, check_device, check_int, check_scale, check_tensor, is_finite_number, is_int,
+                             shown)
 from dsv32ref.reference.fp8_cache import (LATENT_ROW_BYTES, dequantize_latent, indexer_scores_fp8,
                                           quantize_indexer_keys, quantize_latent, sparse_mla_fp8)
 from dsv32ref.reference.numerics import fp8_quantize
@@ -79,12 +80,14 @@ def _compare_arguments(name, got, expected, dtype, rtol, atol, row_dims, precisi
             raise ValueError(f"compare({name!r}): {n}: expected a torch.Tensor, got {type(t).__name__}")
         if t.device.type == "meta":
             raise ValueError(f"compare({name!r}): {n}: a meta tensor holds no values to compare")
+        if t.layout != torch.strided:
+            raise ValueError(f"compare({name!r}): {n}: expected a dense (strided) tensor, got {t.layout}")
     want_dtype = expected.dtype if dtype is None else dtype
     unit_dtype = want_dtype if precision is None else precision
-    if not isinstance(unit_dtype, torch.dtype) or unit_dtype not in _EPS:
-        arg = "precision" if precision is not None else "dtype" if dtype is not None else "expected's dtype"
-        raise ValueError(f"compare({name!r}): {arg}: expected a float dtype ({', '.join(map(str, _EPS))}), got "
-                         f"{unit_dtype!r}")
+    for arg, d in (("dtype", dtype), ("precision", precision), ("expected's dtype", unit_dtype)):
+        if d is not None and (not isinstance(d, torch.dtype) or d not in _EPS):
+            raise ValueError(f"compare({name!r}): {arg}: expected a float dtype ({', '.join(map(str, _EPS))}), "
+                             f"got {d!r}")
     for n, t in (("got", got), ("expected", expected)):
         if not t.dtype.is_floating_point:  # (in float64, complex loses its imaginary part, int64 rounds past 2^53)
             raise ValueError(f"compare({name!r}): {n}: expected a real float tensor, got {t.dtype} (compare "
@@ -92,8 +95,8 @@ def _compare_arguments(name, got, expected, dtype, rtol, atol, row_dims, precisi
     if not is_int(row_dims) or not 0 <= row_dims <= got.dim():
         raise ValueError(f"compare({name!r}): row_dims must lie in [0, {got.dim()}], got {row_dims!r}")
     for n, v in (("rtol", rtol), ("atol", atol)):
-        if not is_number(v) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"compare({name!r}): {n}: expected a finite number >= 0 (units of eps), got {v!r}")
+        if not is_finite_number(v) or v < 0:
+            raise ValueError(f"compare({name!r}): {n}: expected a finite number >= 0 (units of eps), got {shown(v)}")
     return want_dtype, unit_dtype
 
 

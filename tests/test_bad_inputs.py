@@ -1780,13 +1780,21 @@ def test_comparator_arguments():
                       (dict(dtype=torch.int64), r"dtype: expected a float dtype .*got torch.int64"),
                       (dict(precision=torch.int8), r"precision: expected a float dtype .*got torch.int8"),
                       (dict(dtype=[torch.float32]), r"dtype: expected a float dtype .*got \[torch.float32\]"),
-                      (dict(precision={}), r"precision: expected a float dtype .*got \{\}")):
+                      (dict(precision={}), r"precision: expected a float dtype .*got \{\}"),
+                      # past float's range (an OverflowError); a dtype beside a precision (a mismatch that could
+                      # never pass)
+                      (dict(rtol=10 ** 400), r"rtol: expected a finite number >= 0 .*got 1000.*\(401 characters\)"),
+                      (dict(atol=-(10 ** 400)), r"atol: expected a finite number >= 0"),
+                      (dict(dtype="float32", precision=torch.float32), r"dtype: expected a float dtype .*'float32'"),
+                      (dict(dtype=torch.int32, precision=torch.float32), r"dtype: expected a float dtype .*int32")):
         with pytest.raises(ValueError, match=rf"compare\('x'\): {match}"):
             compare("x", a, a, **kw)
+    with pytest.raises(ValueError, match=r"compare\('x'\): got: expected a dense \(strided\) tensor, got "
+                                         r"torch.sparse_coo"):
+        compare("x", a.to_sparse(), a)
     # a tolerance in float units over tensors that are not real floats: complex values lost their imaginary part,
     # int64 ones were rounded past 2^53 (both compared equal)
-    for got, want, kw in ((torch.tensor([1 + 1j]), torch.tensor([1 + 5j]), dict(dtype=torch.complex64,
-                                                                              precision=torch.float32)),
+    for got, want, kw in ((torch.tensor([1 + 1j]), torch.tensor([1 + 5j]), dict(precision=torch.float32)),
                           (torch.tensor([2 ** 53 + 1]), torch.tensor([2 ** 53]), dict(precision=torch.float64))):
         with pytest.raises(ValueError, match=rf"compare\('x'\): got: expected a real float tensor, got {got.dtype}"):
             compare("x", got, want, rtol=0, atol=0, **kw)
@@ -2091,3 +2099,19 @@ def test_readers_refuse_fifos_and_malformed_results(tmp_path):
     (tmp_path / "live" / "ttft_glm-5.2.json").write_text('{"variants": {"wide": {}}}')
     with pytest.raises(ValueError, match=r"live's ttft_glm-5.2.json .*: not the results this reads \(KeyError"):
         table(data, str(tmp_path / "live"))
+
+
+def test_attention_stats_needs_queries_past_the_top_k():
+    """Sequences of at most index_topk tokens leave no query to average over (a ZeroDivisionError); a model of
+    another kind (an AttributeError)."""
+    from dsv32ref.diagnostics import attention_stats
+
+    model = tiny_model("tiny-glm-5.2", dtype=torch.float32)
+    for n in (5, model.config.index_topk):
+        with pytest.raises(ValueError, match=rf"attention_stats: input_ids: expected more than index_topk=8 tokens .*"
+                                             rf"got {n}"):
+            attention_stats(model, torch.arange(1, n + 1))
+    with pytest.raises(ValueError, match=r"attention_stats: model: expected a DeepseekV32ForCausalLM, got NoneType"):
+        attention_stats(None, torch.arange(1, 20))
+    with pytest.raises(ValueError, match=r"attention_stats: input_ids: expected"):
+        attention_stats(model, [1, 2, 3])
