@@ -292,9 +292,8 @@ class BlockAllocator:
         """Grow sequence `seq_id` to hold num_tokens tokens; returns its block list."""
         need = self.blocks_needed(seq_id, num_tokens)
         if need > len(self.free):  # (nothing changes: a sequence not yet known stays unknown)
-            raise RuntimeError(
-                f"BlockAllocator: sequence {seq_id} needs {need} more blocks, {len(self.free)} free"
-            )
+            raise ValueError(f"BlockAllocator: num_tokens: sequence {seq_id} needs {need} more blocks, "
+                             f"{len(self.free)} free")
         if need > UNCHECKED_HOST_INTS:
             check_fits(f"BlockAllocator: sequence {seq_id}'s list of {need} more blocks", HOST_INT_BYTES * need, _CPU)
         table = self.tables.setdefault(seq_id, [])

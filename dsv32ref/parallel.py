@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsv32ref.config import reduced_moe
-from dsv32ref.engine import EngineConfig, LLMEngine, StepInput, TensorParallel, build_model, shard
+from dsv32ref.checks import check_int
+from dsv32ref.config import PRESETS, reduced_moe
+from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput, TensorParallel, build_model, shard
 from dsv32ref.graphs import CUDAGraphMode
 
 
@@ -39,6 +40,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> Non
 
 
 def spawn(fn, world_size: int, *args, backend: str | None = None) -> None:
+    check_int("spawn: world_size", world_size)  # (0 spawned nothing and returned)
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
     mp.spawn(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=True)
 
@@ -59,10 +61,13 @@ def _demo(rank: int, world_size: int, model: str, boundary: str, prompt_len: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--model", default="glm-5.2")
-    ap.add_argument("--boundary", default="narrow")
+    ap.add_argument("--model", default="glm-5.2", choices=sorted(p for p in PRESETS if not p.startswith("tiny")))
+    ap.add_argument("--boundary", default="narrow", choices=BOUNDARIES)
     ap.add_argument("--prompt-len", type=int, default=8)
     args = ap.parse_args()
+    for flag, v, most in (("--nproc", args.nproc, None), ("--prompt-len", args.prompt_len, 16)):  # before spawning
+        if v < 1 or (most is not None and v > most):
+            ap.error(f"{flag}: expected an int in [1, {most}], got {v}" if most else f"{flag}: expected >= 1, got {v}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     spawn(_demo, args.nproc, args.model, args.boundary, args.prompt_len)
 

@@ -2115,3 +2115,27 @@ def test_attention_stats_needs_queries_past_the_top_k():
         attention_stats(None, torch.arange(1, 20))
     with pytest.raises(ValueError, match=r"attention_stats: input_ids: expected"):
         attention_stats(model, [1, 2, 3])
+
+
+def test_allocator_weak_alias_and_spawn_answer_with_value_errors():
+    """A sequence past the free blocks (a RuntimeError), weak_alias of a 16-byte dtype or a list (KeyError,
+    AttributeError), spawn of no ranks and `python -m dsv32ref.parallel --nproc 0` (nothing ran, exit 0)."""
+    from dsv32ref.graphs import weak_alias
+    from dsv32ref.parallel import spawn
+
+    for call in (lambda: BlockAllocator(4, 4).ensure(0, 100), lambda: BlockAllocator(4, 4).assume(0, 100)):
+        with pytest.raises(ValueError, match=r"BlockAllocator: num_tokens: sequence 0 needs 25 more blocks, 4 free"):
+            call()
+    with pytest.raises(ValueError, match=r"weak_alias: t: expected a tensor of 1, 2, 4 or 8-byte elements .*"
+                                         r"complex128"):
+        weak_alias(torch.zeros(3, dtype=torch.complex128))
+    with pytest.raises(ValueError, match=r"weak_alias: t: expected a torch.Tensor, got list"):
+        weak_alias([1.0])
+    with pytest.raises(ValueError, match=r"spawn: world_size: expected >= 1, got 0"):
+        spawn(print, 0)
+    for argv, message in ((["--nproc", "0"], "--nproc: expected >= 1, got 0"),
+                          (["--nproc", "2", "--model", "nope"], "argument --model: invalid choice: 'nope'"),
+                          (["--prompt-len", "17"], "--prompt-len: expected an int in [1, 16], got 17")):
+        r = subprocess.run([sys.executable, "-m", "dsv32ref.parallel", *argv], capture_output=True, text=True,
+                           timeout=120, cwd=os.path.join(os.path.dirname(__file__), ".."))
+        assert r.returncode == 2 and message in r.stderr, (argv, r.returncode, r.stderr[-300:])

@@ -31,7 +31,7 @@ def test_allocator_grows_releases_and_runs_out():
     assert alloc.ensure(0, 5) == [0, 1]
     assert alloc.ensure(1, 4) == [2]
     assert alloc.ensure(0, 8) == [0, 1]  # no growth needed
-    with pytest.raises(RuntimeError, match="sequence 1 needs 2 more blocks, 1 free"):
+    with pytest.raises(ValueError, match="BlockAllocator: num_tokens: sequence 1 needs 2 more blocks, 1 free"):
         alloc.ensure(1, 12)
     alloc.release(0)
     assert alloc.ensure(1, 12) == [2, 0, 1]

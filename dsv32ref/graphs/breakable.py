@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from dsv32ref.checks import check_tensor
 from dsv32ref.instrument import eager_range
 
 __all__ = ["eager_break", "BreakableCapture", "BreakableGraph", "CaptureError", "eager_breaks_enabled",
@@ -78,15 +79,22 @@ class _ArrayInterface:
             self.__array_interface__ = iface
 
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # weak_alias's views
+
+
 def weak_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor over the same memory as `t` that does not own it (vLLM's weak_ref_tensor).
 
     Valid while the memory stays allocated: for activations captured into a graph pool, as long as that
     pool's graphs live. Typed through a same-width integer view, so bf16/fp8 work too.
     """
+    check_tensor("weak_alias: t", t)
+    if t.element_size() not in _INT_OF_SIZE or t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"weak_alias: t: expected a tensor of 1, 2, 4 or 8-byte elements on the cpu or a GPU, got "
+                         f"{t.dtype} on {t.device}")
     if t.numel() == 0:
         return t.new_empty(t.shape)
-    int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    int_dtype = _INT_OF_SIZE[t.element_size()]
     if t.is_cuda:
         alias = torch.as_tensor(_ArrayInterface(t.view(int_dtype)), device=t.device)
     else:
