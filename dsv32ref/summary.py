@@ -10,7 +10,7 @@ import time
 import torch
 
 from dsv32ref.cache import AttentionMetadata, BlockAllocator
-from dsv32ref.checks import rel_err
+from dsv32ref.checks import rel_err, shown
 from dsv32ref.checkpoint import init_dummy_weights
 from dsv32ref.config import ModelConfig
 from dsv32ref.diagnostics import attention_stats
@@ -98,6 +98,8 @@ def run_reference(preset: str, seed: int) -> bool:
 def print_recorded(data_dir: str = DATA_DIR) -> None:
     """What data/ records, in a few lines: where and at which commit, GLM-5.2's TTFT per boundary beside the
     PR's, and narrow_copy's start-up (data/README.md lists every file, its command and its readers)."""
+    if not isinstance(data_dir, (str, os.PathLike)) or not os.path.isdir(data_dir):
+        raise ValueError(f"print_recorded: data_dir: expected a folder of results, got {shown(data_dir)}")
     files = sorted(glob.glob(os.path.join(data_dir, "*.json")))
     gpu = {}
     for f in files:
@@ -106,8 +108,8 @@ def print_recorded(data_dir: str = DATA_DIR) -> None:
             if p.get("git_commit") and "CPU" not in str(p.get("device")):
                 gpu.setdefault((p["device"], p["git_commit"][:7]), []).append(os.path.basename(f))
     where = "; ".join(f"{len(v)} on {d} at commit {c}" for (d, c), v in gpu.items())
-    shown = "data" if os.path.abspath(data_dir) == DATA_DIR else data_dir  # the repository's, wherever this runs
-    print(f"\nRecorded in {shown}/ ({len(files)} files, listed in {shown}/README.md): {where or 'no GPU runs'}")
+    folder = "data" if os.path.abspath(data_dir) == DATA_DIR else data_dir  # the repository's, wherever this runs
+    print(f"\nRecorded in {folder}/ ({len(files)} files, listed in {folder}/README.md): {where or 'no GPU runs'}")
     seeds, run = (read_result(os.path.join(data_dir, name)) for name in ("seeds.json", "ttft_glm-5.2.json"))
     cap = read_result(os.path.join(data_dir, "capture_memory_glm-5.2_h16.json"))
     with reading(f"{data_dir}'s seeds.json, ttft_glm-5.2.json and capture_memory_glm-5.2_h16.json"):

@@ -2091,6 +2091,9 @@ def test_readers_refuse_fifos_and_malformed_results(tmp_path):
         (folder / name).write_text(text)
         with pytest.raises(ValueError, match=match):
             print_recorded(str(folder))
+    for folder in (str(tmp_path / "nowhere"), None):  # (nothing recorded there, and a TypeError)
+        with pytest.raises(ValueError, match=r"print_recorded: data_dir: expected a folder of results"):
+            print_recorded(folder)
     (tmp_path / "seeds").mkdir()
     (tmp_path / "seeds" / "seeds.json").write_text("{}")
     with pytest.raises(ValueError, match=r"seeds.json: not the results this reads \(KeyError: 'ttft'\)"):
