@@ -491,6 +491,18 @@ def test_regime_map_control_flow_on_cpu(tmp_path):
     assert p.kv_blocks() == 40 // 4 + 1  # the longest prompt (more than 2 x (12 + 1 + 2) decode tokens), plus one
 
 
+def test_experiment_engines_take_the_steps_they_run():
+    """A step past max_num_batched_tokens is refused, so the experiments' engines take their largest: a regime map's
+    decode of 16 requests beside 8-token prompts, a TTFT protocol's prompt of its largest capture size (the PR's
+    protocol keeps its 16)."""
+    from dsv32ref.experiments.protocol import engine_config
+    from dsv32ref.experiments.regimes import RegimeProtocol
+    assert RegimeProtocol(prompt_lens=(8,), batches=(1, 16)).engine_config("narrow").max_num_batched_tokens == 16
+    assert RegimeProtocol().engine_config("narrow").max_num_batched_tokens == 8192
+    assert engine_config("narrow", (1, 2, 64)).max_num_batched_tokens == 64
+    assert engine_config("narrow").max_num_batched_tokens == 16
+
+
 def test_regime_map_skips_decode_cases_past_its_kv_tokens():
     """GLM-5.2 keeps about 95 KB a token: 64 requests at 128k context would need 744 GiB. The default protocol
     runs the (context, batch) cases that fit its kv_tokens, lists the rest, and its cache fits one H200 beside

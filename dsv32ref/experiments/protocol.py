@@ -28,9 +28,11 @@ ARMS = {"skip": {"skip_short_topk": True}, "fp8": {"kv_cache_dtype": "fp8"}, "fu
 
 def engine_config(boundary: str, capture_sizes=(1, 2, 4, 8, 16), mode: str = "full_and_piecewise", seed: int = 0,
                   **switches) -> EngineConfig:
-    """The engine of the PR's protocol: sequences of up to 512 tokens, 16 at a time, steps of up to 16 tokens."""
+    """The engine of the PR's protocol: sequences of up to 512 tokens, 16 at a time, steps of up to 16 tokens (or
+    the largest capture size, past 16)."""
     return EngineConfig(boundary=boundary, mode=CUDAGraphMode(mode), max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
-                        max_num_batched_tokens=16, capture_sizes=list(capture_sizes), seed=seed, **switches)
+                        max_num_batched_tokens=max(16, *capture_sizes), capture_sizes=list(capture_sizes), seed=seed,
+                        **switches)
 
 
 def arm(name: str) -> tuple[str, str, dict]:

@@ -92,7 +92,8 @@ class RegimeProtocol:
     def engine_config(self, boundary: str) -> EngineConfig:
         return EngineConfig(boundary=boundary, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_model_len=self.max_model_len,
                             max_num_seqs=max(self.batches),
-                            max_num_batched_tokens=min(max(self.prompt_lens), self.token_budget),
+                            max_num_batched_tokens=max(min(max(self.prompt_lens), self.token_budget),
+                                                       max(self.batches)),  # a decode step holds a token a request
                             capture_sizes=list(self.capture_sizes), block_size=self.block_size, seed=self.seed)
 
 
