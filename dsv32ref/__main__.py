@@ -65,7 +65,7 @@ def _out(args, name: str) -> str:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
             raise ValueError(f"--out: cannot make the folder {folder!r} ({e.strerror})") from None
-        try:  # a file made and removed there (os.access says yes to root, and to /proc and read-only mounts)
+        try:  # a file made and removed there (os.access says yes to root in /proc, for one)
             fd, probe = tempfile.mkstemp(dir=folder, prefix=".dsv32ref-out-")
             os.close(fd)
             os.unlink(probe)
@@ -237,9 +237,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv32ref", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd")
 
-    def add(name, fn, help_, out=True):
+    def add(name, fn, help_, out=True, reads=()):
+        """A command; `reads`: the top-level options (TOP_LEVEL) it reads besides --record (with out)."""
         p = sub.add_parser(name, help=help_)
-        p.set_defaults(fn=fn)
+        p.set_defaults(fn=fn, reads={*reads, "record"} if out else set(reads))
         if out:
             p.add_argument("--out", default=None, help="the result's path (default: runs/<UTC time>/<name>.json)")
             p.add_argument("--record", action="store_true", default=argparse.SUPPRESS,
@@ -249,23 +250,24 @@ def _parser() -> argparse.ArgumentParser:
     # --preset, --seed, --quick and --record are also the top level's (no command runs summary, or reproduce with
     # --quick / --record); a command's own parser leaves them as given before the command (SUPPRESS: no default of
     # its own overwrites them)
-    s = add("summary", cmd_summary, "presets, the reference end to end, what data/ records", out=False)
+    s = add("summary", cmd_summary, "presets, the reference end to end, what data/ records", out=False,
+            reads=("preset", "seed"))
     for p, default in ((parser, None), (s, argparse.SUPPRESS)):
         p.add_argument("--preset", action="append", choices=sorted(p for p in PRESETS if p.startswith("tiny")),
                        default=default, help="small preset(s) to run end to end (default: all tiny presets)")
         p.add_argument("--seed", type=int, default=0 if default is None else default)
     rp = add("reproduce", cmd_reproduce, "the PR's measurements on this GPU, beside its figures and data/'s",
-             out=False)
+             out=False, reads=("quick", "record"))
     for p, default in ((parser, False), (rp, argparse.SUPPRESS)):
         p.add_argument("--quick", action="store_true", default=default,
                        help="the quick preset (minutes) instead of the full one")
         p.add_argument("--record", action="store_true", default=default,
                        help="write the live run into data/ instead of runs/")
     _add_model_commands(add)
-    add("kernels", cmd_kernels, "the kernel benchmark (GPU)").add_argument("--quick", action="store_true",
-                                                                          default=argparse.SUPPRESS)
-    add("fp8-speed", cmd_fp8_speed, "the FP8 KV cache against bf16: sparse MLA decode, indexer scores (GPU)"
-        ).add_argument("--quick", action="store_true", default=argparse.SUPPRESS)
+    add("kernels", cmd_kernels, "the kernel benchmark (GPU)", reads=("quick",)).add_argument(
+        "--quick", action="store_true", default=argparse.SUPPRESS)
+    add("fp8-speed", cmd_fp8_speed, "the FP8 KV cache against bf16: sparse MLA decode, indexer scores (GPU)",
+        reads=("quick",)).add_argument("--quick", action="store_true", default=argparse.SUPPRESS)
     add("fp8-accuracy", cmd_fp8_accuracy, "the FP8 KV cache against bf16 and float64 caches (CPU)"
         ).add_argument("--tokens", type=int, default=200, help="greedy tokens generated per arm")
     led = add("ledger", cmd_ledger, "launch ledger of each eager boundary")
@@ -295,8 +297,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the top level's options, which no command is given or the commands that read them take, and their defaults
+TOP_LEVEL = {"preset": None, "seed": 0, "quick": False, "record": False}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    reads = getattr(args, "reads", set(TOP_LEVEL))  # no command: summary, then (GPU) reproduce
+    unread = [f"--{n}" for n, default in TOP_LEVEL.items() if n not in reads and getattr(args, n) != default]
+    if unread:
+        print(f"dsv32ref: error: {', '.join(unread)}: {args.cmd} does not take it", file=sys.stderr)
+        return 2
     try:
         return getattr(args, "fn", cmd_summary)(args)
     except ValueError as e:  # a value the experiment refuses (a count of 0, heads that do not divide): say it

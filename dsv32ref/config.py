@@ -216,6 +216,7 @@ _POSITIVE = (
 
 
 MAX_SIZE = 2 ** 31 - 1  # every size indexes int32 tensors in the kernels
+RELEASED_INDEX_TOPK = 2048  # DeepSeek-V3.2's and GLM-5's top-k (small configs often keep it with fewer positions)
 MAX_CONFIG_BYTES = 1 << 24  # a config.json (a released one takes a few KiB)
 
 
@@ -228,10 +229,10 @@ def _check_sizes(c: ModelConfig) -> None:
             raise ValueError(f"ModelConfig.{name}: expected at most {MAX_SIZE} (int32 indices), got {value}")
     if c.num_hidden_layers > MAX_LAYERS:
         raise ValueError(f"ModelConfig.num_hidden_layers: expected at most {MAX_LAYERS}, got {c.num_hidden_layers}")
-    if c.index_topk > c.max_position_embeddings:  # a token sees no more keys than positions (each step holds
-        # [tokens, index_topk] of them: 2^31 - 1 asked for 17 GB at 2 tokens)
+    if c.index_topk > max(c.max_position_embeddings, RELEASED_INDEX_TOPK):  # each step holds [tokens, index_topk]
         raise ValueError(f"ModelConfig.index_topk: expected at most max_position_embeddings="
-                         f"{c.max_position_embeddings}, got {c.index_topk}")
+                         f"{c.max_position_embeddings} (a token sees no more keys than positions) or the released "
+                         f"models' {RELEASED_INDEX_TOPK}, got {c.index_topk}")
     if not is_int(c.first_k_dense_replace) or not 0 <= c.first_k_dense_replace <= c.num_hidden_layers:
         raise ValueError(f"ModelConfig.first_k_dense_replace: expected 0..num_hidden_layers={c.num_hidden_layers}, "
                          f"got {c.first_k_dense_replace!r}")

@@ -40,7 +40,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> Non
 
 
 def spawn(fn, world_size: int, *args, backend: str | None = None) -> None:
-    check_int("spawn: world_size", world_size)  # (0 spawned nothing and returned)
+    check_int("spawn: world_size", world_size)
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
     mp.spawn(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=True)
 
@@ -61,7 +61,7 @@ def _demo(rank: int, world_size: int, model: str, boundary: str, prompt_len: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--model", default="glm-5.2", choices=sorted(p for p in PRESETS if not p.startswith("tiny")))
+    ap.add_argument("--model", default="glm-5.2", choices=sorted(PRESETS))
     ap.add_argument("--boundary", default="narrow", choices=BOUNDARIES)
     ap.add_argument("--prompt-len", type=int, default=8)
     args = ap.parse_args()

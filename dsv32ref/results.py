@@ -99,8 +99,8 @@ def reading(what: str):
     `what` (the files) and the field, not a KeyError or TypeError from inside the reader."""
     try:
         yield
-    except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError) as e:
-        raise ValueError(f"{what}: not the results this reads ({type(e).__name__}: {e})"[:300]) from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{what}: not the results this reads ({type(e).__name__}: {e})"[:300]) from e
 
 
 def write_partial(path: str | os.PathLike, result: dict) -> str:

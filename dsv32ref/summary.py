@@ -98,8 +98,11 @@ def run_reference(preset: str, seed: int) -> bool:
 def print_recorded(data_dir: str = DATA_DIR) -> None:
     """What data/ records, in a few lines: where and at which commit, GLM-5.2's TTFT per boundary beside the
     PR's, and narrow_copy's start-up (data/README.md lists every file, its command and its readers)."""
-    if not isinstance(data_dir, (str, os.PathLike)) or not os.path.isdir(data_dir):
+    if not isinstance(data_dir, (str, os.PathLike)):
         raise ValueError(f"print_recorded: data_dir: expected a folder of results, got {shown(data_dir)}")
+    if not os.path.isdir(data_dir):  # (an installed package has no data/)
+        print(f"\nRecorded: no folder {os.fspath(data_dir)!r} here (data/ comes with a checkout of the repository)")
+        return
     files = sorted(glob.glob(os.path.join(data_dir, "*.json")))
     gpu = {}
     for f in files:

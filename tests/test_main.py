@@ -37,6 +37,14 @@ def test_options_before_the_command_are_kept(argv):
                    "quick": "--quick" in argv, "record": "--record" in argv}, argv
 
 
+@pytest.mark.parametrize("argv", [["--seed", "7", "ledger"], ["--quick", "fp8-accuracy"], ["--record", "summary"],
+                                  ["--preset", "tiny-glm-5.2", "ttft"]])
+def test_options_before_a_command_that_does_not_take_them_are_refused(argv, capsys):
+    """A top-level option the command never reads: refused, not ignored."""
+    assert main(argv) == 2
+    assert f"dsv32ref: error: {argv[0]}: {argv[-1]} does not take it" in capsys.readouterr().err
+
+
 @CPU
 @pytest.mark.parametrize("cmd", ["reproduce", "ttft", "capture", "regimes", "timeline", "hostcosts", "kernels",
                                  "fp8-speed"])

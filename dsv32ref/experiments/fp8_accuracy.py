@@ -22,6 +22,7 @@ Per arm and model:
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 
@@ -160,7 +161,7 @@ def run(tokens: int = 200, prompt_len: int = 48, seeds=(0, 1), out: str | None =
     check_int("fp8_accuracy.run: prompt_len", prompt_len, low=1, high=MAX_POSITIONS - tokens)
     if not isinstance(seeds, (list, tuple)) or not seeds or not all(is_int(s) for s in seeds):
         raise ValueError(f"fp8_accuracy.run: seeds: expected a non-empty list of ints, got {shown(seeds)}")
-    if out is not None and not isinstance(out, str):
+    if out is not None and not isinstance(out, (str, os.PathLike)):
         raise ValueError(f"fp8_accuracy.run: out: expected None or a path, got {type(out).__name__}")
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     t0 = time.time()

@@ -154,8 +154,9 @@ def _check_regions(path: str, regions) -> None:
         eager, graph = (r.get("eager_us"), r.get("graph_us")) if isinstance(r, dict) else (None, None)
         if not (isinstance(eager, list) and isinstance(graph, list) and len(graph) == len(eager) + 1
                 and all(_duration(x) for x in eager + graph)):
-            got = (f"{len(eager)} and {len(graph)}" if isinstance(eager, list) and isinstance(graph, list)
-                   else type(r).__name__)
+            lists = isinstance(eager, list) and isinstance(graph, list)
+            got = (type(r).__name__ if not lists else f"lists of {len(eager)} and {len(graph)}"
+                   if len(graph) != len(eager) + 1 else f"{next(x for x in eager + graph if not _duration(x))!r}")
             raise ValueError(f"{path!r}: host_costs.regions[{v!r}]: expected eager_us and graph_us, lists of finite "
                              f"numbers >= 0 (microseconds), graph_us one longer, got {got}")
 

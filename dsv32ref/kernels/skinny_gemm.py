@@ -139,9 +139,9 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, counters
     """out = x wᵀ (F.linear without a bias): x [T, K] and w [N, K] into out [T, N], or batched, x [B, T, K], w
     [B, N, K] into out [B, T, N]; any strides; T <= MAX_ROWS; x, w and out of one dtype (bf16, fp16 or fp32).
     counters: a buffer of `skinny_gemm_counters`' or a view of one (int32 zeros, at least B x cdiv(N, block_n) of
-    them), which split-K needs and every call leaves zero; without them K is not split. splits (at most; default `skinny_plan`'s, 1 without
-    counters), block_n (default `skinny_plan`'s), block_k, num_warps and num_stages: the launch, for tuning; every
-    choice computes the same product up to fp32 summation order. num_sms: the SMs the plan fills (default: the
+    them), which split-K needs and every call leaves zero; without them K is not split. splits (at most; default
+    `skinny_plan`'s, 1 without counters), block_n (default `skinny_plan`'s), block_k, num_warps and num_stages: the
+    launch, for tuning; every choice computes the same product up to fp32 summation order. num_sms: the SMs the plan fills (default: the
     device's). Returns out."""
     xb, wb, ob = _as_batched("x", x, 2), _as_batched("w", w, 2), _as_batched("out", out, 2)
     if x.dim() != w.dim() or x.dim() != out.dim():
@@ -188,7 +188,9 @@ def _split_plan(N: int, K: int, B: int, device, counters, splits, block_n, block
         if counters.numel() < need:
             raise ValueError(f"counters: expected at least {need} (batches x tiles of {plan[0]} columns), got "
                              f"{counters.numel()}")
-        if _COUNTERS.get(counters.untyped_storage().data_ptr()) is None:
+        ptr = counters.untyped_storage().data_ptr()
+        owner = _COUNTERS.get(ptr)
+        if owner is None or owner.untyped_storage().data_ptr() != ptr:  # (a registered tensor given other memory)
             raise ValueError("counters: expected a buffer of skinny_gemm_counters' (zeros, which every call leaves "
                              "zero: split-K's last program is found by counting from 0), got one made elsewhere")
     return plan
