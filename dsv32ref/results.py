@@ -20,7 +20,8 @@ from typing import Any
 
 from dsv32ref.checks import check_readable, check_replaceable
 
-__all__ = ["DATA_DIR", "partial_path", "run_dir", "write_partial", "write_result", "write_atomic"]
+__all__ = ["DATA_DIR", "partial_path", "read_result", "reading", "run_dir", "write_partial", "write_result",
+           "write_atomic"]
 
 # The repository's data/ (beside the package): what the commands read as the recorded runs, wherever they run from.
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
