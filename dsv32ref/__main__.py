@@ -233,6 +233,25 @@ TTFT_ARM_FLAGS = (  # ttft's arms: flag, default boundaries, what they switch on
     ("--fused-skinny", [], "with both the fused MoE and skinny_gemm"))
 
 
+def _add_main_commands(parser: argparse.ArgumentParser, add) -> None:
+    """summary and reproduce, whose options (--preset, --seed, --quick, --record) are also the top level's: no
+    command runs summary, then (GPU) reproduce with --quick / --record. A command's own parser leaves them as given
+    before the command (SUPPRESS: no default of its own overwrites them)."""
+    s = add("summary", cmd_summary, "presets, the reference end to end, what data/ records", out=False,
+            reads=("preset", "seed"))
+    for p, default in ((parser, None), (s, argparse.SUPPRESS)):
+        p.add_argument("--preset", action="append", choices=sorted(p for p in PRESETS if p.startswith("tiny")),
+                       default=default, help="small preset(s) to run end to end (default: all tiny presets)")
+        p.add_argument("--seed", type=int, default=0 if default is None else default)
+    rp = add("reproduce", cmd_reproduce, "the PR's measurements on this GPU, beside its figures and data/'s",
+             out=False, reads=("quick", "record"))
+    for p, default in ((parser, False), (rp, argparse.SUPPRESS)):
+        p.add_argument("--quick", action="store_true", default=default,
+                       help="the quick preset (minutes) instead of the full one")
+        p.add_argument("--record", action="store_true", default=default,
+                       help="write the live run into data/ instead of runs/")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv32ref", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd")
@@ -247,22 +266,7 @@ def _parser() -> argparse.ArgumentParser:
                            help="write into data/, over the recorded result")
         return p
 
-    # --preset, --seed, --quick and --record are also the top level's (no command runs summary, or reproduce with
-    # --quick / --record); a command's own parser leaves them as given before the command (SUPPRESS: no default of
-    # its own overwrites them)
-    s = add("summary", cmd_summary, "presets, the reference end to end, what data/ records", out=False,
-            reads=("preset", "seed"))
-    for p, default in ((parser, None), (s, argparse.SUPPRESS)):
-        p.add_argument("--preset", action="append", choices=sorted(p for p in PRESETS if p.startswith("tiny")),
-                       default=default, help="small preset(s) to run end to end (default: all tiny presets)")
-        p.add_argument("--seed", type=int, default=0 if default is None else default)
-    rp = add("reproduce", cmd_reproduce, "the PR's measurements on this GPU, beside its figures and data/'s",
-             out=False, reads=("quick", "record"))
-    for p, default in ((parser, False), (rp, argparse.SUPPRESS)):
-        p.add_argument("--quick", action="store_true", default=default,
-                       help="the quick preset (minutes) instead of the full one")
-        p.add_argument("--record", action="store_true", default=default,
-                       help="write the live run into data/ instead of runs/")
+    _add_main_commands(parser, add)
     _add_model_commands(add)
     add("kernels", cmd_kernels, "the kernel benchmark (GPU)", reads=("quick",)).add_argument(
         "--quick", action="store_true", default=argparse.SUPPRESS)
