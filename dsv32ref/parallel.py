@@ -66,8 +66,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8)
     args = ap.parse_args()
     for flag, v, most in (("--nproc", args.nproc, None), ("--prompt-len", args.prompt_len, 16)):  # before spawning
-        if v < 1 or (most is not None and v > most):
-            ap.error(f"{flag}: expected an int in [1, {most}], got {v}" if most else f"{flag}: expected >= 1, got {v}")
+        try:
+            check_int(flag, v, high=most)
+        except ValueError as e:
+            ap.error(str(e))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     spawn(_demo, args.nproc, args.model, args.boundary, args.prompt_len)
 

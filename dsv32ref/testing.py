@@ -84,7 +84,8 @@ def _compare_arguments(name, got, expected, dtype, rtol, atol, row_dims, precisi
             raise ValueError(f"compare({name!r}): {n}: expected a dense (strided) tensor, got {t.layout}")
     want_dtype = expected.dtype if dtype is None else dtype
     unit_dtype = want_dtype if precision is None else precision
-    for arg, d in (("dtype", dtype), ("precision", precision), ("expected's dtype", unit_dtype)):
+    given = [("dtype", dtype), ("precision", precision)]
+    for arg, d in given if dtype is not None or precision is not None else [("expected's dtype", expected.dtype)]:
         if d is not None and (not isinstance(d, torch.dtype) or d not in _EPS):
             raise ValueError(f"compare({name!r}): {arg}: expected a float dtype ({', '.join(map(str, _EPS))}), "
                              f"got {d!r}")

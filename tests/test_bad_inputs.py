@@ -1573,7 +1573,8 @@ CLI_REFUSALS = [  # (argv, what stderr says): exit status 2, before any work
     (["fp8-accuracy", "--tokens", "1", "--out", "/tmp/" + "a" * 300 + ".json"],
      "--out: the file name takes 305 bytes, a file system takes at most 255"),
     (["fp8-accuracy", "--tokens", "1", "--out", "/tmp/\0x.json"], "--out: a path cannot hold a NUL character"),
-    (["fp8-accuracy", "--tokens", str(10 ** 8)], "--tokens: expected an int in [1, 2048], got 100000000"),
+    (["fp8-accuracy", "--tokens", str(10 ** 8)], "fp8_accuracy.run: tokens: expected an int in [1, 2048], got "
+                                                 "100000000"),
 ]
 
 

@@ -141,8 +141,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, counters
     counters: a buffer of `skinny_gemm_counters`' or a view of one (int32 zeros, at least B x cdiv(N, block_n) of
     them), which split-K needs and every call leaves zero; without them K is not split. splits (at most; default
     `skinny_plan`'s, 1 without counters), block_n (default `skinny_plan`'s), block_k, num_warps and num_stages: the
-    launch, for tuning; every choice computes the same product up to fp32 summation order. num_sms: the SMs the plan fills (default: the
-    device's). Returns out."""
+    launch, for tuning; every choice computes the same product up to fp32 summation order. num_sms: the SMs the
+    plan fills (default: the device's). Returns out."""
     xb, wb, ob = _as_batched("x", x, 2), _as_batched("w", w, 2), _as_batched("out", out, 2)
     if x.dim() != w.dim() or x.dim() != out.dim():
         raise ValueError(f"skinny_gemm: x, w and out must all be 2-D or all 3-D, got {x.dim()}, {w.dim()} and "
