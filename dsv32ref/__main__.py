@@ -234,12 +234,13 @@ TTFT_ARM_FLAGS = (  # ttft's arms: flag, default boundaries, what they switch on
 def _add_main_commands(parser: argparse.ArgumentParser, add) -> None:
     """summary and reproduce, whose options (--preset, --seed, --quick, --record) are also the top level's: no
     command runs summary, then (GPU) reproduce with --quick / --record. A command's own parser leaves them as given
-    before the command (SUPPRESS: no default of its own overwrites them)."""
+    before the command (SUPPRESS: no default of its own overwrites them); --preset given on both sides of summary
+    appends (its own dest, which _parse adds to the top level's)."""
     s = add("summary", cmd_summary, "presets, the reference end to end, what data/ records", out=False,
             reads=("preset", "seed"))
-    for p, default in ((parser, None), (s, argparse.SUPPRESS)):
+    for p, default, dest in ((parser, None, "preset"), (s, argparse.SUPPRESS, "preset_after")):
         p.add_argument("--preset", action="append", choices=sorted(p for p in PRESETS if p.startswith("tiny")),
-                       default=default, help="small preset(s) to run end to end (default: all tiny presets)")
+                       default=default, dest=dest, help="small preset(s) to run end to end (default: all tiny presets)")
         p.add_argument("--seed", type=int, default=0 if default is None else default)
     rp = add("reproduce", cmd_reproduce, "the PR's measurements on this GPU, beside its figures and data/'s",
              out=False, reads=("quick", "record"))
@@ -303,8 +304,16 @@ def _parser() -> argparse.ArgumentParser:
 TOP_LEVEL = {"preset": None, "seed": 0, "quick": False, "record": False}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line, with summary's --preset after the command appended to those before it."""
     args = _parser().parse_args(argv)
+    after = vars(args).pop("preset_after", [])
+    args.preset = [*(args.preset or []), *after] or None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     reads = getattr(args, "reads", set(TOP_LEVEL))  # no command: summary, then (GPU) reproduce
     unread = [f"--{n}" for n, default in TOP_LEVEL.items() if n not in reads and getattr(args, n) != default]
     if unread:

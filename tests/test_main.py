@@ -31,10 +31,17 @@ def test_main_job_runs_and_passes_its_checks(capsys):
 def test_options_before_the_command_are_kept(argv):
     """--preset, --seed, --quick and --record given before the command or after it: the value given (a command's
     parser had set its own defaults over the ones given before it: `--seed 7 summary` ran seed 0)."""
-    args = cli._parser().parse_args(argv)
+    args = cli._parse(argv)
     got = {k: getattr(args, k) for k in ("seed", "preset", "quick", "record")}
     assert got == {"seed": 7 if "--seed" in argv else 0, "preset": ["tiny-glm-5.2"] if "--preset" in argv else None,
                    "quick": "--quick" in argv, "record": "--record" in argv}, argv
+
+
+def test_presets_on_both_sides_of_summary_are_all_run():
+    """--preset before summary and after it: both (the one after had replaced the one before)."""
+    args = cli._parse(["--preset", "tiny-glm-5.2", "summary", "--preset", "tiny-deepseek-v3.2"])
+    assert args.preset == ["tiny-glm-5.2", "tiny-deepseek-v3.2"]
+    assert not hasattr(args, "preset_after")
 
 
 @pytest.mark.parametrize("argv", [["--seed", "7", "ledger"], ["--quick", "fp8-accuracy"], ["--record", "summary"],
