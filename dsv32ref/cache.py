@@ -430,7 +430,8 @@ def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Te
     check_tensor("slot_mapping", slot_mapping, shape=(None,), dtype=(torch.int32, torch.int64), device=cache.device)
     check_tensor("rows", rows, shape=(slot_mapping.shape[0], d), dtype=CACHE_DTYPES, device=cache.device)
     check_slots("slot_mapping", slot_mapping, nb * bs)
-    check_disjoint("write_tokens", {"cache": cache}, {})  # an expanded view: two slots, one row of memory
+    # an expanded view (two slots, one row of memory), or rows read from the cache it writes: refused
+    check_disjoint("write_tokens", {"cache": cache}, {"rows": rows})
     cast = rows.to(cache.dtype)
     overflow = torch.isfinite(rows) & ~torch.isfinite(cast)
     if overflow.any():
@@ -438,8 +439,6 @@ def write_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Te
                          f"{rows[overflow][:2].tolist()}")
     slots = slot_mapping.long()
     cache[slots // bs, slots % bs] = cast
-
-
 
 
 def token_slots(block_table_row: torch.Tensor, seq_len: int, num_blocks: int, block_size: int) -> torch.Tensor:

@@ -128,6 +128,14 @@ def check_fp32_scale(name: str, v, factor: float = 1.0) -> float:
     return scale
 
 
+def check_compute_scale(name: str, v, dtype: torch.dtype) -> float:
+    """A reference's softmax scale, applied in dtype promoted to fp32: in float64 check_scale, else
+    check_fp32_scale (a scale float32 cannot hold would give NaN or uniform attention)."""
+    if torch.promote_types(dtype, torch.float32) == torch.float64:
+        return check_scale(name, v)
+    return check_fp32_scale(name, v)
+
+
 def check_eps(name: str, v) -> float:
     """A norm's epsilon: a finite number > 0 that stays > 0 and finite in float32, where the norms compute (1e-50
     is 0 there, and a zero row would then be NaN): else ValueError naming it."""

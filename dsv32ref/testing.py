@@ -469,6 +469,11 @@ def reference_indexer_scores_fp8(x: FP8IndexerInputs) -> torch.Tensor:
     out = torch.full((x.q.shape[0], max(lens)), float("-inf"), dtype=torch.float64)
     for t in range(x.q.shape[0]):
         b, p = int(x.req_indices[t]), int(x.positions[t])
+        if not 0 <= b < len(lens):
+            raise ValueError(f"reference_indexer_scores_fp8: x.req_indices[{t}]: expected 0..{len(lens) - 1}, got {b}")
+        if not 0 <= p < lens[b]:
+            raise ValueError(f"reference_indexer_scores_fp8: x.positions[{t}]: expected 0..{lens[b] - 1} (within "
+                             f"request {b}'s {lens[b]} keys), got {p}")
         s = indexer_scores_fp8(x.q[t:t + 1].cpu(), x.weights[t:t + 1].cpu().double(), x.k_cache.cpu(),
                                x.block_table[b].cpu(), lens[b], x.softmax_scale)
         out[t, : p + 1] = s[0, : p + 1]

@@ -685,6 +685,20 @@ REFERENCE_CASES = [
      r"RotaryEmbedding: dtype: expected a float dtype of 16 bits or more, got torch.float8_e4m3fn"),
     (lambda: RotaryEmbedding(TINY)(torch.tensor([0, TINY.max_position_embeddings])),
      r"positions: expected positions < max_position_embeddings"),
+    # a scale float32 cannot hold, where the scores are computed in it: all NaN, or uniform attention
+    (lambda: sparse_mla(*_q_kv(), torch.zeros(2, 4, dtype=torch.int32), 1e39, 16),
+     r"sm_scale: expected a value within float32's range .*got 1e\+39"),
+    (lambda: sparse_mla(*_q_kv(), torch.zeros(2, 4, dtype=torch.int32), 1e-50, 16),
+     r"sm_scale: expected a value within float32's range .*got 1e-50"),
+    (lambda: dense_mla(*_q_kv(), torch.ones(2, 5, dtype=torch.bool), 1e39, 16), r"sm_scale: expected a value within"),
+    (lambda: indexer_scores(torch.randn(2, 3, 8), torch.randn(5, 8), torch.randn(2, 3), 1e39),
+     r"indexer_scores: softmax_scale: expected a value within float32's range"),
+    (lambda: rms_norm(torch.tensor(1.0), torch.ones(1), 1e-6), r"x: expected shape \[\.\.\., \*\], got \[\]"),
+    (lambda: layer_norm(torch.tensor(1.0), torch.ones(1), torch.ones(1), 1e-6), r"x: expected shape \[\.\.\., \*\]"),
+    (lambda: rms_norm(torch.ones(3), torch.ones(3, dtype=torch.complex64), 1e-6),
+     r"weight: expected dtype .*got torch.complex64"),
+    (lambda: layer_norm(torch.ones(3), torch.ones(3), torch.ones(3, dtype=torch.int32), 1e-6),
+     r"bias: expected dtype .*got torch.int32"),
     # a minimum exponent that is not an int in fp32's normal range gave scales that are not powers of two, or 0, inf
     (lambda: pow2_scale(torch.ones(2), 2.5), r"pow2_scale: min_exp: expected an int, got float 2.5"),
     (lambda: pow2_scale(torch.ones(2), True), r"pow2_scale: min_exp: expected an int, got bool True"),
@@ -2005,6 +2019,62 @@ def test_the_fp8_generator_names_the_widths_its_rows_hold():
     with pytest.raises(ValueError, match=r"paged_sparse_mla_inputs: kv_cache_dtype 'fp8': FlashMLA's rows hold d_lat "
                                          r"512 and d_rope 64, got 32 and 8"):
         paged_sparse_mla_inputs(d_lat=32, d_rope=8, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("field,t,value,match", [
+    ("positions", 2, -2, r"x.positions\[2\]: expected 0..5 \(within request 1's 6 keys\), got -2"),
+    ("positions", 0, 4, r"x.positions\[0\]: expected 0..1 \(within request 0's 2 keys\), got 4"),
+    ("req_indices", 0, -1, r"x.req_indices\[0\]: expected 0..1, got -1"),
+    ("req_indices", 0, 5, r"x.req_indices\[0\]: expected 0..1, got 5")])
+def test_the_fp8_indexer_oracle_refuses_a_token_outside_its_requests(field, t, value, match):
+    """A request index or position out of range: refused naming it (Python's negative indexing scored token 2 at
+    position -2 over five keys, and request -1 as the last request)."""
+    from dsv32ref.testing import fp8_indexer_inputs, reference_indexer_scores_fp8
+
+    x = fp8_indexer_inputs(num_heads=2, head_dim=8, context_lens=[0, 5], query_lens=[2, 1], block_kv=4)
+    getattr(x, field)[t] = value
+    with pytest.raises(ValueError, match=r"reference_indexer_scores_fp8: " + match):
+        reference_indexer_scores_fp8(x)
+
+
+def test_an_fp8_value_times_its_scale_past_fp32_is_refused_by_every_dequantiser():
+    """A row (or key) whose power-of-two scale takes an fp8 value past fp32's range: no quantiser writes one, and
+    every dequantiser refuses it naming what it read (dequantize_latent gave inf, sparse_mla_fp8 NaN)."""
+    from dsv32ref.reference.fp8_cache import dequantize_indexer_keys, dequantize_latent, quantize_indexer_keys
+
+    row = quantize_latent(torch.zeros(1, 576)).clone()
+    row[0, 512:516] = torch.tensor([2.0 ** 127]).view(torch.uint8)  # group 0's scale
+    row[0, 0] = 0x7E  # 448
+    with pytest.raises(ValueError, match=r"rows: c_kv: 1 values times their scales are past float32's range"):
+        dequantize_latent(row)
+    cache = row.view(1, 1, 1, 656)
+    with pytest.raises(ValueError, match=r"rows: c_kv: 1 values times their scales"):
+        sparse_mla_fp8(torch.randn(1, 2, 576), cache, torch.zeros(1, 1, dtype=torch.int32), 0.1)
+    keys = quantize_indexer_keys(torch.zeros(1, 4, 8)).clone()  # [1, 4, 1, 12]: 32 values, then 4 scales
+    flat = keys.view(-1)
+    flat[32:36] = torch.tensor([2.0 ** 127]).view(torch.uint8)  # token 0's scale
+    flat[0] = 0x7E
+    with pytest.raises(ValueError, match=r"cache: keys: 1 values times their scales are past float32's range"):
+        dequantize_indexer_keys(keys)
+    with pytest.raises(ValueError, match=r"cache: keys: 1 values times their scales"):
+        indexer_scores_fp8(torch.randn(1, 2, 8), torch.ones(1, 2), keys, torch.zeros(1, dtype=torch.int32), 4, 0.1)
+
+
+def test_indexer_scores_computes_in_the_widest_dtype_it_was_given():
+    """float64 queries and keys with fp32 weights: scored in float64 (it was cast to fp32 by the weights' dtype,
+    where q.k of 1e300s is inf)."""
+    q, k = torch.full((1, 2, 4), 1e150, dtype=torch.float64), torch.full((3, 4), 1e150, dtype=torch.float64)
+    out = indexer_scores(q, k, torch.ones(1, 2), 1e-300)
+    assert out.dtype == torch.float64 and out.isfinite().all()
+    assert torch.allclose(out, torch.full((1, 3), 2 * 4e300 * 1e-300, dtype=torch.float64))
+
+
+def test_write_tokens_refuses_rows_read_from_the_cache_it_writes():
+    """rows that are a view of the cache (slots 0-1 copied to 1-2): a ValueError naming both (it was torch's
+    RuntimeError about overlapping memory)."""
+    cache = torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match=r"write_tokens: cache overlaps rows in memory"):
+        write_tokens(cache, torch.tensor([1, 2]), cache.view(8, 3)[0:2])
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, None, "float64", torch.float8_e4m3fn])

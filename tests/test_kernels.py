@@ -115,6 +115,21 @@ def test_fused_q(device, dtype, tol, interleaved, seed):
     assert_close("weights", w_out, w.double() * z["h_i"] ** -0.5, dtype=torch.float32, rtol=2, atol=0)
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_q_copies_into_bf16_as_torch_rounds(device, seed):
+    """An fp32 q_lat into a bf16 q_mqa: its copied part equals torch's cast bit for bit (round to nearest even; the
+    interpreter's own cast truncates)."""
+    z = _sizes(device)
+    T = 5
+    q_lat = torch.randn(T, z["H"], z["d_lat"], device=device)
+    q = torch.randn(T, z["H"], z["nope"] + z["rope"], device=device, dtype=torch.bfloat16)
+    cfg = ModelConfig.preset("deepseek-v3.2").replace(qk_rope_head_dim=z["rope"], index_head_dim=max(z["d_i"], z["rope"]))
+    cos, sin = RotaryEmbedding(cfg).to(device)(torch.arange(64, device=device))
+    q_mqa = torch.full((T, z["H"], z["d_lat"] + z["rope"]), float("nan"), device=device, dtype=torch.bfloat16)
+    fused_q(q_lat, q, q_mqa, torch.arange(T, device=device), cos, sin)
+    assert torch.equal(q_mqa[..., : z["d_lat"]].view(torch.int16), q_lat.to(torch.bfloat16).view(torch.int16))
+
+
 # On CPU fp32 and fp16: triton 3.6's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even),
 # which moves the bf16 intermediates this test compares exactly.
 @pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, marks=CPU),

@@ -61,7 +61,7 @@ def _fused_q_kernel(
     if h < H:
         o = tl.arange(0, D_LAT)
         dst = q_mqa_ptr + t * stride_mt + h * stride_mh
-        tl.store(dst + o, tl.load(q_lat_ptr + t * stride_lt + h * stride_lh + o).to(q_mqa_ptr.dtype.element_ty))
+        tl.store(dst + o, cast(tl.load(q_lat_ptr + t * stride_lt + h * stride_lh + o), q_mqa_ptr.dtype.element_ty))
         _rope_pairs(q_ptr + t * stride_qt + h * stride_qh + NOPE, dst + D_LAT, cos, sin, ROPE // 2, True)
     if HAS_INDEXER:
         if h < H_I:

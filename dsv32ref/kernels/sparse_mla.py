@@ -44,7 +44,7 @@ import triton.language as tl
 from dsv32ref.cache import LATENT_ROW_BYTES
 from dsv32ref.checks import (check_bool, check_disjoint, check_fp32_scale, check_keys, check_range, check_same_device,
                              check_tensor, device_value_checks_on, is_int, shown)
-from dsv32ref.kernels.fp8 import load_e4m3
+from dsv32ref.kernels.fp8 import cast, load_e4m3
 from dsv32ref.kernels.grid import dot_precision, mma
 from dsv32ref.kernels.grid import num_sms as _num_sms
 from dsv32ref.kernels.launch import launch
@@ -177,6 +177,8 @@ def _attend(q_row, h_mask, cache_ptr, row, valid, m_i, l_i, acc, sm_scale_log2, 
         p, m_new, alpha, l_i = _online_softmax(s, valid, m_i, l_i)
     else:  # the same (every key is invalid here): Triton needs both arms to define the results
         p, m_new, alpha, l_i = _online_softmax(s, valid, m_i, l_i)
+    # P in the rows' dtype (the interpreter truncates it to bf16 where the GPU rounds: within the comparator's
+    # bf16 tolerance, and not worth integer rounding on the hot path)
     acc = acc * alpha[:, None] + mma(p.to(k_lat.dtype), k_lat, PRECISION)
     return m_new, l_i, acc
 
@@ -197,7 +199,7 @@ def _finish(acc, m_i, l_i, t, offs_h, h_mask, split, H, out_ptr, stride_ot, stri
         tl.store(lse_ptr + (t * H + offs_h) * NUM_SPLITS + split, tl.where(has_key, lse, float("-inf")), mask=h_mask)
     else:
         o_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=h_mask[:, None])
         tl.store(lse_ptr + t * stride_lt + offs_h, tl.where(has_key, lse, float("inf")), mask=h_mask)
 
 
@@ -276,7 +278,7 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
                   mask=(lse_s != float("-inf"))[:, None], other=0.0)  # (S, D_LAT); NaN splits read
     total = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o_s, axis=0) / tl.where(any_key, total, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, cast(out, out_ptr.dtype.element_ty))
     tl.store(lse_ptr + t * stride_lt + h, tl.where(any_key, m + tl.log(tl.where(any_key, total, 1.0)), float("inf")))
 
 

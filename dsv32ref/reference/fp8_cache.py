@@ -25,8 +25,9 @@ transform before the fp8 cast, and scores fp8 queries (one scale per head, folde
 reference model does the same over an FP8 key cache (dsv32ref.reference.mla).
 
 Both scales are computed exactly (numerics.pow2_scale). The fp8 casts round to nearest even and saturate at
-+-448. Every quantiser refuses NaN and inf, every dequantiser refuses a scale that is not a finite power of two
-(the formats' own), both name the tensor.
++-448. Every quantiser refuses NaN and inf, and takes its input to fp32 first (where the formats compute: a float64
+value is rounded twice); every dequantiser refuses a scale that is not a finite power of two (the formats' own) and
+a value times its scale past fp32's range (no quantiser writes one); all name the tensor.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 from dsv32ref.cache import FP8_LATENT_DIMS, LATENT_ROW_BYTES, indexer_key_bytes, token_slots
 from dsv32ref.checks import check_slots, check_tensor
 from dsv32ref.reference.indexer import indexer_scores
-from dsv32ref.reference.numerics import FP8_E4M3_MAX, pow2_scale, ue8m0_scale
+from dsv32ref.reference.numerics import FP8_E4M3_MAX, fp8_dequantize, pow2_scale, ue8m0_scale
 from dsv32ref.reference.sparse_attention import sparse_mla
 
 __all__ = ["LATENT_ROW_BYTES", "dequantize_indexer_keys", "dequantize_latent", "gather_indexer_keys",
@@ -109,8 +110,7 @@ def latent_parts(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 def dequantize_latent(rows: torch.Tensor) -> torch.Tensor:
     """rows uint8 [..., 656] -> latent fp32 [..., 576]: c_kv = fp8 x scale, k_pe as stored (bf16, exact in fp32)."""
     values, scale, k_pe = latent_parts(rows)
-    lead = rows.shape[:-1]
-    c_kv = (values.float().reshape(*lead, D_LAT // GROUP, GROUP) * scale[..., None]).reshape(*lead, D_LAT)
+    c_kv = fp8_dequantize(values, scale, GROUP, name="rows: c_kv")  # a product past fp32's range refused
     return torch.cat((c_kv, k_pe.float()), dim=-1)
 
 
@@ -155,7 +155,7 @@ def _indexer_key_bytes(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def dequantize_indexer_keys(cache: torch.Tensor) -> torch.Tensor:
     """cache uint8 [num_blocks, block_kv, 1, D + 4] -> keys fp32 [num_blocks, block_kv, D]."""
     values, scale = indexer_key_parts(cache)
-    return values.float() * scale[..., None]
+    return fp8_dequantize(values, scale[..., None], values.shape[-1], name="cache: keys")
 
 
 def sparse_mla_fp8(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, sm_scale: float,
@@ -193,7 +193,7 @@ def indexer_scores_fp8(q_idx: torch.Tensor, weights: torch.Tensor, cache: torch.
     at = token_slots(block_table_row.to(values.device), seq_len, nb, bk)  # (seq_len,)
     s = scale.reshape(-1)[at]
     _powers_of_two("cache: key scales (each block's last block_kv x 4 bytes) of the sequence's tokens", s)
-    k = values.reshape(nb * bk, d)[at].float() * s[:, None]  # (seq_len, D)
+    k = fp8_dequantize(values.reshape(nb * bk, d)[at], s[:, None], d, name="cache: keys")  # (seq_len, D)
     return indexer_scores(q_idx.float() if q_idx.dtype == torch.float8_e4m3fn else q_idx, k, weights, softmax_scale)
 
 

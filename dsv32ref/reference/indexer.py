@@ -11,10 +11,12 @@ positions, the rest of the fixed-width [T, index_topk] row is -1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from dsv32ref.checks import check_fits, check_scale, check_tensor, is_int
+from dsv32ref.checks import check_compute_scale, check_fits, check_tensor, is_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.reference.norms import LayerNorm
 from dsv32ref.reference.numerics import MAX_HADAMARD, QUANT_BLOCK, fp8_round_trip, hadamard_transform
@@ -71,12 +73,12 @@ class Indexer(nn.Module):
 
 
 def indexer_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """q_idx [n, H_I, D], k_idx [S, D], weights [n, H_I] -> I [n, S] (fp32, or float64 for float64 inputs)."""
+    """q_idx [n, H_I, D], k_idx [S, D], weights [n, H_I] -> I [n, S] (fp32, or float64 where any input is)."""
     check_tensor("q_idx", q_idx, shape=(None, None, None), dtype=_SCORE_DTYPES)
     check_tensor("k_idx", k_idx, shape=(None, q_idx.shape[-1]), dtype=_SCORE_DTYPES, device=q_idx.device)
     check_tensor("weights", weights, shape=q_idx.shape[:2], dtype=_SCORE_DTYPES, device=q_idx.device)
-    check_scale("indexer_scores: softmax_scale", softmax_scale)
-    dt = torch.promote_types(weights.dtype, torch.float32)
+    dt = functools.reduce(torch.promote_types, (q_idx.dtype, k_idx.dtype, weights.dtype, torch.float32))
+    check_compute_scale("indexer_scores: softmax_scale", softmax_scale, dt)
     logits = torch.einsum("nhd,sd->nhs", q_idx.to(dt), k_idx.to(dt)) * softmax_scale  # (n, H_I, S)
     return torch.einsum("nh,nhs->ns", weights.to(dt), torch.relu(logits))
 

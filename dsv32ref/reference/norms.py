@@ -18,8 +18,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim; the cast back happens before the weight (HF)."""
-    check_tensor("x", x, dtype=_FLOATS)
-    check_tensor("weight", weight, shape=(x.shape[-1],), device=x.device)
+    check_tensor("x", x, shape=(..., None), dtype=_FLOATS)
+    check_tensor("weight", weight, shape=(x.shape[-1],), dtype=_FLOATS, device=x.device)
     eps = check_eps("eps", eps)
     xf = x.to(_compute_dtype(x))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -28,10 +28,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, computed in >= fp32."""
-    check_tensor("x", x, dtype=_FLOATS)
-    check_tensor("weight", weight, shape=(x.shape[-1],), device=x.device)
+    check_tensor("x", x, shape=(..., None), dtype=_FLOATS)
+    check_tensor("weight", weight, shape=(x.shape[-1],), dtype=_FLOATS, device=x.device)
     eps = check_eps("eps", eps)
-    check_tensor("bias", bias, shape=(x.shape[-1],), device=x.device)
+    check_tensor("bias", bias, shape=(x.shape[-1],), dtype=_FLOATS, device=x.device)
     dt = _compute_dtype(x)
     y = torch.nn.functional.layer_norm(x.to(dt), x.shape[-1:], weight.to(dt), bias.to(dt), eps)
     return y.to(x.dtype)

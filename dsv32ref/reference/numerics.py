@@ -103,9 +103,10 @@ def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
     return q.reshape(x.shape), scale
 
 
-def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOCK,
+                   name: str = "fp8_dequantize") -> torch.Tensor:
     """fp8 values [..., n] and their scales [..., n/block] -> fp32 [..., n]. A NaN value stays NaN (what a kernel
-    reading it computes); a product past fp32's range is refused."""
+    reading it computes); a product past fp32's range is refused (the message names `name`: what q was read from)."""
     check_tensor("q", q, shape=(..., None), dtype=torch.float8_e4m3fn)
     check_int("fp8_dequantize: block", block)
     n = q.shape[-1]
@@ -121,7 +122,7 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOC
     out = (qb * scale[..., None].to(qb.dtype)).reshape(q.shape)  # (..., n)
     past = out.abs() > torch.finfo(torch.float32).max  # (fp8 e4m3 has no inf: a finite scale took it past fp32)
     if past.any():
-        raise ValueError(f"fp8_dequantize: {int(past.sum())} values times their scales are past float32's range "
+        raise ValueError(f"{name}: {int(past.sum())} values times their scales are past float32's range "
                          f"(first at {tuple(int(i) for i in past.nonzero()[0])})")
     return out.float()
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv32ref.checks import check_scale, check_tensor, is_int
+from dsv32ref.checks import check_compute_scale, check_tensor, is_int
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, d_v: int, sm_scale: float) -> None:
@@ -30,7 +30,7 @@ def _check(q: torch.Tensor, kv: torch.Tensor, d_v: int, sm_scale: float) -> None
     check_tensor("kv", kv, shape=(None, q.shape[-1]), dtype=q.dtype, device=q.device)
     if not is_int(d_v) or not 0 < d_v <= kv.shape[-1]:
         raise ValueError(f"d_v: expected an int in 1..{kv.shape[-1]}, got {d_v!r}")
-    check_scale("sm_scale", sm_scale)
+    check_compute_scale("sm_scale", sm_scale, q.dtype)
 
 
 def sparse_mla(
