@@ -21,7 +21,8 @@
 #   timeline   one profiled request per boundary on a time axis               -> timeline_glm-5.2.json
 #   ncu        Nsight Compute's full set on one warm launch each: the pair kernel (GLM-5.2, 4096 tokens of a
 #              32k request) and the FP8 decode (16 heads, 128 requests, 32k context), checked first
-#              (scripts/ncu_sparse_mla.py)                                      -> ncu_pairs.txt, ncu_fp8_decode.txt
+#              (scripts/ncu_sparse_mla.py); where their warps wait (scripts/ncu_waits.py)
+#                                                       -> ncu_pairs.txt, ncu_fp8_decode.txt and their _waits.txt
 #   nbval      the notebooks under nbval                                      -> nbval.txt
 #   pack       every file under OUTDIR into OUTDIR/results.tgz (what a device call brings back is a few files)
 set -uo pipefail
@@ -88,8 +89,12 @@ for step in "$@"; do
       dsv 150 timeline --model glm-5.2 --out "$OUT/timeline_glm-5.2.json" > "$OUT/timeline.log"; tail -5 "$OUT/timeline.log" ;;
     ncu)
       prof() { local name=$1 kernel=$2; shift 2; timeout 150 ncu --clock-control none --set full --import-source no \
-        -k "regex:$kernel" --launch-skip 2 --launch-count 1 python3 scripts/ncu_sparse_mla.py "$@" > "$OUT/$name.txt" 2>&1
-        echo "ncu $name rc $?"; grep -m3 "Duration\|Compute (SM) Throughput\|rel err" "$OUT/$name.txt"; }
+        -k "regex:$kernel" --launch-skip 2 --launch-count 1 -f -o "/tmp/$name" python3 scripts/ncu_sparse_mla.py "$@" \
+        > "$OUT/$name.log" 2>&1
+        echo "ncu $name rc $?"; ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
+        ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "/tmp/$name.csv" 2>&1 \
+          && python3 scripts/ncu_waits.py "/tmp/$name.csv" > "$OUT/${name}_waits.txt"
+        grep -m2 "Duration\|Compute (SM) Throughput" "$OUT/$name.txt"; grep "rel err" "$OUT/$name.log"; }
       prof ncu_pairs _sparse_mla_pairs_kernel --prefill 4096 --model glm-5.2 --context 32768
       prof ncu_fp8_decode _sparse_mla_heads_n_kernel --cache fp8 --B 128 --heads 16 --context 32768 ;;
     nbval)
