@@ -95,6 +95,21 @@ class AttentionMetadata:
         _check_plan(plan)
         return cls._on(plan, device)
 
+    def check(self, name: str = "attn_metadata") -> None:
+        """ValueError unless these tensors hold what StepPlan.build makes of their lengths and block tables (a
+        metadata edited after it was built, e.g. positions reversed or slots outside the request's blocks), naming
+        the field. Reads the tensors back to the host: for references and tests, not the engine's hot path."""
+        rows = self.block_table.tolist()
+        for row in rows:
+            while row and row[-1] == -1:  # the padding of shorter rows
+                row.pop()
+        host = {"query_start_loc": self.query_start_loc_cpu, "seq_lens": self.seq_lens_cpu}
+        for field, values in host.items():
+            if getattr(self, field).tolist() != list(values):
+                raise ValueError(f"{name}: {field} and {field}_cpu differ")
+        _check_plan(StepPlan(self.positions.tolist(), self.slot_mapping.tolist(), self.query_start_loc.tolist(),
+                             self.seq_lens.tolist(), rows, self.req_indices.tolist(), self.block_size), name)
+
     @classmethod
     def _on(cls, plan: "StepPlan", device: torch.device) -> "AttentionMetadata":
         width = max(len(bt) for bt in plan.block_tables)
@@ -200,16 +215,16 @@ class StepPlan:
         return cls(positions, slots, qsl, seq_lens, [list(bt) for bt in block_tables], reqs, block_size)
 
 
-def _check_plan(plan: StepPlan) -> None:
+def _check_plan(plan: StepPlan, name: str = "plan") -> None:
     """ValueError unless `plan` holds what StepPlan.build makes of its own lengths and block tables (lists or
-    tuples alike), naming the first field and element that differ."""
+    tuples alike), naming the first field and element that differ (as fields of `name`)."""
     if not isinstance(plan, StepPlan):
-        raise ValueError(f"plan: expected a StepPlan, got {type(plan).__name__}")
+        raise ValueError(f"{name}: expected a StepPlan, got {type(plan).__name__}")
     try:
         lens = plan.query_lens()
         again = StepPlan.build([s - n for s, n in zip(plan.seq_lens, lens)], lens, plan.block_tables, plan.block_size)
     except (TypeError, IndexError, ValueError) as e:
-        raise ValueError(f"plan: its seq_lens, query_start_loc and block_tables describe no step ({e})") from None
+        raise ValueError(f"{name}: its seq_lens, query_start_loc and block tables describe no step ({e})") from None
     for f in fields(plan):
         have, want = getattr(plan, f.name), getattr(again, f.name)
         if f.name == "block_tables":
@@ -219,8 +234,8 @@ def _check_plan(plan: StepPlan) -> None:
         if have != want:
             i = next((i for i, (h, w) in enumerate(zip(have, want)) if h != w), min(len(have), len(want)))
             got, made = (v[i] if i < len(v) else "nothing" for v in (have, want))
-            raise ValueError(f"plan: {f.name}[{i}] is {got}, StepPlan.build makes {made} of the plan's seq_lens, "
-                             f"query_start_loc and block_tables")
+            raise ValueError(f"{name}: {f.name}[{i}] is {got}, StepPlan.build makes {made} of its seq_lens, "
+                             f"query_start_loc and block tables")
 
 
 MAX_BLOCKS = 2 ** 31 - 1  # block ids are int32 in the block tables the kernels read
@@ -299,6 +314,23 @@ class BlockAllocator:
         table = self.tables.setdefault(seq_id, [])
         table.extend(self.free.pop() for _ in range(need))
         return table
+
+    def state(self, seq_id: int) -> tuple[int | None, int]:
+        """(tokens held, or None for a sequence not known; blocks owned): what `restore` brings it back to."""
+        return self.held.get(seq_id), len(self.tables.get(seq_id, []))
+
+    def restore(self, seq_id: int, state: tuple[int | None, int]) -> None:
+        """Sequence `seq_id` back to an earlier `state(seq_id)`: the blocks it took since go back to the free list
+        (undoing an assume whose step did not run)."""
+        held, num_blocks = state
+        table = self.tables.get(seq_id, [])
+        self.free.extend(reversed(table[num_blocks:]))
+        del table[num_blocks:]
+        if held is None:
+            self.tables.pop(seq_id, None)
+            self.held.pop(seq_id, None)
+        else:
+            self.held[seq_id] = held
 
     def release(self, seq_id: int) -> None:
         """Return the sequence's blocks to the free list (a sequence that holds none: nothing to do)."""

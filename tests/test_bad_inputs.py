@@ -716,6 +716,13 @@ def test_reference(call, match):
         call()
 
 
+def _edited(**fields):
+    """AttentionMetadata for one request of 3 tokens in block 0 of 4-token blocks, with fields replaced."""
+    meta = AttentionMetadata.build([0], [3], [[0]], 4)
+    tensors = {k: torch.tensor(v) if isinstance(getattr(meta, k), torch.Tensor) else v for k, v in fields.items()}
+    return dataclasses.replace(meta, **tensors)
+
+
 def test_reference_model_inputs():
     model = tiny_model("tiny-deepseek-v3.2", dtype=torch.float32)
     V = model.config.vocab_size
@@ -740,6 +747,16 @@ def test_reference_model_inputs():
          r"kv_cache: expected a PagedKVCache, got dict"),
         ((torch.tensor([1, 2]), model.new_cache(4, 4), {"positions": None}),
          r"attn_metadata: expected an AttentionMetadata, got dict"),
+        # metadata edited after it was built: positions reversed or repeated, slots outside the request's blocks
+        # (each ran and attended over the wrong rows)
+        ((torch.tensor([1, 2, 3]), model.new_cache(4, 4), _edited(positions=[2, 1, 0])),
+         r"attn_metadata: positions\[0\] is 2, StepPlan.build makes 0 of its seq_lens"),
+        ((torch.tensor([1, 2, 3]), model.new_cache(4, 4), _edited(positions=[0, 0, 0])),
+         r"attn_metadata: positions\[1\] is 0, StepPlan.build makes 1"),
+        ((torch.tensor([1, 2, 3]), model.new_cache(4, 4), _edited(slot_mapping=[4, 5, 6])),
+         r"attn_metadata: slot_mapping\[0\] is 4, StepPlan.build makes 0"),
+        ((torch.tensor([1, 2, 3]), model.new_cache(4, 4), _edited(seq_lens_cpu=[4])),
+         r"attn_metadata: seq_lens and seq_lens_cpu differ"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -846,11 +863,10 @@ CACHE_CASES = [
     # a hand-made plan is held to what StepPlan.build makes of its lengths and tables
     (lambda: AttentionMetadata.from_plan(dataclasses.replace(StepPlan.build([2, 0], [1, 3], [[0], [1]], 4),
                                                              slot_mapping=[99, 4, 5, 6])),
-     r"plan: slot_mapping\[0\] is 99, StepPlan.build makes 2 of the plan's seq_lens, query_start_loc and "
-     r"block_tables"),
+     r"plan: slot_mapping\[0\] is 99, StepPlan.build makes 2 of its seq_lens, query_start_loc and block tables"),
     (lambda: AttentionMetadata.from_plan(dataclasses.replace(StepPlan.build([2, 0], [1, 3], [[0], [1]], 4),
                                                              query_start_loc=[0, 1])),
-     r"plan: its seq_lens, query_start_loc and block_tables describe no step \(list index out of range\)"),
+     r"plan: its seq_lens, query_start_loc and block tables describe no step \(list index out of range\)"),
     (lambda: AttentionMetadata.from_plan({"positions": [0]}), r"plan: expected a StepPlan, got dict"),
     # the FP8 oracle's entry points check what they are given before reading it
     (lambda: sparse_mla_fp8([1], torch.zeros(1, 4, 1, 656, dtype=torch.uint8), torch.zeros(1, 2, dtype=torch.int32), 0.1),
@@ -1532,6 +1548,29 @@ def test_a_step_refused_for_blocks_changes_nothing():
             call()
     toks, _ = eng.step(StepInput([(0, list(range(1, 17)), 0)]))  # the same prompt alone fits
     assert len(toks) == 1 and eng.allocator.held == {0: 16}
+
+
+def test_a_step_whose_forward_raises_leaves_no_tokens_held(cpu_engine, monkeypatch):
+    """A step that fails after staging (its forward raises, or a caller of stage() gives it up with unstage()):
+    its sequences hold what they held before, blocks included, so the next step's context is checked against
+    rows that were written (the allocator had said 3 tokens held, and a decode then attended over unwritten rows)."""
+    eng = cpu_engine
+    eng.step(StepInput([(0, [1, 2, 3], 0)]))
+    before = ({**eng.allocator.held}, {k: list(v) for k, v in eng.allocator.tables.items()}, len(eng.allocator.free))
+
+    def broken(prep):
+        raise RuntimeError("a kernel failed")
+    monkeypatch.setattr(eng.runner, "execute", broken)
+    for step in (StepInput([(1, [4, 5, 6, 7, 8], 0)]), StepInput([(0, [4, 5], 3)])):
+        with pytest.raises(RuntimeError, match="a kernel failed"):
+            eng.step(step)
+        assert (eng.allocator.held, eng.allocator.tables, len(eng.allocator.free)) == before
+    monkeypatch.undo()
+    eng.stage(StepInput([(1, list(range(1, 9)), 0)]))
+    eng.unstage()
+    assert (eng.allocator.held, eng.allocator.tables, len(eng.allocator.free)) == before
+    with pytest.raises(ValueError, match=r"sequence 0 holds 3 cached tokens, got context_len 5"):
+        eng.step(StepInput([(0, [6], 5)]))
 
 
 @CPU

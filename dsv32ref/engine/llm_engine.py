@@ -70,6 +70,7 @@ class LLMEngine:
         self.allocator = BlockAllocator(self.runner.kv_cache.num_blocks, self.ec.block_size)
         self.last_logits: torch.Tensor | None = None
         self._next_seq = 0
+        self._staged: dict[int, tuple[int | None, int]] = {}  # the last stage()'s sequences, as they were before
 
     def capture(self, on_failure=None) -> float:
         """Capture the graphs (see ModelRunner.capture); returns seconds taken."""
@@ -106,8 +107,17 @@ class LLMEngine:
         if need > len(self.allocator.free):  # refused before any block moves: the engine is as it was
             raise ValueError(f"StepInput.requests: the step needs {need} more cache blocks of {ec.block_size} tokens, "
                              f"{len(self.allocator.free)} are free (release finished sequences)")
+        self._staged = {seq_id: self.allocator.state(seq_id) for seq_id, _, _ in step.requests}
         tables = [self.allocator.assume(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
         return self.runner.batch.stage(step, tables, self.runner.kv_cache.num_blocks)
+
+    def unstage(self) -> None:
+        """Undo the last stage() whose step did not run (its forward raised, or the caller gave it up): its
+        sequences hold the tokens and blocks they held before, so that no later step reads rows it never wrote.
+        step() does it itself; a caller of stage() and the runner's execute does it on failure."""
+        for seq_id, state in self._staged.items():
+            self.allocator.restore(seq_id, state)
+        self._staged = {}
 
     def upload(self) -> None:
         """The staged metadata to the device (two asynchronous copies)."""
@@ -127,9 +137,13 @@ class LLMEngine:
     def step(self, step: StepInput) -> tuple[list[int], str]:
         """Run one step; returns (the next token of each request, how it ran: FULL / PIECEWISE / NONE)."""
         prep = self.stage(step)
-        self.upload()
-        how, hidden = self.execute(prep)
-        return self.sample(prep, hidden), how
+        try:
+            self.upload()
+            how, hidden = self.execute(prep)
+            return self.sample(prep, hidden), how
+        except BaseException:  # (an interrupt too) the step did not happen: nothing it staged stays
+            self.unstage()
+            raise
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> tuple[list[int], float]:
         """One request alone: prefill (chunked: steps of at most max_num_batched_tokens, each over the cache the

@@ -125,3 +125,4 @@ class DeepseekV32ForCausalLM(nn.Module):
         if int(attn_metadata.block_table.max()) >= kv_cache.num_blocks:
             raise ValueError(f"attn_metadata.block_table: block ids must lie in [0, {kv_cache.num_blocks}) "
                              f"(kv_cache.num_blocks), got {int(attn_metadata.block_table.max())}")
+        attn_metadata.check()  # positions and slots as its lengths and block tables make them
