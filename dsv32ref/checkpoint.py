@@ -17,8 +17,8 @@ import zlib
 
 import torch
 
-from dsv32ref.checks import (check_bool, check_device, check_fits, check_readable, check_replaceable, check_tensor,
-                             is_int, module_bytes)
+from dsv32ref.checks import (MAX_SEED, check_bool, check_device, check_fits, check_int, check_readable,
+                             check_replaceable, check_tensor, is_int, module_bytes)
 from dsv32ref.config import ModelConfig
 from dsv32ref.hf_config import to_hf
 from dsv32ref.reference.model import DeepseekV32ForCausalLM
@@ -390,6 +390,12 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
 
 # ---- dummy weights ---------------------------------------------------------------------------------
 
+def tensor_generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of parameter `name`'s dummy values under `seed` (a bijection of the seeds in [0, 2^63): the
+    multiplier is odd), so that a tensor's values depend on neither the order nor the other tensors."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2 ** 63)
+
+
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Reproducible weights whose attention and top-k selection are not degenerate.
@@ -402,10 +408,9 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"init_dummy_weights: model: expected a torch.nn.Module, got {type(model).__name__}")
-    if not is_int(seed):
-        raise ValueError(f"init_dummy_weights: seed: expected an int, got {seed!r}")
+    check_int("init_dummy_weights: seed", seed, 0, MAX_SEED)
     for name, p in model.named_parameters():
-        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        g = tensor_generator(seed, name)
         x = torch.randn(p.shape, generator=g, dtype=torch.float32)
         if name.endswith("e_score_correction_bias"):
             x = 0.01 * x

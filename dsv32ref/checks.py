@@ -75,6 +75,9 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+MAX_SEED = 2 ** 63 - 1  # seeds are ints in [0, MAX_SEED]: torch's generators take them modulo 2^63
+
+
 def check_int(name: str, v, low: int = 1, high: int | None = None) -> int:
     """An int >= low (and <= high): else ValueError naming `name` and what it got."""
     if not is_int(v):

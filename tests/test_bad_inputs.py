@@ -1380,7 +1380,8 @@ WEIGHTS_CASES = [  # the engine's weight plumbing, given what it cannot build fr
     (lambda: build_model(TINY, "narrow", "cpu", "bf16", 0), r"build_model: dtype: .*got 'bf16'"),
     (lambda: build_model(TINY, "narrow", "gpu0", torch.float32, 0), r"build_model: device: expected a device"),
     (lambda: build_model(TINY, "narrow", "cpu", torch.float32, 1.5), r"build_model: seed: expected an int, got float"),
-    (lambda: build_model(TINY, "narrow", "cpu", torch.float32, -1), r"build_model: seed: expected >= 0, got -1"),
+    (lambda: build_model(TINY, "narrow", "cpu", torch.float32, -1),
+     r"build_model: seed: expected an int in \[0, 9223372036854775807\], got -1"),
     (lambda: build_model(TINY, "narrow", "meta", torch.float32, 0), r"build_model: device: expected a cpu or cuda device"),
     (lambda: build_model(None, "narrow", "cpu", torch.float32, 0), r"EngineModel: config: expected a ModelConfig"),
     (lambda: EngineModel(TINY, "narrow", tp=4), r"EngineModel: tp: expected a TensorParallel \(rank, size\), got int"),
@@ -1471,9 +1472,13 @@ def test_engine_rejects_a_placement_it_cannot_run():
                         max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
     with pytest.raises(ValueError, match=r"max_model_len: 8192 exceeds the model's max_position_embeddings \(4096\)"):
         LLMEngine(cfg, long, device="cpu", dtype=torch.float32)
-    for seed in (0.5, "0", True):
+    for seed in (0.5, "0", True, -1, 2 ** 63):  # (-1 drew seed 2^63 - 1's weights, 2^63 seed 0's)
         with pytest.raises(ValueError, match="init_dummy_weights: seed: expected an int"):
             init_dummy_weights(tiny_model("tiny-glm-5.2"), seed)
+    with pytest.raises(ValueError, match=r"EngineConfig.seed: expected an int in \[0, 9223372036854775807\]"):
+        EngineConfig(seed=2 ** 63)
+    with pytest.raises(ValueError, match=r"build_model: seed: expected an int in \[0, 9223372036854775807\]"):
+        build_model(TINY, "narrow", "cpu", torch.float32, 2 ** 63)
 
 
 @CPU
@@ -1971,6 +1976,10 @@ def test_a_step_keeps_what_was_checked():
     step = StepInput([(0, toks, 0)])
     toks.append(2.5)
     assert step.requests == ((0, (1, 2), 0),) and step.num_tokens == 2
+    # and it cannot be given other requests afterwards (floats then reached the engine unchecked, and
+    # uniform_decode stayed as computed for the first ones)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.requests = ((0, (1.7, 2.2, 3.9), 0),)
 
 
 @pytest.mark.parametrize("args,match", [

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv32ref.cache import KV_CACHE_DTYPES
-from dsv32ref.checks import check_device, check_int, is_int
+from dsv32ref.checks import MAX_SEED, check_device, check_int, is_int
 from dsv32ref.engine.boundary import Boundary, get_boundary
 from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
 
@@ -61,7 +61,7 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             check_int(f"EngineConfig.{name}", getattr(self, name), 1, 2 ** 31 - 1)  # (positions and slots: int32)
         check_int("EngineConfig.block_size", self.block_size, 1, MAX_BLOCK_SIZE)
-        check_int("EngineConfig.seed", self.seed, low=0)
+        check_int("EngineConfig.seed", self.seed, 0, MAX_SEED)
         for name in ("num_blocks", "num_sms"):
             if getattr(self, name) is not None:
                 check_int(f"EngineConfig.{name}", getattr(self, name))

@@ -22,10 +22,10 @@ from dsv32ref.reference.rope import RotaryEmbedding
 __all__ = ["InputBatch", "PreparedStep", "StepInput"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepInput:
     """Host-side description of one step: per request (seq id, new token ids, tokens already cached), checked and
-    kept as tuples."""
+    kept as tuples; frozen, so that what was checked is what runs."""
 
     requests: list[tuple[int, list[int], int]]
     uniform_decode: bool = field(init=False)
@@ -51,8 +51,8 @@ class StepInput:
                     raise ValueError(f"StepInput.requests[{b}].token_ids: token ids must be ints, got "
                                      f"{type(t).__name__} {t!r}")
         # held as checked, in tuples: a caller's list changed afterwards changes nothing here
-        self.requests = tuple((s, tuple(toks), c) for s, toks, c in self.requests)
-        self.uniform_decode = all(len(toks) == 1 for _, toks, _ in self.requests)
+        object.__setattr__(self, "requests", tuple((s, tuple(toks), c) for s, toks, c in self.requests))
+        object.__setattr__(self, "uniform_decode", all(len(toks) == 1 for _, toks, _ in self.requests))
 
     @property
     def num_tokens(self) -> int:

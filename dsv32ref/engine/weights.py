@@ -4,11 +4,10 @@ boundary over the same weights. The forward lives in dsv32ref.engine.model; noth
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 
-from dsv32ref.checks import check_fits, check_int, module_bytes, shown
+from dsv32ref.checkpoint import tensor_generator
+from dsv32ref.checks import MAX_SEED, check_fits, check_int, module_bytes, shown
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine.config import check_placement
 from dsv32ref.engine.model import SINGLE, EngineModel, EngineMoE, TensorParallel
@@ -120,7 +119,7 @@ def build_model(config: ModelConfig, boundary, device, dtype, seed: int, moe: st
     host), fp32 where the model keeps fp32 (the router). A model larger than the device is refused first (its
     size read off a copy on the meta device)."""
     device = check_placement("build_model", device, dtype)
-    check_int("build_model: seed", seed, low=0)
+    check_int("build_model: seed", seed, 0, MAX_SEED)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -139,8 +138,9 @@ def build_model(config: ModelConfig, boundary, device, dtype, seed: int, moe: st
 def init_dummy(model: EngineModel, seed: int = 0) -> EngineModel:
     """Reproducible weights drawn on the model's device (fast at full size), scaled like
     dsv32ref.init_dummy_weights: linear ~ N(0, 1/fan_in), norms ~ 1, embeddings ~ N(0, 1)."""
+    check_int("init_dummy: seed", seed, 0, MAX_SEED)
     for name, p in model.named_parameters():
-        g = torch.Generator(device=p.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        g = tensor_generator(seed, name, p.device)
         x = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
         if name.endswith("e_score_correction_bias"):
             x *= 0.01
