@@ -85,6 +85,10 @@ def _needs_gpu(what: str, count: int = 1) -> bool:
 def cmd_summary(args) -> int:
     if not 0 <= args.seed < 2 ** 63:
         raise ValueError(f"--seed: expected an int in [0, 2^63), got {args.seed}")
+    if args.cmd is None and (args.quick or args.record) and not torch.cuda.is_available():
+        print("dsv32ref: error: --quick and --record are reproduce's, which needs a CUDA GPU (the summary alone "
+              "reads neither)", file=sys.stderr)
+        return 2
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     ok = summary.main(args.preset or ["tiny-deepseek-v3.2", "tiny-glm-5.2"], args.seed)
     if ok and args.cmd is None and torch.cuda.is_available():

@@ -2263,3 +2263,24 @@ def test_allocator_weak_alias_and_spawn_answer_with_value_errors():
         r = subprocess.run([sys.executable, "-m", "dsv32ref.parallel", *argv], capture_output=True, text=True,
                            timeout=120, cwd=os.path.join(os.path.dirname(__file__), ".."))
         assert r.returncode == 2 and message in r.stderr, (argv, r.returncode, r.stderr[-300:])
+
+
+@pytest.mark.parametrize("call,match", [
+    # a misspelt boundary was modelled as one without copy buffers (capture said to succeed where narrow_copy
+    # fails), negative sizes gave negative bytes, [] became the default sizes, a total of 0 a ZeroDivisionError
+    (lambda m, c: m.predict(c, "narrow-copy"), r"predict: boundary: expected one of wide, narrow, narrow_copy"),
+    (lambda m, c: m.predict(c, None), r"predict: boundary: expected one of"),
+    (lambda m, c: m.capture_outcome(c, 10, 1, 1, boundary="narrowcopy"), r"capture_outcome: boundary: expected"),
+    (lambda m, c: m.predict(c, "narrow", max_num_batched_tokens=-8),
+     r"predict: max_num_batched_tokens: expected >= 1, got -8"),
+    (lambda m, c: m.predict(c, "narrow", capture_sizes=[0, -4]), r"predict: capture_sizes\[0\]: expected >= 1, got 0"),
+    (lambda m, c: m.predict(c, "narrow", capture_sizes=[]), r"predict: capture_sizes: expected a non-empty list"),
+    (lambda m, c: m.predict(c, "narrow", max_num_seqs=0), r"predict: max_num_seqs: expected >= 1, got 0"),
+    (lambda m, c: m.predict(c, "narrow", dtype_bytes=0), r"predict: dtype_bytes: expected >= 1, got 0"),
+    (lambda m, c: m.threshold(c, 10, 1, 1, 0, 0.9), r"threshold: total: expected >= 1, got 0"),
+])
+def test_the_capture_memory_model_refuses_settings_the_engine_would(call, match):
+    from dsv32ref.experiments import memory_model
+
+    with pytest.raises(ValueError, match=match):
+        call(memory_model, ModelConfig.preset("glm-5.2"))

@@ -53,6 +53,14 @@ def test_options_before_a_command_that_does_not_take_them_are_refused(argv, caps
 
 
 @CPU
+@pytest.mark.parametrize("argv", [["--quick"], ["--record", "--preset", "tiny-glm-5.2"]])
+def test_reproduces_options_without_a_command_need_a_gpu(argv, capsys):
+    """--quick or --record with no command on a CPU: refused before the summary runs (they were ignored, exit 0)."""
+    assert main(argv) == 2
+    assert "dsv32ref: error: --quick and --record are reproduce's, which needs a CUDA GPU" in capsys.readouterr().err
+
+
+@CPU
 @pytest.mark.parametrize("cmd", ["reproduce", "ttft", "capture", "regimes", "timeline", "hostcosts", "kernels",
                                  "fp8-speed"])
 def test_gpu_subcommands_say_what_they_need_on_a_cpu(cmd, capsys):

@@ -19,9 +19,28 @@ Every figure is bytes; the allocator rounds blocks to 512 B, which these shapes 
 
 from __future__ import annotations
 
+from dsv32ref.checks import check_int
 from dsv32ref.config import ModelConfig
+from dsv32ref.engine import BOUNDARIES
 from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
 from dsv32ref.graphs.runner import phase_sizes as _runner_phase_sizes
+
+
+def _check(who: str, boundary: str, max_num_seqs: int, max_num_batched_tokens: int, dtype_bytes: int,
+           capture_sizes=None) -> list[int]:
+    """The settings the models take, refused by name where the engine would refuse them (a misspelt boundary
+    modelled as one without copy buffers, negative sizes as negative bytes); returns the capture sizes."""
+    if boundary not in BOUNDARIES:
+        raise ValueError(f"{who}: boundary: expected one of {', '.join(BOUNDARIES)}, got {boundary!r}")
+    for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                    ("dtype_bytes", dtype_bytes)):
+        check_int(f"{who}: {name}", v)
+    if capture_sizes is None:
+        return default_capture_sizes(max_num_batched_tokens)
+    if not isinstance(capture_sizes, (list, tuple)) or not capture_sizes:
+        raise ValueError(f"{who}: capture_sizes: expected a non-empty list of ints (None: the defaults), got "
+                         f"{capture_sizes!r}")
+    return [check_int(f"{who}: capture_sizes[{i}]", v) for i, v in enumerate(capture_sizes)]
 
 
 def phase_sizes(capture_sizes: list[int], max_num_seqs: int) -> dict[str, list[int]]:
@@ -38,7 +57,7 @@ def predict(config: ModelConfig, boundary: str, capture_sizes: list[int] | None 
             max_num_batched_tokens: int = 512, dtype_bytes: int = 2, estimate: bool = True) -> dict:
     """Retained bytes after start-up (static copy buffers + graph outputs), and the static buffers that exist
     before the KV cache is sized (profile run and estimate), for one boundary."""
-    sizes = capture_sizes or default_capture_sizes(max_num_batched_tokens)
+    sizes = _check("predict", boundary, max_num_seqs, max_num_batched_tokens, dtype_bytes, capture_sizes)
     ph = phase_sizes(sizes, max_num_seqs)
     per_tok = copy_buffer_bytes_per_token(config, dtype_bytes)
     L = config.num_hidden_layers
@@ -72,7 +91,7 @@ def capture_outcome(config: ModelConfig, available: int, piecewise_overhead: int
     graph outputs, graph objects), measured; each new token count then adds narrow_copy's static buffers,
     L x T x H x kv_lora x 2 bytes, for every size not already made (`made_before`: sizes the profile run and
     the estimate created). Returns the failing (phase, size) or None, and the memory left or missing."""
-    sizes = default_capture_sizes(max_num_batched_tokens)
+    sizes = _check("capture_outcome", boundary, max_num_seqs, max_num_batched_tokens, dtype_bytes)
     made = set(made_before or {max_num_batched_tokens})
     per = config.num_hidden_layers * copy_buffer_bytes_per_token(config, dtype_bytes) if boundary == "narrow_copy" else 0
     used = 0
@@ -92,6 +111,7 @@ def threshold(config: ModelConfig, available: int, piecewise_overhead: int, full
     """Where narrow_copy (estimate off) stops starting, from capture_outcome: the largest max_num_batched_tokens
     (default size lists) that still fits `available`, and the gpu_memory_utilization at which sizes up to 512
     just fit (each 0.01 of utilisation moves 0.01 x total between the KV cache and capture)."""
+    check_int("threshold: total", total)
     ok = [m for m in default_capture_sizes(512) if m >= 8 and capture_outcome(
         config, available, piecewise_overhead, full_overhead, max_num_batched_tokens=m,
         max_num_seqs=max_num_seqs)["fails_at"] is None]
