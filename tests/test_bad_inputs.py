@@ -2284,3 +2284,38 @@ def test_the_capture_memory_model_refuses_settings_the_engine_would(call, match)
 
     with pytest.raises(ValueError, match=match):
         call(memory_model, ModelConfig.preset("glm-5.2"))
+
+
+def test_the_ttft_model_compares_a_ledger_and_a_run_of_one_preset_and_prompt():
+    """compare() with another preset's predicted ledger, or another prompt length's: refused (deepseek-v3.2's 61
+    layers modelled glm-5.2's run, and switched its host costs to the launch count, silently)."""
+    from dsv32ref.experiments.ttft_model import compare
+    from dsv32ref.results import read_result
+
+    run = read_result(os.path.join(os.path.dirname(__file__), "..", "data", "ttft_glm-5.2.json"))
+    ledger = read_result(os.path.join(os.path.dirname(__file__), "..", "data", "ledger_predicted_glm-5.2.json"))
+    assert set(compare(ledger, run)) <= set(run["variants"])  # the recorded pair: one preset, one prompt
+    other = read_result(os.path.join(os.path.dirname(__file__), "..", "data", "ledger_predicted_deepseek-v3.2.json"))
+    with pytest.raises(ValueError, match=r"compare: the predicted ledger's preset is 'deepseek-v3.2', the TTFT "
+                                         r"run's 'glm-5.2'"):
+        compare(other, run)
+    with pytest.raises(ValueError, match=r"compare: the predicted ledger's prompt_len is 16, the TTFT run's 8"):
+        compare({**ledger, "prompt_len": 16}, run)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(prompt_len=17), r"predict_all: prompt_len: expected an int in \[1, 16\], got 17"),
+    (dict(prompt_len=0), r"predict_all: prompt_len: expected an int in \[1, 16\], got 0"),
+    (dict(prompt_len=8.0), r"predict_all: prompt_len: expected an int, got float 8.0"),
+    (dict(prompt_len=True), r"predict_all: prompt_len: expected an int, got bool True"),
+    (dict(variants=()), r"predict_all: variants: expected a non-empty list of arm names, got \(\)"),
+    (dict(variants="narrow"), r"predict_all: variants: expected a non-empty list of arm names, got 'narrow'"),
+    (dict(variants=["narrow", "narow"]), r"arm 'narow': expected <boundary>"),
+])
+def test_the_predicted_ledger_names_what_it_cannot_predict(kw, match):
+    """Refused before any arm runs (17 tokens named an internal max_num_batched_tokens, 0 an empty StepInput,
+    8.0 a TypeError, True was recorded as prompt_len true, a string was iterated character by character)."""
+    from dsv32ref.experiments.ledger import predict_all
+
+    with pytest.raises(ValueError, match=match):
+        predict_all(**kw)

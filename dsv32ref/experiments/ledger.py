@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsv32ref.checks import check_int
 from dsv32ref.config import reduced_moe
 from dsv32ref.engine import BOUNDARIES, EngineConfig, LLMEngine, StepInput
 from dsv32ref.experiments.protocol import arm
@@ -313,8 +314,17 @@ def _predicted(L: PredictedLedger, num_layers: int) -> dict:
             "ops": ops, "layers": L.layers(num_layers)}
 
 
+PREDICT_MAX_TOKENS = 16  # the prompt lengths predict_all takes: one step of the CPU engine it counts launches on
+
+
 def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=BOUNDARIES, out: str | None = None) -> dict:
-    """Every arm's predicted ledger for one `prompt_len`-token prefill (arms: dsv32ref.experiments.protocol)."""
+    """Every arm's predicted ledger for one `prompt_len`-token prefill (arms: dsv32ref.experiments.protocol; at
+    most PREDICT_MAX_TOKENS tokens, one step of the engine it predicts on)."""
+    check_int("predict_all: prompt_len", prompt_len, 1, PREDICT_MAX_TOKENS)
+    if isinstance(variants, str) or not isinstance(variants, (list, tuple)) or not variants:
+        raise ValueError(f"predict_all: variants: expected a non-empty list of arm names, got {variants!r}")
+    for v in variants:
+        arm(v)  # each name checked before the first arm runs
     config = structure_config(preset)
     result = {"provenance": provenance(), "preset": preset, "prompt_len": prompt_len, "assumed_sms": ASSUMED_SMS,
               "note": "counts of launching aten ops and Triton launches; one aten op is predicted as one kernel",
@@ -323,7 +333,7 @@ def predict_all(preset: str = "glm-5.2", prompt_len: int = 8, variants=BOUNDARIE
         t0 = time.time()
         _, boundary, switches = arm(v)
         eng = LLMEngine(config, EngineConfig(boundary=boundary, mode=CUDAGraphMode.NONE, max_model_len=64,
-                                             max_num_seqs=2, max_num_batched_tokens=16, block_size=16,
+                                             max_num_seqs=2, max_num_batched_tokens=PREDICT_MAX_TOKENS, block_size=16,
                                              capture_sizes=[8, 16], num_sms=ASSUMED_SMS, **switches),
                         device="cpu", dtype=torch.bfloat16)  # bf16 as on the GPU: dtype casts are launches too
         L = predict(eng, StepInput([(0, list(range(1, prompt_len + 1)), 0)]))

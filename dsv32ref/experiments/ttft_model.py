@@ -93,7 +93,13 @@ def predict(predicted: dict, costs: dict, floor_ms: float, regions: dict | None 
 def compare(predicted_ledger: dict, ttft_result: dict, costs: dict | None = None) -> dict:
     """The model for every variant measured in `ttft_result` (a data/ttft_<model>.json) beside its mean and
     median TTFT; `costs`: the host costs to price it with (the TTFT run's own by default). The miss in percent
-    of the measured mean and of the median (the mean carries the host's slow tail, which the model does not)."""
+    of the measured mean and of the median (the mean carries the host's slow tail, which the model does not).
+    The two must be of one preset and prompt length (another's ledger modelled the run silently)."""
+    for key, have, want in (("preset", predicted_ledger.get("preset"), ttft_result.get("preset")),
+                            ("prompt_len", predicted_ledger.get("prompt_len"),
+                             (ttft_result.get("protocol") or {}).get("prompt_len"))):
+        if have != want:
+            raise ValueError(f"compare: the predicted ledger's {key} is {have!r}, the TTFT run's {want!r}")
     costs = costs or ttft_result["host_costs"]
     out = {}
     for v, meas in ttft_result["variants"].items():
