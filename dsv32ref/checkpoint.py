@@ -171,6 +171,10 @@ def _inventory(where: dict, config: ModelConfig, expected: dict) -> tuple[set, l
                 problems.append(f"unexpected: {name} (no weight {name[: -len('_scale_inv')]} beside it)")
         else:
             names.add(name)
+    layers = {int(m.group(1)) for n in where if (m := _LAYER.match(n))}
+    mtp_like = {int(m.group(1)) for n in where if (m := _LAYER.match(n)) and ".eh_proj." in n}
+    problems += [f"not an MTP layer: layer {i} (the config counts it as one, but it has no eh_proj: a decoder "
+                 f"layer that num_hidden_layers leaves out?)" for i in sorted(set(layers) & set(mtp) - mtp_like)]
     problems += [f"missing: {n}" for n in sorted(set(expected) - names)]
     problems += [f"unexpected: {n}" for n in sorted(names - set(expected))]
     return names & set(expected), problems
@@ -337,6 +341,17 @@ def _check_against_config(model: DeepseekV32ForCausalLM) -> None:
                          + "\n  ".join(wrong[:8]))
 
 
+def _check_untied(model: torch.nn.Module) -> None:
+    """No two weights share memory (tied weights: safetensors refuses them, and the released checkpoints untie
+    the embedding and the head): else a ValueError naming both, before anything is written."""
+    owner: dict[int, str] = {}
+    for name, t in model.state_dict().items():
+        first = owner.setdefault(t.untyped_storage().data_ptr(), name)
+        if first != name and t.numel():
+            raise ValueError(f"save_pretrained: {first} and {name} share memory (tied weights); the checkpoint "
+                             f"holds each weight on its own: untie them (e.g. {name} = a clone) before saving")
+
+
 def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, fp8: bool = False,
                     max_shard_bytes: int | None = None, config_form: str = "released") -> None:
     """Write config.json and safetensors (fp8 128x128 blocks if fp8; several shards past max_shard_bytes).
@@ -358,6 +373,7 @@ def save_pretrained(model: DeepseekV32ForCausalLM, path: str | os.PathLike, *, f
         raise ValueError(f"max_shard_bytes: expected None or an int >= 1, got {max_shard_bytes!r}")
     config_json = to_hf(model.config, form=config_form, who="save_pretrained: config_form")
     _check_against_config(model)
+    _check_untied(model)
     bad = [b for name, t in model.state_dict().items() if (b := _nonfinite(name, t))]
     if bad:  # load_pretrained would refuse the checkpoint
         raise ValueError("save_pretrained: the model holds non-finite weights:\n  " + "\n  ".join(bad))

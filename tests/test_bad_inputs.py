@@ -2319,3 +2319,14 @@ def test_the_predicted_ledger_names_what_it_cannot_predict(kw, match):
 
     with pytest.raises(ValueError, match=match):
         predict_all(**kw)
+
+
+def test_save_pretrained_refuses_tied_weights_before_it_writes(tmp_path):
+    """The head tied to the embedding: a ValueError naming both, and no checkpoint folder made (safetensors'
+    RuntimeError came after the folder was)."""
+    model = tiny_model("tiny-glm-5.2")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"save_pretrained: model.embed_tokens.weight and lm_head.weight share "
+                                         r"memory \(tied weights\)"):
+        save_pretrained(model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

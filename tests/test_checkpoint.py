@@ -76,6 +76,11 @@ def test_bf16_load_and_mtp_layers_skipped(tmp_path, seed):
     assert loaded.model.layers[3].mlp.gate.e_score_correction_bias.dtype == torch.float32
     out = loaded(torch.tensor([1, 2, 3]))
     assert out.shape == (3, model.config.vocab_size) and out.dtype == torch.bfloat16
+    # a config that counts the last decoder layer as an MTP layer: refused (the layer was dropped silently)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n - 1, "num_nextn_predict_layers": 2}))
+    with pytest.raises(ValueError, match=rf"not an MTP layer: layer {n - 1} \(the config counts it as one, but it "
+                                         rf"has no eh_proj"):
+        load_pretrained(tmp_path)
 
 
 def _broken(tmp_path, mutate):
