@@ -307,6 +307,19 @@ def test_cpu_stand_in_applies_in_place_ops_once_during_capture():
     assert out.tolist() == [3.0] * 3 and x.tolist() == [6.0] * 3
 
 
+@pytest.mark.parametrize("sync", [lambda x: x.add_(x.max().item()), lambda x: x[x > 0].sum(),
+                                  lambda x: torch.nonzero(x)], ids=["item", "boolean-mask", "nonzero"])
+def test_cpu_stand_in_refuses_a_host_sync_inside_a_segment(sync):
+    """.item() or an op whose output size depends on the data, inside a recorded segment: a CaptureError, as a
+    CUDA capture refuses them (the recording froze the value the capture saw, and replay gave stale results)."""
+    from dsv32ref.graphs.emulated import RecordingBackend
+
+    x = torch.arange(4.0)
+    with pytest.raises(CaptureError, match=r"aten::\w+ inside a graph segment: it reads a device value back"):
+        with BreakableCapture(RecordingBackend()):
+            sync(x)
+
+
 def test_tensors_nested_in_containers_are_held_weakly_and_checked():
     from dataclasses import dataclass
 

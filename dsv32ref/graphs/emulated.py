@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from dsv32ref.graphs.breakable import CaptureError
 from dsv32ref.kernels.launch import observing_launches
 
 # aten ops that launch no kernel (views, metadata, allocation, profiler markers)
@@ -27,6 +28,18 @@ NO_KERNEL_OPS = {
     "is_same_size", "promote_types", "result_type", "sym_size", "sym_stride", "sym_numel", "_local_scalar_dense",
     "_record_function_enter", "_record_function_enter_new", "_record_function_exit",
 }
+
+# aten ops that read a device value back to the host (a sync) or size their output by the data: a CUDA capture
+# refuses both, and a recording would freeze the value or the shape its capture saw
+HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
+                 "unique_dim", "repeat_interleave"}
+
+
+def _masked_index(func, args) -> bool:
+    """aten::index with a boolean mask (x[x > 0]): its output is as long as the mask has True values."""
+    return func.overloadpacket.__name__ == "index" and len(args) > 1 and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+
 
 class RecordedGraph:
     def __init__(self):
@@ -60,6 +73,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in HOST_SYNC_OPS or _masked_index(func, args):
+            raise CaptureError(f"aten::{func.overloadpacket.__name__} inside a graph segment: it reads a device "
+                               f"value back to the host (or sizes its output by one), which a CUDA capture "
+                               f"refuses; move it to an eager region or out of the captured forward")
         out = func(*args, **kwargs)
         if func.overloadpacket.__name__ not in NO_KERNEL_OPS:
             def rerun(func=func, args=args, kwargs=kwargs, out=out):
