@@ -18,6 +18,7 @@ the kernel, not the indexer, translates them through the block table.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, fields
 
@@ -396,6 +397,7 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache: fp8_parts {fp8_parts!r} needs kv_cache_dtype 'fp8', got {kv_cache_dtype!r}")
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
+        self.allocators: weakref.WeakSet = weakref.WeakSet()  # of the engines that run on this cache
         self.fp8_parts = tuple(p for p in FP8_PARTS if p in fp8_parts) if kv_cache_dtype == "fp8" else ()
         fp8_lat, fp8_idx = (kv_cache_dtype == "fp8" and part in fp8_parts for part in FP8_PARTS)
         d_i = config.index_head_dim

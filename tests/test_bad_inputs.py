@@ -2330,3 +2330,15 @@ def test_save_pretrained_refuses_tied_weights_before_it_writes(tmp_path):
                                          r"memory \(tied weights\)"):
         save_pretrained(model, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_engines_sharing_a_cache_take_turns(cpu_engine):
+    """A second engine on the first one's cache: its step is refused while the first holds a live sequence (its
+    blocks overwrote the first's rows, and the first's next decode read them), and runs once it is released."""
+    a = cpu_engine
+    b = LLMEngine(a.config, a.ec, device="cpu", dtype=torch.float32, model=a.model, kv_cache=a.runner.kv_cache)
+    a.step(StepInput([(0, [1, 2, 3, 4, 5], 0)]))
+    with pytest.raises(ValueError, match=r"kv_cache: another engine on this cache holds live sequences \[0\]"):
+        b.generate([7, 8, 9], 1)
+    a.allocator.release(0)
+    assert len(b.generate([7, 8, 9], 2)[0]) == 2

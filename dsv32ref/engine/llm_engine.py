@@ -50,7 +50,8 @@ class LLMEngine:
         """The engine's model: `model` (built for this engine's boundary), or one built over the parameters of
         `weights` (a model of any boundary: engines that compare boundaries share one copy of the weights), or
         dummy weights drawn from engine_config.seed. `kv_cache`: share a cache between engines that run one
-        after another (each keeps its own block allocator, so no two of them may hold live sequences at once)."""
+        after another (each keeps its own block allocator; a step is refused while another engine on the cache holds
+        live sequences)."""
         self.config, self.ec = config, EngineConfig() if engine_config is None else engine_config
         self.device = _check_placement(config, self.ec, device, dtype)
         for name, m in (("model", model), ("weights", weights)):
@@ -68,6 +69,7 @@ class LLMEngine:
         self.model = model
         self.runner = ModelRunner(config, self.ec, model, self.device, dtype, kv_cache)
         self.allocator = BlockAllocator(self.runner.kv_cache.num_blocks, self.ec.block_size)
+        self.runner.kv_cache.allocators.add(self.allocator)
         self.last_logits: torch.Tensor | None = None
         self._next_seq = 0
         self._staged: dict[int, tuple[int | None, int]] = {}  # the last stage()'s sequences, as they were before
@@ -103,6 +105,10 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"StepInput.requests[{b}].token_ids: ids must lie in [0, {V}) (vocab_size), "
                                  f"got {bad[:4]}")
+        busy = sorted(seq for a in self.runner.kv_cache.allocators if a is not self.allocator for seq in a.tables)
+        if busy:  # its blocks would overwrite theirs: engines on one cache take turns
+            raise ValueError(f"kv_cache: another engine on this cache holds live sequences {busy[:4]}: release them "
+                             f"(its allocator.release) before this engine runs a step")
         need = sum(self.allocator.blocks_needed(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests)
         if need > len(self.allocator.free):  # refused before any block moves: the engine is as it was
             raise ValueError(f"StepInput.requests: the step needs {need} more cache blocks of {ec.block_size} tokens, "
