@@ -164,7 +164,10 @@ def _finish(acc, m_i, l_i, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t,
     """O / l (acc: O's columns C0 to C0 + acc.shape[1]) and, with WRITE_LSE, the natural-log logsumexp (+inf where
     no key was valid; NaN where a score was NaN or +inf, as in the reference), stored for the program's heads; with
     top-k splits, fp32 partials [T, H, NUM_SPLITS, D_LAT] and [T, H, NUM_SPLITS] (a head with no valid key in the
-    split: lse -inf, weight 0 when sparse_mla merges them, and its out partial not written)."""
+    split: lse -inf, weight 0 when sparse_mla merges them, and its out partial not written). A running max of +inf
+    is a scaled score past fp32's range: the pair kernel's exponent FFMA (s * scale - max, the product unrounded)
+    gives it p 0, not NaN, so it is made NaN here, never read as 'no valid key'."""
+    l_i = gl.where(m_i == float("inf"), float("nan"), l_i)
     has_key = l_i != 0
     lse = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453
     inv_l = 1.0 / gl.where(has_key, l_i, 1.0)  # a division a row, then a multiply an element
