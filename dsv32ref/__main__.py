@@ -208,7 +208,8 @@ def cmd_ledger(args) -> int:
         raise ValueError(f"--measured: {what} {measured!r}")
     # checked before the prediction's minutes
     run = ttft_model.load_ttft_result(measured, args.model) if os.path.exists(measured) else None
-    predicted = ledger.predict_all(args.model)
+    # the run's prompt length (predict_all checks it before its first arm), so that the two compare
+    predicted = ledger.predict_all(args.model, prompt_len=run["protocol"]["prompt_len"] if run else 8)
     if run is not None:
         ttft_model.attach(predicted, measured, run)
     write_result(out, predicted)

@@ -322,9 +322,11 @@ class BlockAllocator:
 
     def restore(self, seq_id: int, state: tuple[int | None, int]) -> None:
         """Sequence `seq_id` back to an earlier `state(seq_id)`: the blocks it took since go back to the free list
-        (undoing an assume whose step did not run)."""
+        (undoing an assume whose step did not run). A sequence released since stays released."""
         held, num_blocks = state
-        table = self.tables.get(seq_id, [])
+        if seq_id not in self.tables:
+            return
+        table = self.tables[seq_id]
         self.free.extend(reversed(table[num_blocks:]))
         del table[num_blocks:]
         if held is None:

@@ -344,10 +344,10 @@ def _check_against_config(model: DeepseekV32ForCausalLM) -> None:
 def _check_untied(model: torch.nn.Module) -> None:
     """No two weights share memory (tied weights: safetensors refuses them, and the released checkpoints untie
     the embedding and the head): else a ValueError naming both, before anything is written."""
-    owner: dict[int, str] = {}
-    for name, t in model.state_dict().items():
-        first = owner.setdefault(t.untyped_storage().data_ptr(), name)
-        if first != name and t.numel():
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+                   for name, t in model.state_dict().items() if t.numel())
+    for (_, end, first), (start, _, name) in zip(spans, spans[1:]):
+        if start < end:
             raise ValueError(f"save_pretrained: {first} and {name} share memory (tied weights); the checkpoint "
                              f"holds each weight on its own: untie them (e.g. {name} = a clone) before saving")
 

@@ -24,13 +24,17 @@ from collections import Counter
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
-TRY_WAIT = re.compile(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT\s+(\w+),\s*\[\w+\+?(0x[0-9a-f]+)?\]")
+TRY_WAIT = re.compile(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT\s+(\w+),\s*\[[^\]]*?(0x[0-9a-f]+)?\]")
 BRANCH = re.compile(r"^(@!?\w+\s+)?BRA\s+(0x[0-9a-f]+)")  # group 1: the predicate (None: unconditional)
 SET_REGS = re.compile(r"USETMAXREG\.\S+\s+(?:\w+,\s*)?(0x[0-9a-f]+)")
 
 
 def _number(text: str) -> float:
-    return float(text.replace(",", "")) if text.strip() else 0.0
+    """A count as ncu writes it ("1,234"); 0 for what is not one ("", "N/A")."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
 
 
 def read_source_page(path: str) -> list[dict]:
@@ -90,18 +94,27 @@ def try_waits(rows: list[dict]) -> list[dict]:
             continue
         jump = next((j for j in range(inline + 1, ret) if (m := BRANCH.match(rows[j]["source"]))
                      and at.get(int(m.group(2), 16)) == start), inline)
+        loop = range(start, k + 3)  # the out-of-line block: its samples are this wait's
         found.append({"row": inline, "barrier": offset or "0x0", "reached": rows[inline]["executed"],
-                      "retries": rows[k]["executed"],
-                      "samples": rows[inline]["samples"] + (rows[jump]["samples"] if jump != inline else 0.0)})
+                      "retries": rows[k]["executed"], "loop": loop,
+                      "samples": rows[inline]["samples"] + (rows[jump]["samples"] if jump != inline else 0.0)
+                      + sum(rows[i]["samples"] for i in loop)})
     return sorted(found, key=lambda w: w["row"])
 
 
 def report(rows: list[dict]) -> str:
+    """Each region's share of the samples and its stall reasons, then its try-waits; a retry loop's rows (placed
+    out of line, after the last partition's code) count in the region of the wait they retry."""
     total = sum(r["samples"] for r in rows) or 1.0
     waits = try_waits(rows)
+    spans = regions(rows)
+    owner = [next(n for n, (_, start, end) in enumerate(spans) if start <= i < end) for i in range(len(rows))]
+    for w in waits:
+        for i in w["loop"]:
+            owner[i] = owner[w["row"]]
     out = []
-    for name, start, end in regions(rows):
-        part = rows[start:end]
+    for n, (name, start, end) in enumerate(spans):
+        part = [r for i, r in enumerate(rows) if owner[i] == n]
         samples = sum(r["samples"] for r in part)
         if not samples:
             continue

@@ -1350,7 +1350,7 @@ ENGINE_CONFIG_CASES = [
     (dict(num_blocks=0), r"EngineConfig.num_blocks: expected >= 1, got 0"),
     (dict(num_blocks=7, max_model_len=512, block_size=64),
      r"EngineConfig.num_blocks: 7 blocks of 64 tokens cannot hold one sequence of max_model_len 512 \(8 blocks\)"),
-    (dict(seed=-1), r"EngineConfig.seed: expected >= 0, got -1"),
+    (dict(seed=-1), r"EngineConfig.seed: expected an int in \[0, 9223372036854775807\], got -1"),
     (dict(num_sms=0), r"EngineConfig.num_sms: expected >= 1, got 0"),
     (dict(boundary=["narrow"]), r"boundary: expected one of .*, got \['narrow'\]"),
 ]
@@ -1415,12 +1415,16 @@ def test_step_input(requests, match):
         StepInput(requests)
 
 
-@pytest.fixture(scope="module")
-def cpu_engine():
+def _cpu_engine() -> LLMEngine:
     ref = tiny_model("tiny-glm-5.2", dtype=torch.float32)
     ec = EngineConfig(boundary="narrow", mode=CUDAGraphMode.NONE, max_model_len=16, max_num_seqs=2,
                       max_num_batched_tokens=16, block_size=4, capture_sizes=[1, 2, 4])
     return LLMEngine(ref.config, ec, device="cpu", dtype=torch.float32, model=from_reference(ref, "narrow"))
+
+
+@pytest.fixture(scope="module")
+def cpu_engine():
+    return _cpu_engine()
 
 
 def test_engine_rejects_a_placement_it_cannot_run():
@@ -1555,11 +1559,14 @@ def test_a_step_refused_for_blocks_changes_nothing():
     assert len(toks) == 1 and eng.allocator.held == {0: 16}
 
 
-def test_a_step_whose_forward_raises_leaves_no_tokens_held(cpu_engine, monkeypatch):
+@CPU
+def test_a_step_whose_forward_raises_leaves_no_tokens_held(monkeypatch):
     """A step that fails after staging (its forward raises, or a caller of stage() gives it up with unstage()):
     its sequences hold what they held before, blocks included, so the next step's context is checked against
-    rows that were written (the allocator had said 3 tokens held, and a decode then attended over unwritten rows)."""
-    eng = cpu_engine
+    rows that were written (the allocator had said 3 tokens held, and a decode then attended over unwritten rows).
+    A step that ran, or a stage() that was refused, leaves nothing for unstage() to undo; nor does a sequence
+    released in between."""
+    eng = _cpu_engine()
     eng.step(StepInput([(0, [1, 2, 3], 0)]))
     before = ({**eng.allocator.held}, {k: list(v) for k, v in eng.allocator.tables.items()}, len(eng.allocator.free))
 
@@ -1576,6 +1583,15 @@ def test_a_step_whose_forward_raises_leaves_no_tokens_held(cpu_engine, monkeypat
     assert (eng.allocator.held, eng.allocator.tables, len(eng.allocator.free)) == before
     with pytest.raises(ValueError, match=r"sequence 0 holds 3 cached tokens, got context_len 5"):
         eng.step(StepInput([(0, [6], 5)]))
+    eng.step(StepInput([(0, [4], 3)]))  # ran: row 3 is written
+    with pytest.raises(ValueError, match=r"sequence 0 holds 4 cached tokens, got context_len 9"):
+        eng.stage(StepInput([(0, [6], 9)]))
+    eng.unstage()  # after a refused stage: the step before stays
+    assert eng.allocator.held == {0: 4}
+    eng.stage(StepInput([(0, [5], 4)]))
+    eng.allocator.release(0)
+    eng.unstage()  # released since: stays released
+    assert eng.allocator.held == {} and eng.allocator.tables == {} and len(eng.allocator.free) == before[2] + 1
 
 
 @CPU
@@ -1700,6 +1716,9 @@ def test_the_ledger_refuses_a_ttft_run_it_cannot_model(tmp_path, capsys):
                                         r"and 1"),
         (_regions(run, eager_us=[float("nan")] * 78), r"host_costs.regions\['narrow'\]: expected eager_us .*got nan"),
         ({"host_costs": dict(run["host_costs"], regions=[1])}, r"host_costs.regions: expected an object, got list"),
+        # a prompt the prediction cannot take, or none: refused before it runs (at its end, the model's compare)
+        ({"protocol": dict(run["protocol"], prompt_len=32)}, r"predict_all: prompt_len: expected an int in \[1, 16\]"),
+        ({"protocol": {}}, r"protocol.prompt_len: expected an int >= 1 \(the prompt the run measured\), got None"),
     ]
     for i, (change, match) in enumerate(broken):
         path = tmp_path / f"run{i}.json"
@@ -2326,16 +2345,17 @@ def test_save_pretrained_refuses_tied_weights_before_it_writes(tmp_path):
     RuntimeError came after the folder was)."""
     model = tiny_model("tiny-glm-5.2")
     model.lm_head.weight = model.model.embed_tokens.weight
-    with pytest.raises(ValueError, match=r"save_pretrained: model.embed_tokens.weight and lm_head.weight share "
+    with pytest.raises(ValueError, match=r"save_pretrained: lm_head.weight and model.embed_tokens.weight share "
                                          r"memory \(tied weights\)"):
         save_pretrained(model, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_engines_sharing_a_cache_take_turns(cpu_engine):
+@CPU
+def test_engines_sharing_a_cache_take_turns():
     """A second engine on the first one's cache: its step is refused while the first holds a live sequence (its
     blocks overwrote the first's rows, and the first's next decode read them), and runs once it is released."""
-    a = cpu_engine
+    a = _cpu_engine()
     b = LLMEngine(a.config, a.ec, device="cpu", dtype=torch.float32, model=a.model, kv_cache=a.runner.kv_cache)
     a.step(StepInput([(0, [1, 2, 3, 4, 5], 0)]))
     with pytest.raises(ValueError, match=r"kv_cache: another engine on this cache holds live sequences \[0\]"):

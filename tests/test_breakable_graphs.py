@@ -308,7 +308,8 @@ def test_cpu_stand_in_applies_in_place_ops_once_during_capture():
 
 
 @pytest.mark.parametrize("sync", [lambda x: x.add_(x.max().item()), lambda x: x[x > 0].sum(),
-                                  lambda x: torch.nonzero(x)], ids=["item", "boolean-mask", "nonzero"])
+                                  lambda x: x.__setitem__(x > 0, 1.0), lambda x: torch.nonzero(x)],
+                         ids=["item", "boolean-mask", "boolean-mask-write", "nonzero"])
 def test_cpu_stand_in_refuses_a_host_sync_inside_a_segment(sync):
     """.item() or an op whose output size depends on the data, inside a recorded segment: a CaptureError, as a
     CUDA capture refuses them (the recording froze the value the capture saw, and replay gave stale results)."""

@@ -84,6 +84,7 @@ class LLMEngine:
     def stage(self, step: StepInput) -> PreparedStep:
         """Check a step against the engine's limits, grow each sequence's blocks and write its metadata into
         the pinned staging buffers: host work only."""
+        self._staged = {}  # (a refused stage leaves nothing for unstage to undo)
         if not isinstance(step, StepInput):
             raise ValueError(f"step: expected a StepInput, got {type(step).__name__}")
         ec, V = self.ec, self.config.vocab_size
@@ -114,13 +115,18 @@ class LLMEngine:
             raise ValueError(f"StepInput.requests: the step needs {need} more cache blocks of {ec.block_size} tokens, "
                              f"{len(self.allocator.free)} are free (release finished sequences)")
         self._staged = {seq_id: self.allocator.state(seq_id) for seq_id, _, _ in step.requests}
-        tables = [self.allocator.assume(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
-        return self.runner.batch.stage(step, tables, self.runner.kv_cache.num_blocks)
+        try:
+            tables = [self.allocator.assume(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests]
+            return self.runner.batch.stage(step, tables, self.runner.kv_cache.num_blocks)
+        except BaseException:
+            self.unstage()
+            raise
 
     def unstage(self) -> None:
-        """Undo the last stage() whose step did not run (its forward raised, or the caller gave it up): its
+        """Undo the last stage() when its step does not run (its forward raised, or the caller gave it up): its
         sequences hold the tokens and blocks they held before, so that no later step reads rows it never wrote.
-        step() does it itself; a caller of stage() and the runner's execute does it on failure."""
+        step() does this itself; code that calls stage() and the runner's execute should on failure. A step that
+        ran, or a stage() that was refused, leaves nothing to undo."""
         for seq_id, state in self._staged.items():
             self.allocator.restore(seq_id, state)
         self._staged = {}
@@ -146,10 +152,12 @@ class LLMEngine:
         try:
             self.upload()
             how, hidden = self.execute(prep)
-            return self.sample(prep, hidden), how
+            tokens = self.sample(prep, hidden)
         except BaseException:  # (an interrupt too) the step did not happen: nothing it staged stays
             self.unstage()
             raise
+        self._staged = {}  # it ran: nothing to undo
+        return tokens, how
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1) -> tuple[list[int], float]:
         """One request alone: prefill (chunked: steps of at most max_num_batched_tokens, each over the cache the

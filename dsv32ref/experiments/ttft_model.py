@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from dsv32ref.checks import is_number
+from dsv32ref.checks import is_int, is_number
 from dsv32ref.experiments.host_costs import WRAPPER_KERNELS
 from dsv32ref.results import read_result
 
@@ -133,6 +133,10 @@ def load_ttft_result(path: str, preset: str | None = None) -> dict:
     for key in ("provenance", "host_costs", "variants"):
         if not isinstance(run[key], dict):
             raise ValueError(f"{path!r}: {key}: expected an object, got {type(run[key]).__name__}")
+    prompt_len = (run.get("protocol") if isinstance(run.get("protocol"), dict) else {}).get("prompt_len")
+    if not (is_int(prompt_len) and prompt_len >= 1):
+        raise ValueError(f"{path!r}: protocol.prompt_len: expected an int >= 1 (the prompt the run measured), got "
+                         f"{prompt_len!r}")
     costs = run["host_costs"]
     wrappers = costs.get("wrapper_us") if isinstance(costs.get("wrapper_us"), dict) else {}
     bad = [k for k in _COSTS_US if not _duration(costs.get(k))] + [

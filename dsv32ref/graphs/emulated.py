@@ -32,12 +32,13 @@ NO_KERNEL_OPS = {
 # aten ops that read a device value back to the host (a sync) or size their output by the data: a CUDA capture
 # refuses both, and a recording would freeze the value or the shape its capture saw
 HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
-                 "unique_dim", "repeat_interleave"}
+                 "unique_dim"}
 
 
 def _masked_index(func, args) -> bool:
-    """aten::index with a boolean mask (x[x > 0]): its output is as long as the mask has True values."""
-    return func.overloadpacket.__name__ == "index" and len(args) > 1 and any(
+    """aten::index or index_put with a boolean mask (x[x > 0], x[x > 0] = v): the elements it reads or writes are
+    as many as the mask's True values. (.tolist() reads values back without an aten op: not caught here.)"""
+    return func.overloadpacket.__name__ in ("index", "index_put", "index_put_") and len(args) > 1 and any(
         isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
 
 
