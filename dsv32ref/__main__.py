@@ -34,7 +34,7 @@ from dsv32ref import summary
 from dsv32ref.bench import fp8 as fp8_bench
 from dsv32ref.bench import kernels as kernel_bench
 from dsv32ref.cache import KV_CACHE_DTYPES
-from dsv32ref.checks import check_replaceable
+from dsv32ref.checks import MAX_SEED, check_replaceable
 from dsv32ref.config import PRESETS, ModelConfig
 from dsv32ref.engine.model import TensorParallel
 from dsv32ref.experiments import (capture_memory, fp8_accuracy, host_costs, ledger, regimes, reproduce, timeline, ttft,
@@ -83,7 +83,7 @@ def _needs_gpu(what: str, count: int = 1) -> bool:
 
 
 def cmd_summary(args) -> int:
-    if not 0 <= args.seed < 2 ** 63:
+    if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed: expected an int in [0, 2^63), got {args.seed}")
     if args.cmd is None and (args.quick or args.record) and not torch.cuda.is_available():
         print("dsv32ref: error: --quick and --record are reproduce's, which needs a CUDA GPU (the summary alone "

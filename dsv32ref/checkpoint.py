@@ -174,7 +174,7 @@ def _inventory(where: dict, config: ModelConfig, expected: dict) -> tuple[set, l
     layers = {int(m.group(1)) for n in where if (m := _LAYER.match(n))}
     mtp_like = {int(m.group(1)) for n in where if (m := _LAYER.match(n)) and ".eh_proj." in n}
     problems += [f"not an MTP layer: layer {i} (the config counts it as one, but it has no eh_proj: a decoder "
-                 f"layer that num_hidden_layers leaves out?)" for i in sorted(set(layers) & set(mtp) - mtp_like)]
+                 f"layer that num_hidden_layers leaves out?)" for i in sorted(layers & set(mtp) - mtp_like)]
     problems += [f"missing: {n}" for n in sorted(set(expected) - names)]
     problems += [f"unexpected: {n}" for n in sorted(names - set(expected))]
     return names & set(expected), problems

@@ -106,8 +106,9 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"StepInput.requests[{b}].token_ids: ids must lie in [0, {V}) (vocab_size), "
                                  f"got {bad[:4]}")
-        busy = sorted(seq for a in self.runner.kv_cache.allocators if a is not self.allocator for seq in a.tables)
-        if busy:  # its blocks would overwrite theirs: engines on one cache take turns
+        others = [a for a in self.runner.kv_cache.allocators if a is not self.allocator and a.tables]
+        if others:  # its blocks would overwrite theirs: engines on one cache take turns
+            busy = sorted(seq for a in others for seq in a.tables)
             raise ValueError(f"kv_cache: another engine on this cache holds live sequences {busy[:4]}: release them "
                              f"(its allocator.release) before this engine runs a step")
         need = sum(self.allocator.blocks_needed(seq_id, ctx_len + len(toks)) for seq_id, toks, ctx_len in step.requests)

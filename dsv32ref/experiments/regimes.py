@@ -173,18 +173,20 @@ def _prefill(engines: dict, p: RegimeProtocol, L: int, gen, vocab: int, cuda: bo
 def _decode_step(eng: LLMEngine, mode: CUDAGraphMode, B: int, C: int, tok: list[int]) -> tuple[str, float, float]:
     """One uniform-decode step of B requests at context C in `mode`: (how it ran, step ms, stage ms)."""
     step = StepInput([(b, [tok[b]], C) for b in range(B)])
-    for b in range(B):  # contexts not prefilled: decode reads the cache's values as they are
-        eng.allocator.assume(b, C)
-    with eng.runner.graphs.using_mode(mode), torch.no_grad():
-        t1 = time.perf_counter()
-        prep = eng.stage(step)  # host: blocks, metadata (grows with the context)
-        t2 = time.perf_counter()
-        eng.upload()
-        how, hidden = eng.execute(prep)
-        eng.sample(prep, hidden)
-        t3 = time.perf_counter()
-    for b in range(B):  # the next variant's engine reuses the blocks
-        eng.allocator.release(b)
+    try:
+        for b in range(B):  # contexts not prefilled: decode reads the cache's values as they are
+            eng.allocator.assume(b, C)
+        with eng.runner.graphs.using_mode(mode), torch.no_grad():
+            t1 = time.perf_counter()
+            prep = eng.stage(step)  # host: blocks, metadata (grows with the context)
+            t2 = time.perf_counter()
+            eng.upload()
+            how, hidden = eng.execute(prep)
+            eng.sample(prep, hidden)
+            t3 = time.perf_counter()
+    finally:
+        for b in range(B):  # the next variant's engine reuses the blocks (engines on one cache take turns)
+            eng.allocator.release(b)
     return how, (t3 - t1) * 1e3, (t2 - t1) * 1e3
 
 
