@@ -158,23 +158,24 @@ def _weight_block(config: ModelConfig) -> tuple[int, int]:
 def _inventory(where: dict, config: ModelConfig, expected: dict) -> tuple[set, list[str]]:
     """(the weights to load, the problems of the checkpoint's names): MTP layers skipped, scales beside their
     weights, every missing and unexpected name."""
-    names, problems = set(), []
+    names, problems, skipped = set(), [], {}  # skipped: MTP layer -> whether it holds an eh_proj
     mtp = range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers)
     for name in where:
         m = _LAYER.match(name)
         if m and int(m.group(1)) >= config.num_hidden_layers:
-            if int(m.group(1)) not in mtp:  # MTP (next-token prediction) layers: not part of the causal LM
-                problems.append(f"unexpected: {name} (layer {m.group(1)}: the config has {config.num_hidden_layers} "
+            i = int(m.group(1))
+            if i in mtp:  # MTP (next-token prediction) layers: not part of the causal LM
+                skipped[i] = skipped.get(i, False) or ".eh_proj." in name
+            else:
+                problems.append(f"unexpected: {name} (layer {i}: the config has {config.num_hidden_layers} "
                                 f"layers and {config.num_nextn_predict_layers} MTP layers)")
         elif name.endswith("_scale_inv"):
             if name[: -len("_scale_inv")] not in where:
                 problems.append(f"unexpected: {name} (no weight {name[: -len('_scale_inv')]} beside it)")
         else:
             names.add(name)
-    layers = {int(m.group(1)) for n in where if (m := _LAYER.match(n))}
-    mtp_like = {int(m.group(1)) for n in where if (m := _LAYER.match(n)) and ".eh_proj." in n}
     problems += [f"not an MTP layer: layer {i} (the config counts it as one, but it has no eh_proj: a decoder "
-                 f"layer that num_hidden_layers leaves out?)" for i in sorted(layers & set(mtp) - mtp_like)]
+                 f"layer that num_hidden_layers leaves out?)" for i, has in sorted(skipped.items()) if not has]
     problems += [f"missing: {n}" for n in sorted(set(expected) - names)]
     problems += [f"unexpected: {n}" for n in sorted(names - set(expected))]
     return names & set(expected), problems

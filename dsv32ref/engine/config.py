@@ -78,7 +78,7 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected (0, 1], got {u!r}")
-        object.__setattr__(self, "capture_sizes", _check_sizes(self.capture_sizes, self.max_num_batched_tokens))
+        object.__setattr__(self, "capture_sizes", check_capture_sizes(self.capture_sizes, self.max_num_batched_tokens))
         if self.num_blocks is not None and self.num_blocks < self.max_blocks_per_seq:
             raise ValueError(f"EngineConfig.num_blocks: {self.num_blocks} blocks of {self.block_size} tokens cannot hold "
                              f"one sequence of max_model_len {self.max_model_len} ({self.max_blocks_per_seq} blocks)")
@@ -110,12 +110,14 @@ class EngineConfig:
         return -(-self.max_model_len // self.block_size)
 
 
-def _check_sizes(sizes, max_num_batched_tokens: int) -> tuple[int, ...]:
+def check_capture_sizes(sizes, max_num_batched_tokens: int, who: str = "EngineConfig") -> tuple[int, ...]:
+    """Capture sizes as the engine takes them: None for the defaults up to max_num_batched_tokens, else a list of
+    ints >= 1 (sorted, each once); else a ValueError naming `who`'s capture_sizes."""
     if sizes is None:
         return tuple(default_capture_sizes(max_num_batched_tokens))
     if not isinstance(sizes, (list, tuple)):
-        raise ValueError(f"EngineConfig.capture_sizes: expected a list of ints, got {sizes!r}")
+        raise ValueError(f"{who}.capture_sizes: expected a list of ints, got {sizes!r}")
     for s in sizes:
         if not is_int(s) or s < 1:
-            raise ValueError(f"EngineConfig.capture_sizes: every size must be an int >= 1, got {s!r} in {list(sizes)}")
+            raise ValueError(f"{who}.capture_sizes: every size must be an int >= 1, got {s!r} in {list(sizes)}")
     return tuple(sorted(set(sizes)))

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dsv32ref.checks import check_int
 from dsv32ref.config import ModelConfig
 from dsv32ref.engine import BOUNDARIES
+from dsv32ref.engine.config import check_capture_sizes
 from dsv32ref.graphs.runner import CUDAGraphMode, default_capture_sizes
 from dsv32ref.graphs.runner import phase_sizes as _runner_phase_sizes
 
@@ -35,12 +36,10 @@ def _check(who: str, boundary: str, max_num_seqs: int, max_num_batched_tokens: i
     for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                     ("dtype_bytes", dtype_bytes)):
         check_int(f"{who}: {name}", v)
-    if capture_sizes is None:
-        return default_capture_sizes(max_num_batched_tokens)
-    if not isinstance(capture_sizes, (list, tuple)) or not capture_sizes:
-        raise ValueError(f"{who}: capture_sizes: expected a non-empty list of ints (None: the defaults), got "
-                         f"{capture_sizes!r}")
-    return [check_int(f"{who}: capture_sizes[{i}]", v) for i, v in enumerate(capture_sizes)]
+    sizes = list(check_capture_sizes(capture_sizes, max_num_batched_tokens, who))
+    if not sizes:
+        raise ValueError(f"{who}.capture_sizes: expected at least one size (None: the defaults), got []")
+    return sizes
 
 
 def phase_sizes(capture_sizes: list[int], max_num_seqs: int) -> dict[str, list[int]]:
