@@ -106,15 +106,16 @@ def fp8_quantize(x: torch.Tensor, block: int = QUANT_BLOCK,
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOCK,
                    name: str = "fp8_dequantize") -> torch.Tensor:
     """fp8 values [..., n] and their scales [..., n/block] -> fp32 [..., n]. A NaN value stays NaN (what a kernel
-    reading it computes); a product past fp32's range is refused (the message names `name`: what q was read from)."""
-    check_tensor("q", q, shape=(..., None), dtype=torch.float8_e4m3fn)
-    check_int("fp8_dequantize: block", block)
+    reading it computes); a product past fp32's range is refused. Every message names `name` (what q was read from)
+    first."""
+    check_tensor(f"{name}: q", q, shape=(..., None), dtype=torch.float8_e4m3fn)
+    check_int(f"{name}: block", block)
     n = q.shape[-1]
     if n % block:
-        raise ValueError(f"fp8_dequantize: last dim {n} is not a multiple of the block {block}")
-    check_tensor("scale", scale, shape=tuple(q.shape[:-1]) + (n // block,), dtype=_FLOATS, device=q.device)
+        raise ValueError(f"{name}: last dim {n} is not a multiple of the block {block}")
+    check_tensor(f"{name}: scale", scale, shape=tuple(q.shape[:-1]) + (n // block,), dtype=_FLOATS, device=q.device)
     if not (torch.isfinite(scale) & (scale > 0)).all():
-        raise ValueError(f"fp8_dequantize: scale: expected finite values > 0, got "
+        raise ValueError(f"{name}: scale: expected finite values > 0, got "
                          f"{scale[~(torch.isfinite(scale) & (scale > 0))][:4].tolist()}")
     # fp32 (a float64 scale: in float64, then rounded once to the fp32 the result is)
     wide = scale.dtype == torch.float64
