@@ -17,6 +17,7 @@ from dsv32ref.kernels.launch import observing_launches
 from dsv32ref.kernels.sparse_mla import FP32_CONFIG, sparse_mla_paged
 from dsv32ref.reference import (apply_rope, fp8_quantize, hadamard_transform, indexer_scores, layer_norm, rms_norm,
                                 sparse_mla, topk_indices)
+from dsv32ref.reference.fp8_cache import dequantize_latent, latent_parts, quantize_latent
 from dsv32ref.reference.rope import RotaryEmbedding
 from dsv32ref.testing import assert_close, eps, paged_sparse_mla_inputs, reference_sparse_mla_paged
 
@@ -466,17 +467,22 @@ def test_sparse_mla_pair_kernel_on_generated_inputs(query_lens, seed):
     pytest.param("cuda", 64, "auto", {"BLOCK_N": 32}, "triton", marks=pytest.mark.gpu),
 ])
 @pytest.mark.parametrize("query_lens", [(3, 1, 2), (1, 1, 1)])  # the decode tokens take top-k splits on a GPU
+@pytest.mark.parametrize("where", ["every key", "after finite keys"])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's scores past fp32
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # and inf - inf
 def test_sparse_mla_flags_a_scaled_score_past_fp32s_range(device, heads, kv_cache_dtype, config, kernel, query_lens,
-                                                          seed):
+                                                          where, seed):
     """sm_scale 1e29 over queries of about 1e-30: scaled scores of order one, except in one head of one token, whose
     query is 1e40 times larger, so that its scaled scores pass fp32's range (finite in the float64 reference). Every
     kernel gives that head NaN out and lse, never out 0 and lse +inf ('no valid key'); every other head equals the
-    reference; outputs poisoned. (The pair kernel's exponent FFMA rounds such a score's p to 0. These rows then
-    meet a rescale between two maxima of +inf, exp2(inf - inf), which gives NaN by itself: on an H100 the test
-    passed without the epilogue's guard too. The guard is for a +inf max that meets no such rescale, e.g. one
-    reached only in a pair's odd block after a finite even one, which this test does not build.)"""
+    reference; outputs poisoned. The pair kernel's exponent FFMA (s * scale - max, the product unrounded) gives
+    such a score p 0, not NaN; then:
+    - "every key": the head's top-k as drawn, every pair past fp32. Its rows meet a rescale between two maxima of
+      +inf, exp2(inf - inf), which gives NaN by itself (on an H100 this case passed without the epilogue's guard).
+    - "after finite keys": the token's top-k is 128 distinct positions (then -1), the first 64 of them rows scaled
+      by 2^-40, whose scores stay in range: the max passes fp32 only in the pair's odd block (or, under top-k
+      splits, in a split of its own). Every p is then 0 and l is 0, and only the epilogue's guard keeps the head
+      from reading as 'no valid key' (or, split, from a partial of weight 0 beside finite ones)."""
     from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
 
     gpu, fp8 = device == "cuda", kv_cache_dtype == "fp8"
@@ -487,6 +493,9 @@ def test_sparse_mla_flags_a_scaled_score_past_fp32s_range(device, heads, kv_cach
     x = paged_sparse_mla_inputs(num_heads=heads, context_lens=(300, 500, 0), query_lens=query_lens, device=device,
                                 seed=seed, sm_scale=1e29, kv_cache_dtype=kv_cache_dtype, **sizes)
     t = int((x.topk_indices >= 0).sum(1).argmax())  # a token with valid keys
+    if where == "after finite keys":
+        t = 0  # request 0's first query token: 301 visible positions
+        _finite_keys_first(x, t, min(sizes["topk"], 128))
     q = x.q.double() * 1e-30
     q[t, 1] *= 1e40
     x.q = q.to(x.q.dtype)
@@ -503,6 +512,28 @@ def test_sparse_mla_flags_a_scaled_score_past_fp32s_range(device, heads, kv_cach
                      out, lse, config=config)
     assert_close("out", out, want_out, dtype=torch.bfloat16, rtol=1, atol=1, row_dims=2)
     assert_close("lse", lse, want_lse, dtype=torch.float32, rtol=64, atol=64, row_dims=1)
+
+
+def _finite_keys_first(x, t: int, n: int) -> None:
+    """Token t's top-k: n distinct visible positions, then -1; the rows of the first n / 2 scaled by 2^-40 (exact:
+    in FlashMLA's rows, their scales and k_pe), so that a query large enough to score the others past fp32's range
+    scores these within it."""
+    req = int(x.req_indices[t])
+    visible = int(x.seq_lens[req]) - int((x.req_indices[t:] == req).sum()) + 1  # t's position + 1: its request's
+    # query tokens are the request's last positions, in order
+    pos = torch.randperm(visible, generator=torch.Generator().manual_seed(t))[:n].to(x.topk_indices.device)
+    assert len(pos) == n, (visible, n)
+    x.topk_indices[t] = -1
+    x.topk_indices[t, :n] = pos.int()
+    bs = x.latent_cache.shape[1]
+    tiny = pos[: n // 2].long()
+    blk, off = x.block_table[req, tiny // bs].long(), tiny % bs
+    rows = x.latent_cache[blk, off]
+    if rows.dtype == torch.uint8:  # FlashMLA's rows: the same fp8 values under scales 2^-40 times as large
+        rows = quantize_latent(dequantize_latent(rows) * 2.0 ** -40, latent_parts(rows)[1] * 2.0 ** -40)
+    else:
+        rows = rows * 2.0 ** -40
+    x.latent_cache[blk, off] = rows
 
 
 @pytest.mark.gpu
