@@ -1597,6 +1597,28 @@ def test_a_step_whose_forward_raises_leaves_no_tokens_held(monkeypatch):
 
 
 @CPU
+def test_a_timed_request_that_fails_leaves_no_sequence_held(monkeypatch):
+    """The experiments that run a request's parts themselves (stage, upload, execute, sample: the host costs' timed
+    replay, the TTFT anatomy) release its sequence when a part raises, so that the engine's next request is not
+    refused for a sequence the failed one left held; a request whose stage is refused releases nothing (the sequence
+    id may be the caller's)."""
+    from dsv32ref.experiments import host_costs
+
+    eng = _cpu_engine()
+
+    def broken(prep):
+        raise RuntimeError("a kernel failed")
+    monkeypatch.setattr(eng.runner, "execute_timed", broken)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        host_costs._timed_request(eng, [1, 2, 3], 7)
+    assert eng.allocator.held == {} and eng.allocator.tables == {}
+    eng.step(StepInput([(7, [1, 2], 0)]))  # the caller's sequence 7
+    with pytest.raises(ValueError, match=r"sequence 7 holds 2 cached tokens, got context_len 0"):
+        host_costs._timed_request(eng, [1, 2, 3], 7)
+    assert eng.allocator.held == {7: 2}
+
+
+@CPU
 def test_uniform_decode_padded_past_max_num_seqs(seed):
     """max_num_seqs=3 with capture sizes [1, 2, 4] (the issue's [1, 2, 4, 8, 16], cut to what the test reaches):
     three decoding requests pad to 4 rows, which the decode indexer's workspace must hold (it had 3 rows: a
