@@ -479,10 +479,11 @@ def test_sparse_mla_flags_a_scaled_score_past_fp32s_range(device, heads, kv_cach
     such a score p 0, not NaN; then:
     - "every key": the head's top-k as drawn, every pair past fp32. Its rows meet a rescale between two maxima of
       +inf, exp2(inf - inf), which gives NaN by itself (on an H100 this case passed without the epilogue's guard).
-    - "after finite keys": the token's top-k is 128 distinct positions (then -1), the first 64 of them rows scaled
-      by 2^-40, whose scores stay in range: the max passes fp32 only in the pair's odd block (or, under top-k
-      splits, in a split of its own). Every p is then 0 and l is 0, and only the epilogue's guard keeps the head
-      from reading as 'no valid key' (or, split, from a partial of weight 0 beside finite ones)."""
+    - "after finite keys": one top-k split; the token's last 128 slots hold distinct positions, the others -1, and
+      only q_pe[0] of the head is large: its scores stay in range on the first 64 (their k_pe[0] is 0) and pass
+      fp32 in the last block (one key's k_pe[0] is 1). The pair kernel's last pair is then (finite, past fp32): its
+      max becomes +inf with no rescale between two maxima of +inf after it, every p and l are 0, and only the
+      epilogue's guard keeps the head from reading as 'no valid key' (out 0, lse +inf)."""
     from dsv32ref.kernels.sparse_mla import kernel_choice, launch_plan
 
     gpu, fp8 = device == "cuda", kv_cache_dtype == "fp8"
@@ -493,14 +494,17 @@ def test_sparse_mla_flags_a_scaled_score_past_fp32s_range(device, heads, kv_cach
     x = paged_sparse_mla_inputs(num_heads=heads, context_lens=(300, 500, 0), query_lens=query_lens, device=device,
                                 seed=seed, sm_scale=1e29, kv_cache_dtype=kv_cache_dtype, **sizes)
     t = int((x.topk_indices >= 0).sum(1).argmax())  # a token with valid keys
-    if where == "after finite keys":
-        t = 0  # request 0's first query token: 301 visible positions
-        _finite_keys_first(x, t, min(sizes["topk"], 128))
     q = x.q.double() * 1e-30
-    q[t, 1] *= 1e40
-    x.q = q.to(x.q.dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else 4
+    if where == "every key":
+        q[t, 1] *= 1e40
+    else:
+        t, sms = 0, 1  # request 0's first query token (301 visible positions); one top-k split
+        _past_fp32_after_finite_keys(x, t, min(sizes["topk"], 128))
+        q[t, 1, x.d_lat] = 1e10  # q_pe's first value: past fp32 on the keys whose k_pe[0] is not small
+    x.q = q.to(x.q.dtype)
     splits = launch_plan(x.q, x.d_lat, sizes["topk"], config, sms, fp8=fp8)[2]
+    assert where == "every key" or splits == 1, splits
     assert kernel_choice(x.q, x.d_lat, splits, config, fp8=fp8)[0] == kernel
     want_out, want_lse = reference_sparse_mla_paged(x)
     assert want_out[t, 1].isfinite().all() and want_lse[t, 1].isfinite()
@@ -509,31 +513,34 @@ def test_sparse_mla_flags_a_scaled_score_past_fp32s_range(device, heads, kv_cach
     out = torch.full((T, H, x.d_lat), float("nan"), dtype=torch.bfloat16, device=device)
     lse = torch.full((T, H), -7.0, device=device)
     sparse_mla_paged(x.q, x.latent_cache, x.block_table, x.req_indices, x.seq_lens, x.topk_indices, x.sm_scale,
-                     out, lse, config=config)
+                     out, lse, config=config, num_sms=sms)
     assert_close("out", out, want_out, dtype=torch.bfloat16, rtol=1, atol=1, row_dims=2)
     assert_close("lse", lse, want_lse, dtype=torch.float32, rtol=64, atol=64, row_dims=1)
 
 
-def _finite_keys_first(x, t: int, n: int) -> None:
-    """Token t's top-k: n distinct visible positions, then -1; the rows of the first n / 2 scaled by 2^-40 (exact:
-    in FlashMLA's rows, their scales and k_pe), so that a query large enough to score the others past fp32's range
-    scores these within it."""
+def _past_fp32_after_finite_keys(x, t: int, n: int) -> None:
+    """Token t's top-k for where="after finite keys": its last n slots hold n distinct visible positions, the others
+    -1, so that under one split the program's last pair is these keys' two blocks (n = 128, 64-key blocks).
+    k_pe[0] (column d_lat) is 0 in the rows of the first n / 2 and 1 in the last one's, exactly (in FlashMLA's rows:
+    the bf16 k_pe, under the same scales): a query large only in q_pe[0] scores the first block within fp32's range
+    and the last row past it."""
     req = int(x.req_indices[t])
-    visible = int(x.seq_lens[req]) - int((x.req_indices[t:] == req).sum()) + 1  # t's position + 1: its request's
-    # query tokens are the request's last positions, in order
-    pos = torch.randperm(visible, generator=torch.Generator().manual_seed(t))[:n].to(x.topk_indices.device)
-    assert len(pos) == n, (visible, n)
+    pos = torch.randperm(int(x.positions[t]) + 1, generator=torch.Generator().manual_seed(t))[:n]
+    assert len(pos) == n, (int(x.positions[t]), n)
+    K, bs = x.topk_indices.shape[1], x.latent_cache.shape[1]
     x.topk_indices[t] = -1
-    x.topk_indices[t, :n] = pos.int()
-    bs = x.latent_cache.shape[1]
-    tiny = pos[: n // 2].long()
-    blk, off = x.block_table[req, tiny // bs].long(), tiny % bs
-    rows = x.latent_cache[blk, off]
-    if rows.dtype == torch.uint8:  # FlashMLA's rows: the same fp8 values under scales 2^-40 times as large
-        rows = quantize_latent(dequantize_latent(rows) * 2.0 ** -40, latent_parts(rows)[1] * 2.0 ** -40)
-    else:
-        rows = rows * 2.0 ** -40
-    x.latent_cache[blk, off] = rows
+    x.topk_indices[t, K - n:] = pos.int().to(x.topk_indices.device)
+    for at, value in ((pos[: n // 2], 0.0), (pos[-1:], 1.0)):
+        blk, off = x.block_table[req, at // bs].long().cpu(), at % bs
+        rows = x.latent_cache[blk, off]
+        if rows.dtype == torch.uint8:  # FlashMLA's rows: the fp8 values and scales as they were
+            latent = dequantize_latent(rows)
+            latent[:, x.d_lat] = value
+            rows = quantize_latent(latent, latent_parts(rows)[1])
+        else:
+            rows = rows.clone()
+            rows[:, x.d_lat] = value
+        x.latent_cache[blk, off] = rows
 
 
 @pytest.mark.gpu
