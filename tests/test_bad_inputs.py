@@ -1598,8 +1598,8 @@ def test_a_step_whose_forward_raises_leaves_no_tokens_held(monkeypatch):
 
 @CPU
 def test_a_timed_request_that_fails_leaves_no_sequence_held(monkeypatch):
-    """The experiments that run a request's parts themselves (stage, upload, execute, sample: the host costs' timed
-    replay, the TTFT anatomy) release its sequence when a part raises, so that the engine's next request is not
+    """LLMEngine.staged, through which the experiments run a request's parts themselves (the host costs' timed
+    replay, the TTFT anatomy), releases its sequence when a part raises, so that the engine's next request is not
     refused for a sequence the failed one left held; a request whose stage is refused releases nothing (the sequence
     id may be the caller's)."""
     from dsv32ref.experiments import host_costs
@@ -1615,6 +1615,9 @@ def test_a_timed_request_that_fails_leaves_no_sequence_held(monkeypatch):
     eng.step(StepInput([(7, [1, 2], 0)]))  # the caller's sequence 7
     with pytest.raises(ValueError, match=r"sequence 7 holds 2 cached tokens, got context_len 0"):
         host_costs._timed_request(eng, [1, 2, 3], 7)
+    assert eng.allocator.held == {7: 2}
+    with eng.staged(StepInput([(8, [1], 0)])) as prep:  # and after a part that ran
+        assert prep.plan.num_reqs == 1 and eng.allocator.held[8] == 1
     assert eng.allocator.held == {7: 2}
 
 

@@ -7,6 +7,7 @@ decode, PIECEWISE otherwise) or runs eagerly, and sampling reads each request's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -122,6 +123,18 @@ class LLMEngine:
         except BaseException:
             self.unstage()
             raise
+
+    @contextlib.contextmanager
+    def staged(self, step: StepInput):
+        """stage(step) for code that runs a step's parts itself (upload, execute, sample: the experiments): yields the
+        prepared step and releases its sequences on leaving, whatever happened in between. A refused stage
+        releases nothing (the ids may be the caller's)."""
+        prep = self.stage(step)
+        try:
+            yield prep
+        finally:
+            for seq_id, _, _ in step.requests:
+                self.allocator.release(seq_id)
 
     def unstage(self) -> None:
         """Undo the last stage() when its step does not run (its forward raised, or the caller gave it up): its

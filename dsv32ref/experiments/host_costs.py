@@ -194,11 +194,8 @@ def measure(engine, prompt: list[int], repeats: int = 7) -> dict:
     seq = 10**6
 
     def stage():
-        engine.stage(StepInput([(seq, list(prompt), 0)]))  # a refused stage leaves the engine as it was
-        try:
+        with engine.staged(StepInput([(seq, list(prompt), 0)])):
             engine.upload()
-        finally:
-            engine.allocator.release(seq)
 
     stage_us = _loop_us(stage, 200, repeats)
     return {"aten_launch_us": aten, "gemm_launch_us": gemm, "memcpy_us": memcpy, "graph_launch_us": graph,
@@ -215,14 +212,10 @@ def region_host_us(engine, prompt: list[int], requests: int = 32) -> dict:
 
 
 def _timed_request(engine, prompt: list[int], seq: int) -> list[float]:
-    prep = engine.stage(StepInput([(seq, list(prompt), 0)]))  # a refused stage leaves the engine as it was
-    try:
+    with engine.staged(StepInput([(seq, list(prompt), 0)])) as prep, torch.no_grad():  # released after, even on failure
         engine.upload()
-        with torch.no_grad():
-            _, hidden, times = engine.runner.execute_timed(prep)
-            engine.sample(prep, hidden)
-    finally:  # the engine holds nothing of the request afterwards, even when it failed
-        engine.allocator.release(seq)
+        _, hidden, times = engine.runner.execute_timed(prep)
+        engine.sample(prep, hidden)
     return times
 
 

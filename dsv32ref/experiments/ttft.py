@@ -112,8 +112,7 @@ def anatomy(engines: dict, prompts_: list[list[int]]) -> dict:
             torch.cuda.synchronize()
             with torch.no_grad():
                 t0 = time.perf_counter()
-                prep = eng.stage(StepInput([(seq, list(p), 0)]))  # a refused stage leaves the engine as it was
-                try:
+                with eng.staged(StepInput([(seq, list(p), 0)])) as prep:  # released after, even on failure
                     ev[0].record()
                     eng.upload()
                     t1 = time.perf_counter()
@@ -122,8 +121,6 @@ def anatomy(engines: dict, prompts_: list[list[int]]) -> dict:
                     eng.sample(prep, hidden)
                     ev[1].record()
                     t3 = time.perf_counter()
-                finally:  # the engine holds nothing of the request afterwards, even when it failed
-                    eng.allocator.release(seq)
             r = rec[v]
             for key, dt in (("stage_ms", t1 - t0), ("execute_ms", t2 - t1), ("sample_ms", t3 - t2),
                             ("total_ms", t3 - t0)):
